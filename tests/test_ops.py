@@ -1,0 +1,275 @@
+"""The XLA core against a NumPy reference, Keras, eager execution and finite differences."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from keras_sdpa import ops
+from keras_sdpa.ops import scaled_dot_product_attention
+
+# Pairwise-distinct sizes, so a swapped axis cannot pass.
+B, T, S, N, H, HV = 2, 3, 5, 4, 6, 7
+
+
+def reference(q, k, v, mask=None, is_causal=False, scale=None):
+    """softmax(Q K^T * scale) V in float64 NumPy, fully masked rows -> 0."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    scale = 1.0 / np.sqrt(q.shape[-1]) if scale is None else scale
+    scores = np.einsum("btnh,bsnh->bnts", q, k) * scale  # (B, N, T, S)
+    allowed = np.ones(scores.shape, bool)
+    if mask is not None:
+        allowed &= np.broadcast_to(np.asarray(mask, bool), scores.shape)
+    if is_causal:
+        t, s = scores.shape[-2:]
+        allowed &= np.arange(t)[:, None] >= np.arange(s)[None, :]
+    scores = np.where(allowed, scores, -np.inf)
+    row_max = scores.max(-1, keepdims=True)
+    row_max = np.where(np.isfinite(row_max), row_max, 0.0)
+    exp = np.where(allowed, np.exp(scores - row_max), 0.0)
+    total = exp.sum(-1, keepdims=True)
+    weights = exp / np.where(total > 0, total, 1.0)
+    out = np.einsum("bnts,bsnh->btnh", weights, v)  # (B, T, N, Hv)
+    return out, weights
+
+
+def random_inputs(dtype="float32", t=T, s=S, seed=0):
+    rng = np.random.default_rng(seed)
+    q = rng.normal(size=(B, t, N, H))
+    k = rng.normal(size=(B, s, N, H))
+    v = rng.normal(size=(B, s, N, HV))
+    return [tf.constant(x, dtype) for x in (q, k, v)]
+
+
+def make_mask(kind, t=T, s=S, seed=1):
+    rng = np.random.default_rng(seed)
+    if kind == "none":
+        return None
+    if kind == "padding":  # (B, 1, 1, S): the last keys of each example are padding
+        lengths = np.array([s, 2])
+        return np.arange(s)[None, None, None, :] < lengths[:, None, None, None]
+    if kind == "full":  # (B, N, T, S), random but no row fully masked
+        mask = rng.random((B, N, t, s)) > 0.4
+        mask[..., 0] = True
+        return mask
+    if kind == "2d":  # (T, S)
+        mask = rng.random((t, s)) > 0.3
+        mask[:, -1] = True
+        return mask
+    if kind == "fully_masked_rows":  # query rows with no key at all
+        mask = rng.random((B, 1, t, s)) > 0.3
+        mask[0, 0, 1, :] = False
+        mask[1, 0, 0, :] = False
+        return mask
+    raise ValueError(kind)
+
+
+MASKS = ["none", "padding", "full", "2d", "fully_masked_rows"]
+
+
+@pytest.mark.parametrize("scale", [None, 0.3], ids=["default_scale", "scale_0.3"])
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("mask_kind", MASKS)
+def test_matches_numpy_reference(mask_kind, is_causal, scale):
+    q, k, v = random_inputs()
+    mask = make_mask(mask_kind)
+    out, weights = scaled_dot_product_attention(
+        q, k, v, mask, is_causal=is_causal, scale=scale, return_weights=True
+    )
+    want_out, want_weights = reference(q, k, v, mask, is_causal, scale)
+    assert out.shape == (B, T, N, HV) and weights.shape == (B, N, T, S)
+    np.testing.assert_allclose(out, want_out, atol=1e-5)
+    np.testing.assert_allclose(weights, want_weights, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "dtype, atol",
+    [("float16", 1e-2), ("bfloat16", 3e-2), ("float32", 1e-5), ("float64", 1e-12)],
+)
+def test_dtypes(dtype, atol):
+    q, k, v = random_inputs(dtype)
+    mask = make_mask("fully_masked_rows")
+    out, weights = scaled_dot_product_attention(q, k, v, mask, return_weights=True)
+    assert out.dtype == dtype and weights.dtype == dtype
+    want_out, want_weights = reference(
+        *(tf.cast(x, "float64") for x in (q, k, v)), mask
+    )
+    np.testing.assert_allclose(tf.cast(out, "float64"), want_out, atol=atol, rtol=atol)
+    np.testing.assert_allclose(tf.cast(weights, "float64"), want_weights, atol=atol)
+
+
+def test_half_precision_scores_do_not_overflow():
+    # |q . k| reaches about 10^5 here, far beyond float16's 65504.
+    q, k, v = random_inputs("float32")
+    q, k = q * 100.0, k * 100.0
+    out = scaled_dot_product_attention(
+        tf.cast(q, "float16"), tf.cast(k, "float16"), tf.cast(v, "float16"), scale=1.0
+    )
+    want, _ = reference(q, k, v, scale=1.0)
+    assert np.isfinite(out.numpy()).all()
+    np.testing.assert_allclose(tf.cast(out, "float32"), want, atol=2e-2)
+
+
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("mask_kind", ["none", "padding", "full"])
+def test_matches_keras_dot_product_attention(mask_kind, is_causal):
+    # T == S, since Keras's causal mask is only defined for square scores.
+    q, k, v = random_inputs(t=S)
+    v = v[..., :H]  # keras.ops.dot_product_attention wants Hv == H
+    mask = make_mask(mask_kind, t=S)
+    ours = scaled_dot_product_attention(q, k, v, mask, is_causal=is_causal)
+    theirs = keras.ops.dot_product_attention(q, k, v, mask=mask, is_causal=is_causal)
+    np.testing.assert_allclose(ours, theirs, atol=1e-5)
+
+
+@pytest.mark.parametrize("mask_kind", MASKS)
+def test_xla_matches_eager(mask_kind):
+    q, k, v = random_inputs()
+    mask = make_mask(mask_kind)
+    mask = None if mask is None else tf.constant(mask)
+    kwargs = dict(is_causal=True, scale=0.5, dropout_rate=0.0, return_weights=True)
+    eager = ops._attention(q, k, v, mask, None, **kwargs)
+    xla = ops._attention_xla(q, k, v, mask, None, **kwargs)
+    for a, b in zip(eager, xla):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+def test_core_is_compiled_by_xla():
+    q, k, v = random_inputs()
+    kwargs = dict(is_causal=False, scale=0.5, dropout_rate=0.0, return_weights=False)
+    hlo = ops._attention_xla.experimental_get_compiler_ir(q, k, v, None, None, **kwargs)(
+        stage="optimized_hlo"
+    )
+    # The whole computation is one XLA module: the two matmuls, the exp of the softmax.
+    assert "HloModule" in hlo
+    assert hlo.count(" dot(") >= 2
+    assert "exponential(" in hlo
+
+
+def test_rows_sum_to_one_and_masked_weights_are_zero():
+    q, k, v = random_inputs()
+    mask = make_mask("fully_masked_rows")
+    _, weights = scaled_dot_product_attention(q, k, v, mask, is_causal=True, return_weights=True)
+    weights = weights.numpy()
+    allowed = np.broadcast_to(mask, weights.shape) & (
+        np.arange(T)[:, None] >= np.arange(S)[None, :]
+    )
+    assert (weights[~allowed] == 0).all()
+    has_key = allowed.any(-1)
+    np.testing.assert_allclose(weights.sum(-1)[has_key], 1.0, atol=1e-6)
+    assert (weights.sum(-1)[~has_key] == 0).all()
+
+
+@pytest.mark.parametrize("dropout_rate", [0.0, 0.5], ids=["no_dropout", "dropout"])
+@pytest.mark.parametrize("return_weights", [False, True])
+def test_fully_masked_rows_give_zeros_not_nan(return_weights, dropout_rate):
+    q, k, v = random_inputs()
+    mask = np.zeros((B, 1, T, S), bool)
+    mask[:, :, 1:, :2] = True  # query 0 sees nothing
+    with tf.GradientTape() as tape:
+        tape.watch([q, k, v])
+        result = scaled_dot_product_attention(
+            q, k, v, mask, return_weights=return_weights,
+            dropout_rate=dropout_rate, training=True, seed=3,
+        )
+        out = result[0] if return_weights else result
+        loss = tf.reduce_sum(out**2)
+    grads = tape.gradient(loss, [q, k, v])
+    assert (out.numpy()[:, 0] == 0).all()
+    assert np.isfinite(out.numpy()).all()
+    for g in grads:
+        assert np.isfinite(g.numpy()).all()
+    if return_weights:
+        assert (result[1].numpy()[:, :, 0] == 0).all()
+
+
+def numeric_gradient(f, x, eps=1e-6):
+    """Central differences of a scalar function of a float64 array."""
+    x = np.array(x, np.float64)
+    grad = np.zeros_like(x)
+    for i in np.ndindex(x.shape):
+        step = np.zeros_like(x)
+        step[i] = eps
+        grad[i] = (f(x + step) - f(x - step)) / (2 * eps)
+    return grad
+
+
+@pytest.mark.parametrize("return_weights", [False, True])
+@pytest.mark.parametrize("mask_kind", ["none", "fully_masked_rows"])
+def test_gradients_match_finite_differences(mask_kind, return_weights):
+    q, k, v = random_inputs("float64")
+    mask = make_mask(mask_kind)
+    rng = np.random.default_rng(7)
+    c_out = rng.normal(size=(B, T, N, HV))
+    c_weights = rng.normal(size=(B, N, T, S))
+
+    def loss(q, k, v):
+        result = scaled_dot_product_attention(
+            q, k, v, mask, is_causal=True, return_weights=return_weights
+        )
+        if return_weights:
+            return tf.reduce_sum(result[0] * c_out) + tf.reduce_sum(result[1] * c_weights)
+        return tf.reduce_sum(result * c_out)
+
+    with tf.GradientTape() as tape:
+        tape.watch([q, k, v])
+        value = loss(q, k, v)
+    grads = tape.gradient(value, [q, k, v])
+    inputs = [q.numpy(), k.numpy(), v.numpy()]
+    for i, grad in enumerate(grads):
+
+        def f(x, i=i):
+            args = list(inputs)
+            args[i] = x
+            return float(loss(*(tf.constant(a) for a in args)))
+
+        np.testing.assert_allclose(grad, numeric_gradient(f, inputs[i]), atol=1e-7, rtol=1e-6)
+
+
+def test_dropout_drops_weights_and_rescales_the_rest():
+    rate = 0.4
+    q, k, _ = random_inputs(s=64)
+    # With V = identity over keys, the output row is the applied weight row itself.
+    v = tf.tile(tf.eye(64)[None, :, None, :], [B, 1, N, 1])  # (B, S, N, S)
+    out, weights = scaled_dot_product_attention(
+        q, k, v, dropout_rate=rate, training=True, seed=11, return_weights=True
+    )
+    applied = np.transpose(out.numpy(), (0, 2, 1, 3))  # (B, N, T, S)
+    dropped = applied == 0
+    assert abs(dropped.mean() - rate) < 0.05  # 3072 draws: 4 standard deviations
+    np.testing.assert_allclose(
+        applied[~dropped], weights.numpy()[~dropped] / (1 - rate), rtol=1e-5
+    )
+
+
+def test_dropout_is_seedable_and_only_in_training():
+    q, k, v = random_inputs()
+
+    def run(**kwargs):
+        return scaled_dot_product_attention(q, k, v, dropout_rate=0.5, **kwargs).numpy()
+
+    np.testing.assert_array_equal(run(training=True, seed=1), run(training=True, seed=1))
+    assert not np.allclose(run(training=True, seed=1), run(training=True, seed=2))
+    np.testing.assert_allclose(run(training=False), reference(q, k, v)[0], atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(query=np.zeros((B, T, H))), r"`query` must have rank 4.*\(2, 3, 6\)"),
+        (dict(key=np.zeros((B, S, N, H + 1))), r"same head size H.*key.shape=\(2, 5, 4, 7\)"),
+        (dict(value=np.zeros((B, S + 1, N, HV))), r"same length S.*value.shape=\(2, 6, 4, 7\)"),
+        (dict(mask=np.ones((B, N, T + 1, S), bool)), r"`mask` must broadcast.*\(2, 4, 4, 5\)"),
+        (dict(dropout_rate=1.0), r"`dropout_rate` must be in \[0, 1\).*dropout_rate=1.0"),
+        (dict(dropout_rate=-0.1), r"dropout_rate=-0.1"),
+        (dict(query=np.zeros((B, T, N, H), np.int32)), r"`query` must be a floating.*int32"),
+        (dict(value=np.zeros((B, S, N + 1, HV))), r"number of heads N"),
+    ],
+    ids=["rank", "head_size", "length", "mask", "dropout_1", "dropout_neg", "int", "heads"],
+)
+def test_bad_input_raises_value_error(kwargs, match):
+    q, k, v = random_inputs()
+    args = dict(query=q, key=k, value=v)
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        scaled_dot_product_attention(**args)
