@@ -99,8 +99,7 @@ class ScaledDotProductAttention(keras.layers.Layer):
         for name, size in (("key_dim", key_dim), ("value_dim", value_dim)):
             if size is not None and (not isinstance(size, int) or size <= 0):
                 raise ValueError(
-                    f"`{name}` must be a positive integer or None. "
-                    f"Received: {name}={size}"
+                    f"`{name}` must be a positive integer or None. Received: {name}={size}"
                 )
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"`dropout` must be in [0, 1). Received: dropout={dropout}")
@@ -154,13 +153,21 @@ class ScaledDotProductAttention(keras.layers.Layer):
         self._value_dim = self.value_dim or self._key_dim
         heads = self.num_heads
 
-        self.query_kernel, self.query_bias = self._projection("query", query_width, heads, self._key_dim)
+        self.query_kernel, self.query_bias = self._projection(
+            "query", query_width, heads, self._key_dim
+        )
         self.key_kernel, self.key_bias = self._projection("key", key_width, heads, self._key_dim)
-        self.value_kernel, self.value_bias = self._projection("value", value_width, heads, self._value_dim)
+        self.value_kernel, self.value_bias = self._projection(
+            "value", value_width, heads, self._value_dim
+        )
         if self.uses_output_projection:
             out_width = self.output_shape or query_width
-            self.output_kernel = self._weight("output_kernel", (heads, self._value_dim, out_width), kernel=True)
-            self.output_bias = self._weight("output_bias", (out_width,), kernel=False) if self.use_bias else None
+            self.output_kernel = self._weight(
+                "output_kernel", (heads, self._value_dim, out_width), kernel=True
+            )
+            self.output_bias = (
+                self._weight("output_bias", (out_width,), kernel=False) if self.use_bias else None
+            )
 
     def _projection(self, name, width, heads, size):
         kernel = self._weight(f"{name}_kernel", (width, heads, size), kernel=True)
@@ -273,14 +280,20 @@ class ScaledDotProductAttention(keras.layers.Layer):
                     f"The last axis of `{name}` must be {kernel.shape[0]}, the width "
                     f"this layer was built with. Received: {name}.shape={tuple(tensor.shape)}"
                 )
-        if key.shape[1] is not None and value.shape[1] is not None and key.shape[1] != value.shape[1]:
+        if (
+            key.shape[1] is not None
+            and value.shape[1] is not None
+            and key.shape[1] != value.shape[1]
+        ):
             raise ValueError(
                 "`key` and `value` must have the same length S (axis 1). "
                 f"Received: key.shape={tuple(key.shape)}, value.shape={tuple(value.shape)}"
             )
 
-    def compute_mask(self, query, value, query_mask=None, value_mask=None, key_mask=None, **kwargs):
-        return query_mask
+    def compute_mask(self, query, previous_mask=None):
+        # Keras passes the mask of the first input, the query's: each output
+        # position is one query position, so it carries on unchanged.
+        return previous_mask
 
     def compute_output_shape(self, query_shape, value_shape, key_shape=None):
         query_shape = tuple(query_shape)

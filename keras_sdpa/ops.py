@@ -92,9 +92,7 @@ def scaled_dot_product_attention(
     if mask is not None:
         mask = _check_mask(tf.convert_to_tensor(mask), query, key)
     if not 0.0 <= dropout_rate < 1.0:
-        raise ValueError(
-            f"`dropout_rate` must be in [0, 1). Received: dropout_rate={dropout_rate}"
-        )
+        raise ValueError(f"`dropout_rate` must be in [0, 1). Received: dropout_rate={dropout_rate}")
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
     dropout_rate = float(dropout_rate) if training else 0.0
@@ -116,9 +114,7 @@ def scaled_dot_product_attention(
     return outputs if return_weights else outputs[0]
 
 
-def _attention(
-    query, key, value, mask, seed, *, is_causal, scale, dropout_rate, return_weights
-):
+def _attention(query, key, value, mask, seed, *, is_causal, scale, dropout_rate, return_weights):
     """The whole computation, traced once per static configuration."""
     dtype = query.dtype
     compute = tf.float64 if dtype == tf.float64 else tf.float32  # never below float32
@@ -137,7 +133,9 @@ def _attention(
     keep = None
     if dropout_rate > 0.0:
         shape = tf.stack([tf.shape(q)[0], tf.shape(q)[1], tf.shape(q)[2], tf.shape(k)[2]])
-        keep = tf.random.stateless_uniform(shape, seed, dtype=compute) >= dropout_rate  # (B, N, T, S)
+        keep = (
+            tf.random.stateless_uniform(shape, seed, dtype=compute) >= dropout_rate
+        )  # (B, N, T, S)
 
     out, weights = _attend(q, k, v, mask, keep, dropout_rate, return_weights)
     out = tf.cast(tf.transpose(out, [0, 2, 1, 3]), dtype)  # (B, T, N, Hv)
@@ -189,9 +187,7 @@ def _attend(q, k, v, mask, keep, dropout_rate, return_weights):
             row_dot = tf.reduce_sum(d_out * out, axis=-1, keepdims=True)  # (B, N, T, 1)
             if d_weights is not None:
                 d_applied = d_applied + d_weights
-                row_dot = row_dot + tf.reduce_sum(
-                    d_weights * weights, axis=-1, keepdims=True
-                )
+                row_dot = row_dot + tf.reduce_sum(d_weights * weights, axis=-1, keepdims=True)
             d_scores = weights * (d_applied - row_dot)  # (B, N, T, S)
             d_q = tf.matmul(d_scores, k)  # (B, N, T, H)
             d_k = tf.matmul(d_scores, q, transpose_a=True)  # (B, N, S, H)
@@ -214,13 +210,11 @@ def _check_inputs(query, key, value):
     ):
         if tensor.shape.rank != 4:
             raise ValueError(
-                f"`{name}` must have rank 4, {layout}. "
-                f"Received: {name}.shape={tuple(tensor.shape)}"
+                f"`{name}` must have rank 4, {layout}. Received: {name}.shape={tuple(tensor.shape)}"
             )
         if not tensor.dtype.is_floating:
             raise ValueError(
-                f"`{name}` must be a floating tensor. "
-                f"Received: {name}.dtype={tensor.dtype.name}"
+                f"`{name}` must be a floating tensor. Received: {name}.dtype={tensor.dtype.name}"
             )
     if not _compatible(query.shape[-1], key.shape[-1]):
         raise ValueError(
@@ -274,7 +268,6 @@ def _as_seed(seed):
     seed = tf.convert_to_tensor(seed)
     if seed.shape.rank != 1 or seed.shape[0] != 2 or not seed.dtype.is_integer:
         raise ValueError(
-            "`seed` must be an int, None, or a (2,) integer tensor. "
-            f"Received: seed={seed!r}"
+            f"`seed` must be an int, None, or a (2,) integer tensor. Received: seed={seed!r}"
         )
     return tf.cast(seed, tf.int32)

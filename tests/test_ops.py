@@ -91,9 +91,7 @@ def test_dtypes(dtype, atol):
     mask = make_mask("fully_masked_rows")
     out, weights = scaled_dot_product_attention(q, k, v, mask, return_weights=True)
     assert out.dtype == dtype and weights.dtype == dtype
-    want_out, want_weights = reference(
-        *(tf.cast(x, "float64") for x in (q, k, v)), mask
-    )
+    want_out, want_weights = reference(*(tf.cast(x, "float64") for x in (q, k, v)), mask)
     np.testing.assert_allclose(tf.cast(out, "float64"), want_out, atol=atol, rtol=atol)
     np.testing.assert_allclose(tf.cast(weights, "float64"), want_weights, atol=atol)
 
@@ -169,8 +167,14 @@ def test_fully_masked_rows_give_zeros_not_nan(return_weights, dropout_rate):
     with tf.GradientTape() as tape:
         tape.watch([q, k, v])
         result = scaled_dot_product_attention(
-            q, k, v, mask, return_weights=return_weights,
-            dropout_rate=dropout_rate, training=True, seed=3,
+            q,
+            k,
+            v,
+            mask,
+            return_weights=return_weights,
+            dropout_rate=dropout_rate,
+            training=True,
+            seed=3,
         )
         out = result[0] if return_weights else result
         loss = tf.reduce_sum(out**2)
@@ -237,9 +241,7 @@ def test_dropout_drops_weights_and_rescales_the_rest():
     applied = np.transpose(out.numpy(), (0, 2, 1, 3))  # (B, N, T, S)
     dropped = applied == 0
     assert abs(dropped.mean() - rate) < 0.05  # 3072 draws: 4 standard deviations
-    np.testing.assert_allclose(
-        applied[~dropped], weights.numpy()[~dropped] / (1 - rate), rtol=1e-5
-    )
+    np.testing.assert_allclose(applied[~dropped], weights.numpy()[~dropped] / (1 - rate), rtol=1e-5)
 
 
 def test_dropout_is_seedable_and_only_in_training():

@@ -1,0 +1,330 @@
+"""The layer against keras.layers.MultiHeadAttention with the same weights, and Keras plumbing."""
+
+import subprocess
+import sys
+import textwrap
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from keras_sdpa import ScaledDotProductAttention
+
+# Pairwise-distinct sizes: batch, query length, key length, heads, head size, widths.
+B, T, S, N, H, HV = 2, 3, 5, 4, 6, 7
+E_Q, E_K, E_V = 9, 10, 11
+
+
+def inputs(seed=0, dtype="float32"):
+    rng = np.random.default_rng(seed)
+    query = tf.constant(rng.normal(size=(B, T, E_Q)), dtype)
+    value = tf.constant(rng.normal(size=(B, S, E_V)), dtype)
+    key = tf.constant(rng.normal(size=(B, S, E_K)), dtype)
+    return query, value, key
+
+
+def twin_layers(**kwargs):
+    """A Keras MultiHeadAttention and our layer holding the same weights."""
+    query, value, key = inputs()
+    mha = keras.layers.MultiHeadAttention(N, H, value_dim=HV, **kwargs)
+    ours = ScaledDotProductAttention(N, H, value_dim=HV, **kwargs)
+    mha(query, value, key)
+    ours(query, value, key)
+    # Random biases too, so a missing bias cannot pass.
+    ours.set_weights(
+        [
+            w + np.random.default_rng(i).normal(size=w.shape) * 0.1
+            for i, w in enumerate(mha.get_weights())
+        ]
+    )
+    mha.set_weights(ours.get_weights())
+    return mha, ours
+
+
+@pytest.mark.parametrize("use_causal_mask", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("with_mask", [False, True], ids=["no_mask", "attention_mask"])
+def test_cross_attention_matches_keras(with_mask, use_causal_mask):
+    mha, ours = twin_layers()
+    query, value, key = inputs(1)
+    mask = None
+    if with_mask:
+        mask = np.random.default_rng(2).random((B, T, S)) > 0.4
+        mask[..., 0] = True  # no fully masked rows: Keras disagrees with itself there
+    kwargs = dict(
+        attention_mask=mask, use_causal_mask=use_causal_mask, return_attention_scores=True
+    )
+    want_out, want_scores = mha(query, value, key, **kwargs)
+    out, scores = ours(query, value, key, **kwargs)
+    assert out.shape == (B, T, E_Q) and scores.shape == (B, N, T, S)
+    np.testing.assert_allclose(out, want_out, atol=1e-5)
+    np.testing.assert_allclose(scores, want_scores, atol=1e-5)
+
+
+def test_self_attention_matches_keras():
+    query, _, _ = inputs(3)
+    mha = keras.layers.MultiHeadAttention(N, H, value_dim=HV, output_shape=8)
+    ours = ScaledDotProductAttention(N, H, value_dim=HV, output_shape=8)
+    mha(query, query)
+    ours(query, query)
+    ours.set_weights(mha.get_weights())
+    want = mha(query, query, use_causal_mask=True)
+    got = ours(query, query, use_causal_mask=True)  # the fused-QKV path
+    assert got.shape == (B, T, 8)
+    np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_single_head_is_the_derivation():
+    """num_heads=1 without W_O: softmax(X W_Q (X W_K)^T / sqrt(d_k)) X W_V, in NumPy."""
+    query, value, key = inputs(4, "float64")
+    layer = ScaledDotProductAttention(key_dim=H, value_dim=HV, dtype="float64")
+    out = layer(query, value, key).numpy()
+    w_q, b_q, w_k, b_k, w_v, b_v = (w.numpy() for w in layer.weights)
+    q = np.einsum("bte,eh->bth", query, w_q[:, 0]) + b_q[0]
+    k = np.einsum("bse,eh->bsh", key, w_k[:, 0]) + b_k[0]
+    v = np.einsum("bse,eh->bsh", value, w_v[:, 0]) + b_v[0]
+    scores = q @ k.transpose(0, 2, 1) / np.sqrt(H)
+    weights = np.exp(scores - scores.max(-1, keepdims=True))
+    weights /= weights.sum(-1, keepdims=True)
+    assert out.shape == (B, T, HV)
+    np.testing.assert_allclose(out, weights @ v, atol=1e-12)
+
+
+def test_implicit_masks_from_embedding():
+    tokens = np.array([[3, 4, 5, 0, 0], [6, 7, 8, 9, 1]])  # first example padded
+    embedding = keras.layers.Embedding(12, E_Q, mask_zero=True)
+    mha = keras.layers.MultiHeadAttention(N, H)
+    ours = ScaledDotProductAttention(N, H)
+    x = embedding(tokens)
+    mha(x, x)
+    ours(x, x)
+    ours.set_weights(mha.get_weights())
+    # Keras's layer strips the mask from its inputs, so each call gets a fresh embedding.
+    x = embedding(tokens)
+    want, want_scores = mha(x, x, return_attention_scores=True)
+    x = embedding(tokens)
+    got, scores = ours(x, x, return_attention_scores=True)
+    real = tokens != 0
+    # Real query rows agree with Keras; padded keys get no weight.
+    np.testing.assert_allclose(got.numpy()[real], want.numpy()[real], atol=1e-5)
+    assert (scores.numpy()[0, :, :, 3:] == 0).all()
+    # Padded query rows attend to nothing: zero weights, where Keras spreads them uniformly.
+    assert (scores.numpy()[0, :, 3:, :] == 0).all()
+    # The query's mask carries on to the output, for pooling downstream.
+    np.testing.assert_array_equal(got._keras_mask, real)
+
+
+def test_functional_model_declares_cross_attention_score_shape():
+    query = keras.Input((T, E_Q))
+    value = keras.Input((S, E_V))
+    out, scores = ScaledDotProductAttention(N, H)(query, value, return_attention_scores=True)
+    assert tuple(out.shape) == (None, T, E_Q)
+    assert tuple(scores.shape) == (None, N, T, S)
+    model = keras.Model([query, value], [out, scores])
+    q, v, _ = inputs()
+    got_out, got_scores = model([q, v])
+    assert got_scores.shape == (B, N, T, S)
+
+
+def small_model():
+    tokens = keras.Input((None,), dtype="int32")
+    x = keras.layers.Embedding(20, 8, mask_zero=True)(tokens)
+    x = ScaledDotProductAttention(2, 4, dropout=0.1, seed=1, kernel_regularizer="l2")(x, x)
+    x = keras.layers.GlobalAveragePooling1D()(x)
+    return keras.Model(tokens, keras.layers.Dense(1, activation="sigmoid")(x))
+
+
+TOKENS = np.array([[1, 2, 3, 0], [4, 5, 0, 0], [6, 7, 8, 9], [2, 2, 0, 0]], np.int32)
+LABELS = np.array([1.0, 0.0, 1.0, 0.0], np.float32)
+
+
+def test_fit_step_with_jit_compile():
+    model = small_model()
+    model.compile(keras.optimizers.Adam(0.05), "binary_crossentropy", jit_compile=True)
+    before = [w.numpy() for w in model.trainable_weights]
+    first = model.evaluate(TOKENS, LABELS, verbose=0)
+    model.fit(TOKENS, LABELS, epochs=5, verbose=0)
+    after = [w.numpy() for w in model.trainable_weights]
+    names = [w.path for w in model.trainable_weights]
+    for name, b, a in zip(names, before, after):
+        if "scaled_dot_product_attention" in name:
+            assert not np.allclose(a, b), f"{name} did not train"
+    assert model.evaluate(TOKENS, LABELS, verbose=0) < first
+
+
+def test_get_config_round_trip():
+    layer = ScaledDotProductAttention(
+        3,
+        5,
+        value_dim=2,
+        dropout=0.25,
+        use_bias=False,
+        output_shape=6,
+        kernel_initializer="he_normal",
+        kernel_regularizer="l2",
+        bias_constraint="non_neg",
+        seed=4,
+        name="attn",
+    )
+    config = layer.get_config()
+    clone = ScaledDotProductAttention.from_config(config)
+    assert clone.get_config() == config
+    assert config["num_heads"] == 3 and config["value_dim"] == 2 and config["output_shape"] == 6
+    restored = keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(layer))
+    assert isinstance(restored, ScaledDotProductAttention)
+
+
+def test_keras_file_round_trip(tmp_path):
+    model = small_model()
+    path = tmp_path / "model.keras"
+    model.save(path)
+    loaded = keras.saving.load_model(path)
+    np.testing.assert_allclose(
+        loaded.predict(TOKENS, verbose=0), model.predict(TOKENS, verbose=0), atol=1e-6
+    )
+
+
+@pytest.mark.slow
+def test_saved_model_export_loads_without_keras_sdpa(tmp_path):
+    model = small_model()
+    path = str(tmp_path / "exported")
+    model.export(path, verbose=False)
+    want = model.predict(TOKENS, verbose=0)
+    # keras.layers.TFSMLayer, in this process.
+    reloaded = keras.layers.TFSMLayer(path, call_endpoint="serve")
+    np.testing.assert_allclose(reloaded(TOKENS), want, atol=1e-6)
+    # tf.saved_model.load, in a process that never imports keras_sdpa.
+    script = textwrap.dedent(f"""
+        import sys, numpy as np, tensorflow as tf
+        model = tf.saved_model.load({path!r})
+        out = model.serve(tf.constant({TOKENS.tolist()}, tf.int32))
+        assert "keras_sdpa" not in sys.modules
+        print(repr(out.numpy().ravel().tolist()))
+    """)
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=True
+    )
+    got = np.array(eval(result.stdout.strip().splitlines()[-1]))
+    np.testing.assert_allclose(got, want.ravel(), atol=1e-6)
+
+
+def test_gradients_match_finite_differences():
+    """d loss / d (inputs, W_Q, W_K, W_V), against central differences in float64."""
+    query, value, key = inputs(5, "float64")
+    layer = ScaledDotProductAttention(2, 3, value_dim=2, dtype="float64")
+    mask = np.random.default_rng(6).random((B, T, S)) > 0.3
+    c = np.random.default_rng(7).normal(size=(B, T, E_Q))
+
+    def loss():
+        out = layer(query, value, key, attention_mask=mask, use_causal_mask=True)
+        return tf.reduce_sum(out * c)
+
+    with tf.GradientTape() as tape:
+        tape.watch([query, value, key])
+        value_ = loss()
+    targets = {
+        "query": query,
+        "value": value,
+        "key": key,
+        "W_Q": layer.query_kernel,
+        "W_K": layer.key_kernel,
+        "W_V": layer.value_kernel,
+    }
+    grads = dict(zip(targets, tape.gradient(value_, list(targets.values()))))
+    eps = 1e-6
+    for name, target in targets.items():
+        base = target.numpy()
+        numeric = np.zeros_like(base)
+        for i in np.ndindex(base.shape):
+            for sign in (1, -1):
+                bumped = base.copy()
+                bumped[i] += sign * eps
+                if isinstance(target, tf.Tensor):
+                    kwargs = {"query": query, "value": value, "key": key}
+                    kwargs[name] = tf.constant(bumped)
+                    out = layer(
+                        kwargs["query"],
+                        kwargs["value"],
+                        kwargs["key"],
+                        attention_mask=mask,
+                        use_causal_mask=True,
+                    )
+                    f = float(tf.reduce_sum(out * c))
+                else:
+                    target.assign(bumped)
+                    f = float(loss())
+                    target.assign(base)
+                numeric[i] += sign * f / (2 * eps)
+        np.testing.assert_allclose(grads[name], numeric, atol=1e-7, rtol=1e-6, err_msg=name)
+
+
+def test_dropout_only_in_training_and_seeded():
+    query, value, key = inputs()
+    layer = ScaledDotProductAttention(N, H, dropout=0.5, seed=3)
+    inference = layer(query, value, key).numpy()
+    np.testing.assert_array_equal(layer(query, value, key, training=False), inference)
+    first = layer(query, value, key, training=True).numpy()
+    second = layer(query, value, key, training=True).numpy()
+    assert not np.allclose(first, inference) and not np.allclose(first, second)
+    twin = ScaledDotProductAttention(N, H, dropout=0.5, seed=3)
+    twin(query, value, key)
+    twin.set_weights(layer.get_weights())
+    fresh = ScaledDotProductAttention(N, H, dropout=0.5, seed=3)
+    fresh(query, value, key)
+    fresh.set_weights(layer.get_weights())
+    np.testing.assert_array_equal(
+        fresh(query, value, key, training=True), twin(query, value, key, training=True)
+    )
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+def test_mixed_precision(policy):
+    query, value, key = inputs()
+    reference = ScaledDotProductAttention(N, H)
+    want = reference(query, value, key)
+    keras.config.set_dtype_policy(policy)
+    try:
+        layer = ScaledDotProductAttention(N, H)
+        layer(query, value, key)
+    finally:
+        keras.config.set_dtype_policy("float32")
+    layer.set_weights(reference.get_weights())
+    out, scores = layer(query, value, key, return_attention_scores=True)
+    assert out.dtype == policy.split("_")[1]
+    assert layer.query_kernel.dtype == "float32"
+    np.testing.assert_allclose(tf.cast(out, "float32"), want, atol=5e-2, rtol=5e-2)
+    np.testing.assert_allclose(tf.reduce_sum(tf.cast(scores, "float32"), -1), 1.0, atol=2e-2)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(num_heads=0), r"`num_heads` must be a positive integer. Received: num_heads=0"),
+        (dict(num_heads=-2), r"num_heads=-2"),
+        (dict(dropout=1.0), r"`dropout` must be in \[0, 1\). Received: dropout=1.0"),
+        (dict(dropout=-0.5), r"dropout=-0.5"),
+        (dict(key_dim=0), r"`key_dim` must be a positive integer or None. Received: key_dim=0"),
+        (dict(output_shape=(2, 3)), r"`output_shape` must be an int or a 1-tuple"),
+    ],
+)
+def test_bad_constructor_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ScaledDotProductAttention(**kwargs)
+
+
+def test_bad_call_inputs():
+    query, value, key = inputs()
+    layer = ScaledDotProductAttention(N, H)
+    layer(query, value, key)
+    with pytest.raises(ValueError, match=r"`query` must have rank 3.*\(2, 3, 9, 1\)"):
+        layer(query[..., None], value, key)
+    with pytest.raises(ValueError, match=r"last axis of `query` must be 9.*\(2, 3, 4\)"):
+        layer(query[..., :4], value, key)
+    with pytest.raises(ValueError, match=r"same length S.*key.shape=\(2, 4, 10\)"):
+        layer(query, value, key[:, :4])
+    with pytest.raises(ValueError, match=r"`query` must be a floating tensor.*int32"):
+        layer(tf.cast(query, "int32"), value, key)
+    with pytest.raises(ValueError, match=r"`mask` must broadcast.*\(2, 1, 3, 4\)"):
+        layer(query, value, key, attention_mask=np.ones((B, T, S - 1), bool))
+    with pytest.raises(ValueError, match=r"`attention_mask` must have rank 3.*\(3, 5\)"):
+        layer(query, value, key, attention_mask=np.ones((T, S), bool))
