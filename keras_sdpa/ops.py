@@ -147,50 +147,80 @@ def _attention(query, key, value, mask, seed, *, is_causal, scale, dropout_rate,
 _attention_xla = tf.function(_attention, jit_compile=True, reduce_retracing=True)
 
 
-def _masked_softmax(scores, mask):
-    """Softmax over the last axis, stable, with fully masked rows set to zero."""
+def _softmax_parts(scores, mask):
+    """The stable softmax of the scores, left unnormalized.
+
+    Returns `exp`, `(B, N, T, S)`, with `exp(scores - row_max)` where allowed and
+    0 where masked, its reciprocal row sum `inv_total`, `(B, N, T, 1)`, and the
+    row log-sum-exp `lse`, so that `weights = exp * inv_total = exp(scores - lse)`.
+    A fully masked row has `exp == 0`: its weights and its output are zero.
+    """
     if mask is not None:
         scores = tf.where(mask, scores, _MASKED_SCORE)
     row_max = tf.reduce_max(scores, axis=-1, keepdims=True)  # (B, N, T, 1)
     exp = tf.exp(scores - row_max)  # (B, N, T, S)
     if mask is not None:
-        # A fully masked row has exp == 1 everywhere; zero it explicitly.
         exp = tf.where(mask, exp, 0.0)
     total = tf.reduce_sum(exp, axis=-1, keepdims=True)  # (B, N, T, 1)
-    return exp / tf.where(total > 0.0, total, 1.0)
+    total = tf.where(total > 0.0, total, 1.0)  # fully masked rows: 0 / 1 = 0
+    return exp, 1.0 / total, row_max + tf.math.log(total)
 
 
 def _attend(q, k, v, mask, keep, dropout_rate, return_weights):
     """softmax(q k^T) v on `(B, N, ., .)` tensors, with a hand-written gradient.
 
-    The gradient is the one of FlashAttention (Dao et al., 2022), on whole
-    matrices: `dS = P * (dP - rowsum(dO * O))`. It reads the saved weights
-    once instead of replaying every elementwise step of the softmax.
+    Three choices make this faster than the softmax and gradient XLA derives
+    on its own, on a CPU where every pass over the `(T, S)` matrix is the cost:
+
+    - the forward pass never normalizes the `(T, S)` weights; it divides the
+      `(T, Hv)` output by the row sums instead (`weights` are only formed when
+      they are returned);
+    - the gradient is FlashAttention's (Dao et al., 2022):
+      `dS = P * (dP - rowsum(dO * O))`, so the softmax is not replayed;
+    - XLA's CPU matmul is slow when the `(T, S)` matrix must be read transposed
+      (`P^T dO`, `dS^T Q`), so the gradient recomputes `P^T` from `K Q^T` and
+      the saved log-sum-exp, in the layout those two products want.
     """
+    scale_keep = None if keep is None else 1.0 / (1.0 - dropout_rate)
+    mask_t = None if mask is None else tf.linalg.matrix_transpose(mask)
+    keep_t = None if keep is None else tf.linalg.matrix_transpose(keep)
 
     @tf.custom_gradient
     def attend(q, k, v):
         scores = tf.matmul(q, k, transpose_b=True)  # (B, N, T, S)
-        weights = _masked_softmax(scores, mask)  # (B, N, T, S)
-        if keep is None:
-            applied = weights
-        else:
-            applied = tf.where(keep, weights / (1.0 - dropout_rate), 0.0)
-        out = tf.matmul(applied, v)  # (B, N, T, Hv)
+        exp, inv_total, lse = _softmax_parts(scores, mask)
+        applied = exp if keep is None else tf.where(keep, exp * scale_keep, 0.0)
+        out = tf.matmul(applied, v) * inv_total  # (B, N, T, Hv)
+        weights = exp * inv_total if return_weights else None  # (B, N, T, S)
 
         def grad(d_out, d_weights=None):
-            d_v = tf.matmul(applied, d_out, transpose_a=True)  # (B, N, S, Hv)
-            d_applied = tf.matmul(d_out, v, transpose_b=True)  # (B, N, T, S)
-            if keep is not None:
-                d_applied = tf.where(keep, d_applied / (1.0 - dropout_rate), 0.0)
             # rowsum(P * dP) == rowsum(dO * O), a (T, Hv) product, not a (T, S) one.
             row_dot = tf.reduce_sum(d_out * out, axis=-1, keepdims=True)  # (B, N, T, 1)
+            d_probs = tf.matmul(d_out, v, transpose_b=True)  # (B, N, T, S)
+            if keep is not None:
+                d_probs = tf.where(keep, d_probs * scale_keep, 0.0)
+            probs = exp * inv_total  # (B, N, T, S)
             if d_weights is not None:
-                d_applied = d_applied + d_weights
-                row_dot = row_dot + tf.reduce_sum(d_weights * weights, axis=-1, keepdims=True)
-            d_scores = weights * (d_applied - row_dot)  # (B, N, T, S)
+                d_probs = d_probs + d_weights
+                row_dot = row_dot + tf.reduce_sum(d_weights * probs, axis=-1, keepdims=True)
+            d_scores = probs * (d_probs - row_dot)  # (B, N, T, S)
             d_q = tf.matmul(d_scores, k)  # (B, N, T, H)
-            d_k = tf.matmul(d_scores, q, transpose_a=True)  # (B, N, S, H)
+
+            # The same in the (S, T) layout, for d_k and d_v.
+            probs_t = tf.exp(
+                tf.matmul(k, q, transpose_b=True) - tf.linalg.matrix_transpose(lse)
+            )  # (B, N, S, T)
+            if mask_t is not None:
+                probs_t = tf.where(mask_t, probs_t, 0.0)
+            applied_t = probs_t if keep_t is None else tf.where(keep_t, probs_t * scale_keep, 0.0)
+            d_v = tf.matmul(applied_t, d_out)  # (B, N, S, Hv)
+            d_probs_t = tf.matmul(v, d_out, transpose_b=True)  # (B, N, S, T)
+            if keep_t is not None:
+                d_probs_t = tf.where(keep_t, d_probs_t * scale_keep, 0.0)
+            if d_weights is not None:
+                d_probs_t = d_probs_t + tf.linalg.matrix_transpose(d_weights)
+            d_scores_t = probs_t * (d_probs_t - tf.linalg.matrix_transpose(row_dot))
+            d_k = tf.matmul(d_scores_t, q)  # (B, N, S, H)
             return d_q, d_k, d_v
 
         if return_weights:
@@ -252,7 +282,9 @@ def _check_mask(mask, query, key):
         )
     if mask.dtype != tf.bool:
         mask = tf.not_equal(mask, tf.zeros((), mask.dtype))
-    return mask
+    for _ in range(4 - rank):
+        mask = mask[None]
+    return mask  # rank 4
 
 
 def _compatible(a, b):

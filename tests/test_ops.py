@@ -198,9 +198,10 @@ def numeric_gradient(f, x, eps=1e-6):
     return grad
 
 
+@pytest.mark.parametrize("dropout_rate", [0.0, 0.3], ids=["no_dropout", "seeded_dropout"])
 @pytest.mark.parametrize("return_weights", [False, True])
 @pytest.mark.parametrize("mask_kind", ["none", "fully_masked_rows"])
-def test_gradients_match_finite_differences(mask_kind, return_weights):
+def test_gradients_match_finite_differences(mask_kind, return_weights, dropout_rate):
     q, k, v = random_inputs("float64")
     mask = make_mask(mask_kind)
     rng = np.random.default_rng(7)
@@ -208,8 +209,17 @@ def test_gradients_match_finite_differences(mask_kind, return_weights):
     c_weights = rng.normal(size=(B, N, T, S))
 
     def loss(q, k, v):
+        # A fixed int seed makes the dropout a fixed function of the inputs.
         result = scaled_dot_product_attention(
-            q, k, v, mask, is_causal=True, return_weights=return_weights
+            q,
+            k,
+            v,
+            mask,
+            is_causal=True,
+            return_weights=return_weights,
+            dropout_rate=dropout_rate,
+            training=True,
+            seed=5,
         )
         if return_weights:
             return tf.reduce_sum(result[0] * c_out) + tf.reduce_sum(result[1] * c_weights)
