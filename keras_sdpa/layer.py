@@ -196,16 +196,12 @@ class ScaledDotProductAttention(keras.layers.Layer):
         training=None,
         use_causal_mask=False,
     ):
-        self_attention = key is None and query is value
         key = value if key is None else key
         self._check_call_inputs(query, value, key)
 
-        if self_attention:
-            q, k, v = self._project_self(query)
-        else:
-            q = _project(query, self.query_kernel, self.query_bias)  # (B, T, N, H)
-            k = _project(key, self.key_kernel, self.key_bias)  # (B, S, N, H)
-            v = _project(value, self.value_kernel, self.value_bias)  # (B, S, N, Hv)
+        q = _project(query, self.query_kernel, self.query_bias)  # (B, T, N, H)
+        k = _project(key, self.key_kernel, self.key_bias)  # (B, S, N, H)
+        v = _project(value, self.value_kernel, self.value_bias)  # (B, S, N, Hv)
 
         mask = _combine_masks(query_mask, value_mask, key_mask, attention_mask)
         if mask is not None:
@@ -226,42 +222,19 @@ class ScaledDotProductAttention(keras.layers.Layer):
         )
         out, weights = result if return_attention_scores else (result, None)
 
+        shape = tf.shape(out)
+        width = self.num_heads * self._value_dim
+        out = tf.reshape(out, (-1, width))  # (B * T, N * Hv): the heads, concatenated
         if self.uses_output_projection:
-            out = tf.einsum("btnh,nhe->bte", out, self.output_kernel)  # (B, T, E_out)
+            kernel = tf.reshape(self.output_kernel, (width, -1))  # (N * Hv, E_out)
+            out = tf.matmul(out, kernel)  # (B * T, E_out)
             if self.output_bias is not None:
                 out = out + self.output_bias
-        else:
-            out = tf.reshape(out, tf.concat([tf.shape(out)[:2], [-1]], 0))  # (B, T, N * Hv)
-            out.set_shape([None, None, self.num_heads * self._value_dim])
+        out = tf.reshape(out, tf.concat([shape[:2], [-1]], 0))  # (B, T, E_out or N * Hv)
+        out.set_shape([None, None, self.compute_output_shape(query.shape, value.shape)[-1]])
         if return_attention_scores:
             return out, weights
         return out
-
-    def _project_self(self, x):
-        """Q, K and V of one input with one matmul on the concatenated kernels."""
-        heads, h, hv = self.num_heads, self._key_dim, self._value_dim
-        width = x.shape[-1]
-        kernel = tf.concat(
-            [
-                tf.reshape(self.query_kernel, (width, heads * h)),
-                tf.reshape(self.key_kernel, (width, heads * h)),
-                tf.reshape(self.value_kernel, (width, heads * hv)),
-            ],
-            axis=1,
-        )  # (E, N * (2H + Hv))
-        shape = tf.shape(x)
-        qkv = tf.matmul(tf.reshape(x, (-1, width)), kernel)  # (B * T, N * (2H + Hv))
-        if self.use_bias:
-            bias = tf.concat(
-                [tf.reshape(b, (-1,)) for b in (self.query_bias, self.key_bias, self.value_bias)],
-                axis=0,
-            )
-            qkv = qkv + bias
-        q, k, v = tf.split(qkv, [heads * h, heads * h, heads * hv], axis=1)
-        q = tf.reshape(q, (shape[0], shape[1], heads, h))  # (B, T, N, H)
-        k = tf.reshape(k, (shape[0], shape[1], heads, h))  # (B, T, N, H)
-        v = tf.reshape(v, (shape[0], shape[1], heads, hv))  # (B, T, N, Hv)
-        return q, k, v
 
     def _check_call_inputs(self, query, value, key):
         for name, tensor, kernel in (

@@ -69,7 +69,7 @@ def test_self_attention_matches_keras():
     ours(query, query)
     ours.set_weights(mha.get_weights())
     want = mha(query, query, use_causal_mask=True)
-    got = ours(query, query, use_causal_mask=True)  # the fused-QKV path
+    got = ours(query, query, use_causal_mask=True)
     assert got.shape == (B, T, 8)
     np.testing.assert_allclose(got, want, atol=1e-5)
 
