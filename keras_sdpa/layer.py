@@ -198,6 +198,8 @@ class ScaledDotProductAttention(keras.layers.Layer):
     ):
         key = value if key is None else key
         self._check_call_inputs(query, value, key)
+        # Also checks that key and value have the same length S.
+        out_width = self.compute_output_shape(query.shape, value.shape, key.shape)[-1]
 
         q = _project(query, self.query_kernel, self.query_bias)  # (B, T, N, H)
         k = _project(key, self.key_kernel, self.key_bias)  # (B, S, N, H)
@@ -231,7 +233,7 @@ class ScaledDotProductAttention(keras.layers.Layer):
             if self.output_bias is not None:
                 out = out + self.output_bias
         out = tf.reshape(out, tf.concat([shape[:2], [-1]], 0))  # (B, T, E_out or N * Hv)
-        out.set_shape([None, None, self.compute_output_shape(query.shape, value.shape)[-1]])
+        out.set_shape([None, None, out_width])
         if return_attention_scores:
             return out, weights
         return out
@@ -242,26 +244,17 @@ class ScaledDotProductAttention(keras.layers.Layer):
             ("value", value, self.value_kernel),
             ("key", key, self.key_kernel),
         ):
-            _check_rank(name, tensor.shape)
             if not tensor.dtype.is_floating:
                 raise ValueError(
                     f"`{name}` must be a floating tensor. "
                     f"Received: {name}.dtype={tensor.dtype.name}"
                 )
+            _check_rank(name, tensor.shape)
             if tensor.shape[-1] is not None and tensor.shape[-1] != kernel.shape[0]:
                 raise ValueError(
                     f"The last axis of `{name}` must be {kernel.shape[0]}, the width "
                     f"this layer was built with. Received: {name}.shape={tuple(tensor.shape)}"
                 )
-        if (
-            key.shape[1] is not None
-            and value.shape[1] is not None
-            and key.shape[1] != value.shape[1]
-        ):
-            raise ValueError(
-                "`key` and `value` must have the same length S (axis 1). "
-                f"Received: key.shape={tuple(key.shape)}, value.shape={tuple(value.shape)}"
-            )
 
     def compute_mask(self, query, previous_mask=None):
         # Keras passes the mask of the first input, the query's: each output

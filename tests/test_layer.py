@@ -266,15 +266,13 @@ def test_dropout_only_in_training_and_seeded():
     first = layer(query, value, key, training=True).numpy()
     second = layer(query, value, key, training=True).numpy()
     assert not np.allclose(first, inference) and not np.allclose(first, second)
-    twin = ScaledDotProductAttention(N, H, dropout=0.5, seed=3)
-    twin(query, value, key)
-    twin.set_weights(layer.get_weights())
-    fresh = ScaledDotProductAttention(N, H, dropout=0.5, seed=3)
-    fresh(query, value, key)
-    fresh.set_weights(layer.get_weights())
-    np.testing.assert_array_equal(
-        fresh(query, value, key, training=True), twin(query, value, key, training=True)
-    )
+    # Two new layers with the same seed and weights drop the same weights.
+    twins = [ScaledDotProductAttention(N, H, dropout=0.5, seed=3) for _ in range(2)]
+    for twin in twins:
+        twin(query, value, key)
+        twin.set_weights(layer.get_weights())
+    a, b = (twin(query, value, key, training=True) for twin in twins)
+    np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
@@ -305,11 +303,18 @@ def test_mixed_precision(policy):
         (dict(dropout=-0.5), r"dropout=-0.5"),
         (dict(key_dim=0), r"`key_dim` must be a positive integer or None. Received: key_dim=0"),
         (dict(output_shape=(2, 3)), r"`output_shape` must be an int or a 1-tuple"),
+        (dict(output_shape=0), r"`output_shape` must be a positive integer.*output_shape=0"),
     ],
 )
 def test_bad_constructor_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         ScaledDotProductAttention(**kwargs)
+
+
+def test_key_dim_default_needs_divisible_width():
+    query, value, key = inputs()  # query width 9
+    with pytest.raises(ValueError, match=r"query width=9, num_heads=4"):
+        ScaledDotProductAttention(num_heads=4)(query, value, key)
 
 
 def test_bad_call_inputs():

@@ -285,3 +285,9 @@ def test_bad_input_raises_value_error(kwargs, match):
     args.update(kwargs)
     with pytest.raises(ValueError, match=match):
         scaled_dot_product_attention(**args)
+
+
+def test_bad_seed_raises_value_error():
+    q, k, v = random_inputs()
+    with pytest.raises(ValueError, match=r"`seed` must be an int, None, or a \(2,\) integer"):
+        scaled_dot_product_attention(q, k, v, dropout_rate=0.5, training=True, seed=[1, 2, 3])
