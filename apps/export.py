@@ -1,0 +1,216 @@
+"""SavedModel export with a raw-string signature, and attention export for inspection.
+
+The SavedModel's `serving_default` takes raw text and runs the app's own
+`TextVectorization` and model inside one TensorFlow graph, so anyone with
+TensorFlow can serve it (`apps/predict.py`, TF Serving) without this package.
+"""
+
+import base64
+import html
+import json
+import os
+import shutil
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from apps import viewer
+
+PAD = ""  # the vectorizer's padding token (id 0)
+
+
+def export_saved_model(inspector, vectorizer, path):
+    """Writes a SavedModel to `path` atomically (a temporary folder, then a rename).
+
+    `serving_default(text)`: `text` is a `tf.string` batch `[None]` of raw reviews.
+    Returns `probability` `(B,)` P(positive), `label` `(B,)` int 0/1, `tokens`
+    `(B, L)` strings ("" for padding), `length` `(B,)` number of real tokens,
+    `attention` `(B, layers, N, L, L)` self-attention weights and `pooling`
+    `(B, N, L)` the pooling attention (what the classifier looked at).
+    """
+    vocabulary = tf.constant(vectorizer.get_vocabulary())
+    archive = keras.export.ExportArchive()
+    archive.track(inspector)
+    archive.track(vectorizer)
+
+    @tf.function(input_signature=[tf.TensorSpec([None], tf.string, name="text")])
+    def serve(text):
+        ids = vectorizer(text)  # (B, L) int
+        outputs = inspector(ids, training=False)
+        probability = tf.reshape(outputs["probability"], [-1])  # (B,)
+        return {
+            "probability": probability,
+            "label": tf.cast(probability >= 0.5, tf.int32),
+            "tokens": tf.gather(vocabulary, ids),  # (B, L)
+            "length": tf.reduce_sum(tf.cast(ids != 0, tf.int32), axis=-1),  # (B,)
+            "attention": outputs["attention"],  # (B, layers, N, L, L)
+            "pooling": outputs["pooling"],  # (B, N, L)
+        }
+
+    archive.add_endpoint("serving_default", serve)
+    path = os.path.abspath(path)
+    parent = os.path.dirname(path)
+    os.makedirs(parent, exist_ok=True)
+    temporary = f"{path}.partial-{os.getpid()}"
+    previous = f"{path}.previous-{os.getpid()}"
+    shutil.rmtree(temporary, ignore_errors=True)
+    archive.write_out(temporary, verbose=False)
+    # Two renames: a crash between them leaves the old model at `previous`, never a
+    # half-written one at `path`.
+    if os.path.exists(path):
+        os.replace(path, previous)
+    os.replace(temporary, path)
+    shutil.rmtree(previous, ignore_errors=True)
+    return path
+
+
+def write_json_atomic(path, payload):
+    temporary = f"{path}.partial"
+    with open(temporary, "w") as f:
+        json.dump(payload, f, indent=2, sort_keys=True)
+        f.write("\n")
+    os.replace(temporary, path)
+
+
+def inspect_records(inspector, vectorizer, texts, labels):
+    """One record per review: text, tokens, label, prediction, weights over real tokens.
+
+    `attention[layer][head]` is the `(n, n)` self-attention over the `n` real tokens
+    (row: the attending token; column: the attended one), `pooling[head]` the `(n,)`
+    pooling weights. Padding never appears.
+    """
+    vocabulary = np.array(vectorizer.get_vocabulary(), dtype=object)
+    ids = vectorizer(tf.constant(texts)).numpy()  # (B, L)
+    outputs = inspector.predict(ids, batch_size=16, verbose=0)
+    records = []
+    for i, text in enumerate(texts):
+        n = int((ids[i] != 0).sum())
+        probability = float(outputs["probability"][i, 0])
+        records.append(
+            {
+                "index": i,
+                "text": text.decode("utf-8", errors="replace") if isinstance(text, bytes) else text,
+                "tokens": [str(t) for t in vocabulary[ids[i, :n]]],
+                "label": int(labels[i]),
+                "prediction": int(probability >= 0.5),
+                "probability": round(probability, 6),
+                "pooling": np.round(outputs["pooling"][i, :, :n], 5).tolist(),
+                "attention": np.round(outputs["attention"][i, :, :, :n, :n], 5).tolist(),
+            }
+        )
+    return records
+
+
+def write_attention_jsonl(records, path):
+    temporary = f"{path}.partial"
+    with open(temporary, "w") as f:
+        for record in records:
+            f.write(json.dumps(record, ensure_ascii=False) + "\n")
+    os.replace(temporary, path)
+    return path
+
+
+def write_attention_html(records, path, title="keras-sdpa attention"):
+    """A self-contained viewer (no network): the records embedded as JSON.
+
+    To keep the file small the self-attention matrices are embedded as base64 bytes,
+    each row scaled so its largest weight is 255; the pooling weights and each
+    token's received attention (the column mean over attending tokens) stay exact.
+    """
+    examples = []
+    for record in records:
+        attention = np.asarray(record["attention"], dtype=np.float32)  # (layers, N, n, n)
+        n = len(record["tokens"])
+        if n:
+            row_max = attention.max(axis=-1, keepdims=True)
+            scaled = np.where(row_max > 0, attention / np.where(row_max > 0, row_max, 1), 0)
+            received = attention.mean(axis=-2)  # (layers, N, n)
+        else:
+            scaled = attention
+            received = attention.sum(axis=-2)
+        rows = np.round(scaled * 255).astype(np.uint8)
+        examples.append(
+            {
+                "text": record["text"][:2000],
+                "tokens": record["tokens"],
+                "label": record["label"],
+                "prediction": record["prediction"],
+                "probability": record["probability"],
+                "pooling": record["pooling"],
+                "received": np.round(received, 5).tolist(),
+                "rows": [[base64.b64encode(head.tobytes()).decode() for head in layer] for layer in rows],
+            }
+        )
+    payload = json.dumps({"title": title, "examples": examples}, ensure_ascii=False)
+    payload = payload.replace("</", "<\\/")  # safe inside <script>
+    document = viewer.TEMPLATE.replace("__TITLE__", html.escape(title)).replace("__DATA__", payload)
+    temporary = f"{path}.partial"
+    with open(temporary, "w", encoding="utf-8") as f:
+        f.write(document)
+    os.replace(temporary, path)
+    return path
+
+
+def write_attention_heatmaps(records, path, max_examples=3, max_tokens=40):
+    """PNG: for a few short reviews, the pooling weights and each head's self-attention."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    short = sorted(
+        (r for r in records if 0 < len(r["tokens"]) <= max_tokens), key=lambda r: len(r["tokens"])
+    )
+    chosen = (short or sorted(records, key=lambda r: len(r["tokens"])))[:max_examples]
+    if not chosen:
+        return None
+    num_heads = len(chosen[0]["pooling"])
+    fig, axes = plt.subplots(
+        len(chosen), num_heads + 1, figsize=(5 * (num_heads + 1), 4.8 * len(chosen)), squeeze=False
+    )
+    for row, record in enumerate(chosen):
+        tokens = record["tokens"][:max_tokens]
+        n = len(tokens)
+        pooling = np.asarray(record["pooling"])[:, :n]  # (N, n)
+        ax = axes[row, 0]
+        ax.imshow(pooling, aspect="auto", cmap="viridis")
+        ax.set_yticks(range(num_heads), [f"head {h}" for h in range(num_heads)])
+        ax.set_xticks(range(n), tokens, rotation=90, fontsize=7)
+        verdict = "pos" if record["prediction"] else "neg"
+        truth = "pos" if record["label"] else "neg"
+        ax.set_title(f"pooling attention\npredicted {verdict} ({record['probability']:.2f}), label {truth}")
+        attention = np.asarray(record["attention"])[0]  # (N, n, n), first block
+        for head in range(num_heads):
+            ax = axes[row, head + 1]
+            ax.imshow(attention[head][:n, :n], cmap="viridis")
+            ax.set_xticks(range(n), tokens, rotation=90, fontsize=6)
+            ax.set_yticks(range(n), tokens, fontsize=6)
+            ax.set_title(f"block 0, head {head}: query row attends to key column")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_training_curves(history, path):
+    """PNG of loss and accuracy per epoch, train and validation."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    epochs = [row["epoch"] + 1 for row in history]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, metric in zip(axes, ("loss", "accuracy")):
+        ax.plot(epochs, [row[metric] for row in history], "o-", label="train")
+        ax.plot(epochs, [row[f"val_{metric}"] for row in history], "o-", label="validation")
+        ax.set_xlabel("epoch")
+        ax.set_ylabel(metric)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle("ScaledDotProductAttention sentiment classifier")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,195 @@
+"""The sentiment classifier, built from `keras_sdpa.ScaledDotProductAttention`.
+
+    token ids (B, L) -> Embedding(mask_zero=True) + positions    (B, L, E)
+                     -> num_layers x TransformerBlock             (B, L, E)   self-attention
+                     -> AttentionPooling                          (B, E)      a learned query attends over the tokens
+                     -> Dense(1, sigmoid)                         (B,)        P(positive)
+
+Both attentions are our layer: the blocks with T = S = L, the pooling with T = 1,
+whose weights say directly which tokens the classifier looked at.
+"""
+
+import keras
+from keras import ops
+
+from keras_sdpa import ScaledDotProductAttention
+
+
+@keras.saving.register_keras_serializable(package="apps")
+class TokenAndPositionEmbedding(keras.layers.Layer):
+    """Token embedding (`mask_zero=True`, id 0 is padding) plus a learned position embedding."""
+
+    def __init__(self, vocab_size, sequence_length, embed_dim, **kwargs):
+        super().__init__(**kwargs)
+        self.vocab_size = vocab_size
+        self.sequence_length = sequence_length
+        self.embed_dim = embed_dim
+        self.token_embedding = keras.layers.Embedding(
+            vocab_size, embed_dim, mask_zero=True, name="token_embedding"
+        )
+        self.position_embedding = keras.layers.Embedding(
+            sequence_length, embed_dim, name="position_embedding"
+        )
+
+    def build(self, ids_shape):
+        self.token_embedding.build(ids_shape)
+        self.position_embedding.build((self.sequence_length,))
+
+    def call(self, ids):
+        positions = ops.arange(ops.shape(ids)[-1])  # (L,)
+        return self.token_embedding(ids) + self.position_embedding(positions)  # (B, L, E)
+
+    def compute_mask(self, ids, mask=None):
+        return self.token_embedding.compute_mask(ids)
+
+    def compute_output_shape(self, ids_shape):
+        return (*ids_shape, self.embed_dim)
+
+    def get_config(self):
+        return {
+            **super().get_config(),
+            "vocab_size": self.vocab_size,
+            "sequence_length": self.sequence_length,
+            "embed_dim": self.embed_dim,
+        }
+
+
+@keras.saving.register_keras_serializable(package="apps")
+class TransformerBlock(keras.layers.Layer):
+    """Post-norm encoder block: `LN(x + SDPA(x))`, then `LN(x + FFN(x))`."""
+
+    def __init__(self, num_heads, key_dim, ff_dim, dropout=0.0, seed=None, **kwargs):
+        super().__init__(**kwargs)
+        self.num_heads = num_heads
+        self.key_dim = key_dim
+        self.ff_dim = ff_dim
+        self.dropout = dropout
+        self.seed = seed
+        self.supports_masking = True  # the output keeps the input's padding mask
+        self.attention = ScaledDotProductAttention(
+            num_heads=num_heads, key_dim=key_dim, dropout=dropout, seed=seed, name="attention"
+        )
+        self.attention_norm = keras.layers.LayerNormalization(epsilon=1e-6, name="attention_norm")
+        self.ff_inner = keras.layers.Dense(ff_dim, activation="gelu", name="ff_inner")
+        self.ff_norm = keras.layers.LayerNormalization(epsilon=1e-6, name="ff_norm")
+        self.dropout_layer = keras.layers.Dropout(dropout, seed=seed)
+
+    def build(self, x_shape):
+        width = x_shape[-1]
+        self.attention.build(x_shape, x_shape)
+        self.attention_norm.build(x_shape)
+        self.ff_inner.build(x_shape)
+        self.ff_outer = keras.layers.Dense(width, name="ff_outer")
+        self.ff_outer.build((*x_shape[:-1], self.ff_dim))
+        self.ff_norm.build(x_shape)
+
+    def call(self, x, mask=None, training=None, return_attention_scores=False):
+        attended, scores = self.attention(
+            x,
+            x,
+            query_mask=mask,
+            value_mask=mask,
+            return_attention_scores=True,
+            training=training,
+        )  # (B, L, E), (B, N, L, L)
+        x = self.attention_norm(x + self.dropout_layer(attended, training=training))
+        inner = self.ff_inner(x)  # (B, L, ff_dim)
+        x = self.ff_norm(x + self.dropout_layer(self.ff_outer(inner), training=training))
+        return (x, scores) if return_attention_scores else x
+
+    def compute_mask(self, x, mask=None):
+        return mask
+
+    def get_config(self):
+        return {
+            **super().get_config(),
+            "num_heads": self.num_heads,
+            "key_dim": self.key_dim,
+            "ff_dim": self.ff_dim,
+            "dropout": self.dropout,
+            "seed": self.seed,
+        }
+
+
+@keras.saving.register_keras_serializable(package="apps")
+class AttentionPooling(keras.layers.Layer):
+    """Pools `(B, L, E)` to `(B, E)`: a learned query attends over the unmasked tokens.
+
+    This is `ScaledDotProductAttention` with `T = 1`; its weights `(B, N, 1, L)` are
+    the classifier's own account of which tokens it used.
+    """
+
+    def __init__(self, num_heads, key_dim, **kwargs):
+        super().__init__(**kwargs)
+        self.num_heads = num_heads
+        self.key_dim = key_dim
+        self.attention = ScaledDotProductAttention(
+            num_heads=num_heads, key_dim=key_dim, name="attention"
+        )
+
+    def build(self, x_shape):
+        width = x_shape[-1]
+        self.query = self.add_weight(
+            shape=(1, 1, width), initializer="glorot_uniform", name="query"
+        )
+        self.attention.build((x_shape[0], 1, width), x_shape)
+
+    def call(self, x, mask=None, return_attention_scores=False):
+        batch = ops.shape(x)[0]
+        query = ops.broadcast_to(self.query, (batch, 1, ops.shape(x)[-1]))  # (B, 1, E)
+        pooled, scores = self.attention(
+            query, x, value_mask=mask, return_attention_scores=True
+        )  # (B, 1, E), (B, N, 1, L)
+        pooled = ops.squeeze(pooled, 1)  # (B, E)
+        return (pooled, scores) if return_attention_scores else pooled
+
+    def compute_mask(self, x, mask=None):
+        return None
+
+    def get_config(self):
+        return {**super().get_config(), "num_heads": self.num_heads, "key_dim": self.key_dim}
+
+
+def build_classifier(
+    vocab_size,
+    sequence_length,
+    embed_dim=64,
+    num_heads=2,
+    key_dim=32,
+    ff_dim=128,
+    num_layers=1,
+    dropout=0.1,
+    seed=0,
+):
+    """Returns `(model, inspector)`, two functional models over the same weights.
+
+    `model` maps token ids `(B, L)` to `P(positive)` `(B, 1)` and is the one trained.
+    `inspector` returns a dict: `probability` `(B, 1)`, `attention` (the blocks' weights,
+    `(B, num_layers, N, L, L)`) and `pooling` (the pooling weights, `(B, N, L)`).
+    """
+    ids = keras.Input((sequence_length,), dtype="int32", name="token_ids")
+    x = TokenAndPositionEmbedding(vocab_size, sequence_length, embed_dim, name="embedding")(ids)
+    mask = ops.not_equal(ids, 0)  # (B, L), the Embedding's mask_zero mask
+    block_scores = []
+    for index in range(num_layers):
+        block = TransformerBlock(
+            num_heads, key_dim, ff_dim, dropout=dropout, seed=seed + index, name=f"block_{index}"
+        )
+        x, scores = block(x, mask=mask, return_attention_scores=True)  # (B, L, E), (B, N, L, L)
+        block_scores.append(scores)
+    pooled, pool_scores = AttentionPooling(num_heads, key_dim, name="pooling")(
+        x, mask=mask, return_attention_scores=True
+    )  # (B, E), (B, N, 1, L)
+    pooled = keras.layers.Dropout(dropout, seed=seed)(pooled)
+    probability = keras.layers.Dense(1, activation="sigmoid", name="classifier")(pooled)
+    model = keras.Model(ids, probability, name="sdpa_sentiment")
+    inspector = keras.Model(
+        ids,
+        {
+            "probability": probability,
+            "attention": ops.stack(block_scores, axis=1),  # (B, layers, N, L, L)
+            "pooling": ops.squeeze(pool_scores, 2),  # (B, N, L)
+        },
+        name="sdpa_sentiment_inspector",
+    )
+    return model, inspector

@@ -1,0 +1,539 @@
+"""Train a sentiment classifier on ScaledDotProductAttention and export it.
+
+Usage:
+    python -m apps.train_sentiment --data_dir ../shared/data/tensorflow_datasets
+    python -m apps.train_sentiment --resume            # continue an interrupted run
+    python -m apps.train_sentiment --epochs 1 --max_steps 20 --output /tmp/smoke
+
+Loads a TFDS text dataset (default `imdb_reviews`), carves a fixed-seed
+validation set out of train, trains with `model.fit` (progress bar, early
+stopping on validation loss, a checkpoint every epoch and every `--save_every`
+steps), reports on the test split once at the end, and writes to `--output`:
+
+    saved_model/         SavedModel; serving_default takes raw strings
+    model.keras          the trained Keras model (token ids -> P(positive))
+    vocabulary.txt       the TextVectorization vocabulary
+    metrics.json         what this run measured, with its config and versions
+    training_curves.png  loss and accuracy per epoch
+    history.csv          the same numbers, one row per epoch
+    logs/                TensorBoard
+    attention.jsonl      per test review: tokens, label, prediction, weights per head
+    attention.html       a self-contained viewer for the same
+    attention_heatmaps.png
+
+Ctrl-C or SIGTERM saves the exact training state (weights, optimizer, step);
+`--resume` continues from it on the same batches an uninterrupted run would see.
+"""
+
+import argparse
+import csv
+import dataclasses
+import json
+import math
+import os
+import shutil
+import signal
+import sys
+import time
+import typing
+
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+from apps import data, export  # noqa: E402
+from apps import model as model_lib  # noqa: E402
+
+
+@dataclasses.dataclass
+class Config:
+    # data
+    dataset: str = "imdb_reviews"  # any TFDS text dataset with (text, label)
+    data_dir: str | None = None  # TFDS folder; else $TFDS_DATA_DIR; else TFDS's default
+    validation_fraction: float = 0.1  # of train, fixed-seed; the test split is for the report only
+    vocab_size: int = 20000  # TextVectorization max_tokens
+    sequence_length: int = 256  # tokens kept per review (TextVectorization output_sequence_length)
+    # model
+    embed_dim: int = 64  # E
+    num_heads: int = 2  # N, in the blocks and in the pooling
+    key_dim: int = 32  # H
+    ff_dim: int = 128  # feed-forward width in each block
+    num_layers: int = 1  # self-attention blocks
+    dropout: float = 0.1
+    # training
+    batch_size: int = 64
+    epochs: int = 4
+    learning_rate: float = 1e-3  # Adam
+    patience: int = 1  # early stopping on validation loss
+    seed: int = 0
+    max_steps: int | None = None  # smoke runs: cap steps per epoch and evaluation batches
+    save_every: int = 50  # steps between training-state saves (also at every epoch end)
+    verbose: str = "auto"  # model.fit's progress bar
+    # output
+    output: str = "saved_models/imdb_sdpa"
+    inspect_examples: int = 50  # test reviews exported for attention inspection
+    resume: bool = False
+
+
+# Flags that shape the data, the model or the step sequence; a resumed run must match them.
+_RUN_DEFINING = (
+    "dataset", "validation_fraction", "vocab_size", "sequence_length", "embed_dim",
+    "num_heads", "key_dim", "ff_dim", "num_layers", "dropout", "batch_size",
+    "learning_rate", "seed", "max_steps",
+)  # fmt: skip
+
+
+def parse_args(argv=None):
+    defaults = Config()
+    parser = argparse.ArgumentParser(
+        prog="python -m apps.train_sentiment",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    for field in dataclasses.fields(Config):
+        default = getattr(defaults, field.name)
+        if field.type is bool:
+            parser.add_argument(f"--{field.name}", action="store_true")
+        else:
+            # `int | None` -> int
+            kind = next((t for t in typing.get_args(field.type) if t is not type(None)), field.type)
+            parser.add_argument(f"--{field.name}", type=kind, default=default)
+    config = Config(**vars(parser.parse_args(argv)))
+    _check_config(config)
+    return config
+
+
+def _check_config(config):
+    positive = ("vocab_size", "sequence_length", "embed_dim", "num_heads", "key_dim", "ff_dim",
+                "num_layers", "batch_size", "epochs", "patience", "save_every")  # fmt: skip
+    for name in positive:
+        if getattr(config, name) <= 0:
+            raise ValueError(f"`--{name}` must be positive. Received: {name}={getattr(config, name)}")
+    if config.max_steps is not None and config.max_steps <= 0:
+        raise ValueError(f"`--max_steps` must be positive. Received: max_steps={config.max_steps}")
+    if config.vocab_size < 3:
+        raise ValueError(f"`--vocab_size` must be at least 3. Received: vocab_size={config.vocab_size}")
+    if not 0.0 <= config.dropout < 1.0:
+        raise ValueError(f"`--dropout` must be in [0, 1). Received: dropout={config.dropout}")
+    if config.learning_rate <= 0:
+        raise ValueError(
+            f"`--learning_rate` must be positive. Received: learning_rate={config.learning_rate}"
+        )
+    if config.inspect_examples < 0:
+        raise ValueError(
+            f"`--inspect_examples` must be >= 0. Received: inspect_examples={config.inspect_examples}"
+        )
+
+
+def training_stream(ids, labels, batch_size, seed, start_step=0):
+    """The infinite, deterministic stream of training batches, from batch `start_step` on.
+
+    Pass `p` over the data is the permutation `stateless_shuffle(seed, p)`: a pure
+    function of `(seed, p)`, so a resumed run sees exactly the batches an
+    uninterrupted one would.
+    """
+    n = len(ids)
+    ids, labels = tf.constant(ids), tf.constant(labels, tf.float32)
+
+    def one_pass(p):
+        order = tf.random.experimental.stateless_shuffle(tf.range(n), seed=tf.stack([seed, p]))
+        return tf.data.Dataset.from_tensor_slices(order)
+
+    indices = tf.data.Dataset.counter().flat_map(one_pass)  # example indices, forever
+    indices = indices.skip(start_step * batch_size).batch(batch_size)
+    stream = indices.map(lambda i: (tf.gather(ids, i), tf.gather(labels, i)))  # (B, L), (B,)
+    return stream.prefetch(tf.data.AUTOTUNE)
+
+
+def eval_dataset(ids, labels, batch_size):
+    return tf.data.Dataset.from_tensor_slices((ids, labels.astype("float32"))).batch(batch_size)
+
+
+class TrainingState(keras.callbacks.Callback):
+    """Saves the exact training state: weights with optimizer state, hence the step.
+
+    The step is the optimizer's own `iterations`, updated inside the train step,
+    so it can never disagree with the weights saved next to it. Saves are atomic
+    (write, then rename), every `save_every` steps, at every epoch end, and on
+    interruption.
+    """
+
+    def __init__(self, directory, save_every, seconds_before=0.0):
+        super().__init__()
+        self.directory = directory
+        self.save_every = save_every
+        self.seconds_before = seconds_before
+        self.weights_path = os.path.join(directory, "state.weights.h5")
+        self.json_path = os.path.join(directory, "state.json")
+        self.started = time.time()
+
+    def seconds(self):
+        return self.seconds_before + time.time() - self.started
+
+    def on_train_batch_end(self, batch, logs=None):
+        if int(self.model.optimizer.iterations) % self.save_every == 0:
+            self.save()
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.save()
+
+    def save(self):
+        os.makedirs(self.directory, exist_ok=True)
+        temporary = self.weights_path + ".partial.weights.h5"
+        self.model.save_weights(temporary)
+        os.replace(temporary, self.weights_path)
+        step = int(self.model.optimizer.iterations)
+        export.write_json_atomic(self.json_path, {"step": step, "train_seconds": self.seconds()})
+
+
+class ResumableEarlyStopping(keras.callbacks.EarlyStopping):
+    """`EarlyStopping` on `val_loss` that replays the epochs in `history.csv` first.
+
+    Keras's callback starts counting afresh in every `fit`; replaying the logged
+    epochs makes a resumed run stop exactly where an uninterrupted one would.
+    """
+
+    def __init__(self, history_path, **kwargs):
+        super().__init__(monitor="val_loss", mode="min", **kwargs)
+        self.history_path = history_path
+
+    def on_train_begin(self, logs=None):
+        super().on_train_begin(logs)
+        for row in read_history(self.history_path):
+            self.wait += 1
+            if self.best is None or row["val_loss"] < self.best:
+                self.best, self.best_epoch, self.wait = row["val_loss"], row["epoch"], 0
+
+
+def read_history(path):
+    """Rows of `history.csv` (one per epoch; the last row wins if an epoch was logged twice)."""
+    if not os.path.exists(path):
+        return []
+    rows = {}
+    with open(path) as f:
+        for row in csv.DictReader(f):
+            rows[int(row["epoch"])] = {k: (int(v) if k == "epoch" else float(v)) for k, v in row.items()}
+    return [rows[epoch] for epoch in sorted(rows)]
+
+
+def _raise_keyboard_interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def train(config):
+    output = os.path.abspath(config.output)
+    checkpoints = os.path.join(output, "checkpoints")
+    state_json = os.path.join(checkpoints, "state.json")
+    config_path = os.path.join(checkpoints, "config.json")
+    history_path = os.path.join(output, "history.csv")
+    vocabulary_path = os.path.join(output, "vocabulary.txt")
+
+    resuming = False
+    if os.path.exists(state_json):
+        if not config.resume:
+            raise ValueError(
+                f"`--output` holds an interrupted run ({checkpoints}). Pass --resume to continue "
+                f"it, or remove that folder to start over. Received: output={config.output!r}"
+            )
+        _check_same_run(config, config_path)
+        resuming = True
+    elif config.resume:
+        print(f"Nothing to resume in {checkpoints}; starting a new run.")
+    if not resuming:
+        for stale in (history_path, os.path.join(output, "logs")):
+            if os.path.isdir(stale):
+                shutil.rmtree(stale)
+            elif os.path.exists(stale):
+                os.remove(stale)
+    os.makedirs(checkpoints, exist_ok=True)
+    export.write_json_atomic(config_path, dataclasses.asdict(config))
+
+    keras.utils.set_random_seed(config.seed)
+    data_dir = data.resolve_data_dir(config.data_dir)
+    print(f"Loading {config.dataset} with tensorflow-datasets (data_dir={data_dir or 'default'})")
+    splits = data.load_splits(config.dataset, data_dir, config.validation_fraction, config.seed)
+    if splits.num_classes != 2:
+        raise ValueError(
+            "`--dataset` must have two classes (this app has a sigmoid head). "
+            f"Received: dataset={config.dataset!r} with {splits.num_classes} classes"
+        )
+    print(
+        f"train {len(splits.train_text)}, validation {len(splits.validation_text)} (from train, "
+        f"seed {config.seed}), test {len(splits.test_text)} ({splits.test_split} split, report only)"
+    )
+
+    if resuming and os.path.exists(vocabulary_path):
+        vectorizer = data.make_vectorizer(
+            config.vocab_size, config.sequence_length, vocabulary=vocabulary_path
+        )
+    else:
+        vectorizer = data.make_vectorizer(config.vocab_size, config.sequence_length)
+        vectorizer.adapt(tf.data.Dataset.from_tensor_slices(splits.train_text).batch(1024))
+        _write_vocabulary(vectorizer, vocabulary_path)
+    train_ids = data.vectorize(vectorizer, splits.train_text)  # (n, L)
+    validation_ids = data.vectorize(vectorizer, splits.validation_text)
+
+    model, inspector = model_lib.build_classifier(
+        vocab_size=vectorizer.vocabulary_size(),
+        sequence_length=config.sequence_length,
+        embed_dim=config.embed_dim,
+        num_heads=config.num_heads,
+        key_dim=config.key_dim,
+        ff_dim=config.ff_dim,
+        num_layers=config.num_layers,
+        dropout=config.dropout,
+        seed=config.seed,
+    )
+    # The attention core is XLA-compiled on its own; the rest of the step runs on TF's
+    # kernels (XLA's CPU random numbers make Keras's Dropout far slower under jit).
+    model.compile(
+        optimizer=keras.optimizers.Adam(config.learning_rate),
+        loss="binary_crossentropy",
+        metrics=["accuracy"],
+        jit_compile=False,
+    )
+    model.optimizer.build(model.trainable_variables)
+    state = TrainingState(checkpoints, config.save_every)
+    if resuming:
+        model.load_weights(state.weights_path)
+        with open(state_json) as f:
+            state.seconds_before = json.load(f)["train_seconds"]
+
+    steps_per_epoch = max(1, len(train_ids) // config.batch_size)
+    validation_steps = None
+    if config.max_steps is not None:
+        steps_per_epoch = min(steps_per_epoch, config.max_steps)
+        validation_steps = config.max_steps
+    step = int(model.optimizer.iterations)
+    first_epoch, done_in_epoch = divmod(step, steps_per_epoch)
+    history = read_history(history_path)
+    if resuming:
+        print(f"Resuming at epoch {first_epoch + 1}, step {step} ({done_in_epoch} into the epoch)")
+
+    validation = eval_dataset(validation_ids, splits.validation_label, config.batch_size)
+    best_path = os.path.join(checkpoints, "best.weights.h5")
+    best_so_far = min((row["val_loss"] for row in history), default=None)
+    early_stopping = ResumableEarlyStopping(history_path, patience=config.patience, verbose=1)
+    callbacks = [
+        state,
+        keras.callbacks.CSVLogger(history_path, append=True),
+        keras.callbacks.TensorBoard(os.path.join(output, "logs")),
+        keras.callbacks.ModelCheckpoint(
+            best_path,
+            monitor="val_loss",
+            save_best_only=True,
+            save_weights_only=True,
+            initial_value_threshold=best_so_far,
+        ),
+        early_stopping,
+    ]
+    stopped = _stopped_early(history, config.patience)
+    previous_handler = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    try:
+        # An interrupted epoch first finishes its remaining steps, then whole epochs follow.
+        segments = []
+        if done_in_epoch:
+            segments.append((first_epoch, first_epoch + 1, steps_per_epoch - done_in_epoch))
+            first_epoch += 1
+        if first_epoch < config.epochs:
+            segments.append((first_epoch, config.epochs, steps_per_epoch))
+        for initial_epoch, epochs, steps in segments:
+            if stopped:
+                break
+            model.fit(
+                training_stream(
+                    train_ids, splits.train_label, config.batch_size, config.seed,
+                    start_step=int(model.optimizer.iterations),
+                ),  # fmt: skip
+                initial_epoch=initial_epoch,
+                epochs=epochs,
+                steps_per_epoch=steps,
+                validation_data=validation,
+                validation_steps=validation_steps,
+                callbacks=callbacks,
+                shuffle=False,  # the stream is already shuffled, deterministically
+                verbose=int(config.verbose) if config.verbose.isdigit() else config.verbose,
+            )
+            stopped = early_stopping.stopped_epoch > 0
+    except KeyboardInterrupt:
+        state.save()
+        step = int(model.optimizer.iterations)
+        print(
+            f"\nInterrupted at step {step}. Training state saved to {checkpoints}.\n"
+            f"Continue with: python -m apps.train_sentiment --resume --output {config.output}",
+            file=sys.stderr,
+        )
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous_handler)
+    train_seconds = state.seconds()
+
+    history = read_history(history_path)
+    if os.path.exists(best_path):
+        model.load_weights(best_path)
+    best_epoch = min(history, key=lambda row: row["val_loss"])["epoch"] if history else None
+    return _report(
+        config, output, model, inspector, vectorizer, splits, history, best_epoch, train_seconds,
+        stopped, validation,
+    )  # fmt: skip
+
+
+def _report(config, output, model, inspector, vectorizer, splits, history, best_epoch,
+            train_seconds, stopped, validation):  # fmt: skip
+    print("Evaluating the best epoch's weights on validation and test")
+    steps = config.max_steps
+    validation_loss, validation_accuracy = model.evaluate(validation, steps=steps, verbose=0)
+    test_ids = data.vectorize(vectorizer, splits.test_text)
+    test = eval_dataset(test_ids, splits.test_label, config.batch_size)
+    test_loss, test_accuracy = model.evaluate(test, steps=steps, verbose=0)
+    num_test = len(test_ids) if steps is None else min(len(test_ids), steps * config.batch_size)
+    num_validation = len(splits.validation_label)
+    if steps is not None:
+        num_validation = min(num_validation, steps * config.batch_size)
+
+    paths = {}
+    print("Exporting the SavedModel")
+    paths["saved_model"] = export.export_saved_model(
+        inspector, vectorizer, os.path.join(output, "saved_model")
+    )
+    max_difference = _check_export(paths["saved_model"], model, vectorizer, splits.test_text[:8])
+    paths["keras_model"] = os.path.join(output, "model.keras")
+    model.save(paths["keras_model"])
+    paths["vocabulary"] = os.path.join(output, "vocabulary.txt")
+    paths["history"] = os.path.join(output, "history.csv")
+    paths["tensorboard"] = os.path.join(output, "logs")
+    if history:
+        paths["training_curves"] = export.write_training_curves(
+            history, os.path.join(output, "training_curves.png")
+        )
+
+    if config.inspect_examples:
+        print(f"Exporting attention for {config.inspect_examples} test reviews")
+        rng = np.random.default_rng(config.seed)
+        count = min(config.inspect_examples, len(splits.test_text))
+        chosen = np.sort(rng.choice(len(splits.test_text), count, replace=False))
+        records = export.inspect_records(
+            inspector, vectorizer, splits.test_text[chosen], splits.test_label[chosen]
+        )
+        for record, index in zip(records, chosen):
+            record["index"] = int(index)  # position in the test split
+        paths["attention_jsonl"] = export.write_attention_jsonl(
+            records, os.path.join(output, "attention.jsonl")
+        )
+        paths["attention_html"] = export.write_attention_html(
+            records, os.path.join(output, "attention.html"),
+            title=f"keras-sdpa attention: {config.dataset} test reviews",
+        )  # fmt: skip
+        heatmaps = export.write_attention_heatmaps(
+            records, os.path.join(output, "attention_heatmaps.png")
+        )
+        if heatmaps:
+            paths["attention_heatmaps"] = heatmaps
+
+    import tensorflow_datasets as tfds
+
+    metrics = {
+        "dataset": config.dataset,
+        "test_split": splits.test_split,
+        "test_accuracy": float(test_accuracy),
+        "test_loss": float(test_loss),
+        "test_examples": int(num_test),
+        "validation_accuracy": float(validation_accuracy),
+        "validation_loss": float(validation_loss),
+        "validation_examples": int(num_validation),
+        "train_examples": len(splits.train_label),
+        "epochs_run": len(history),
+        "best_epoch": None if best_epoch is None else best_epoch + 1,
+        "stopped_early": bool(stopped),
+        "train_steps": int(model.optimizer.iterations),
+        "train_seconds": round(train_seconds, 1),
+        "parameters": int(model.count_params()),
+        "export_max_abs_difference": max_difference,
+        "history": history,
+        "config": dataclasses.asdict(config),
+        "versions": {
+            "python": sys.version.split()[0],
+            "tensorflow": tf.__version__,
+            "keras": keras.__version__,
+            "tensorflow_datasets": tfds.__version__,
+        },
+    }
+    paths["metrics"] = os.path.join(output, "metrics.json")
+    metrics["artifacts"] = {name: os.path.relpath(path, output) for name, path in paths.items()}
+    export.write_json_atomic(paths["metrics"], metrics)
+    # The run is complete: its resumable state is no longer needed.
+    shutil.rmtree(os.path.join(output, "checkpoints"), ignore_errors=True)
+
+    print(
+        f"\ntest accuracy {test_accuracy:.4f} on {num_test} {splits.test_split} examples "
+        f"(validation {validation_accuracy:.4f}); trained {train_seconds / 60:.1f} min, "
+        f"{len(history)} epochs"
+    )
+    print("Wrote:")
+    for name, path in paths.items():
+        print(f"  {name:20s} {path}")
+    return 0
+
+
+def _check_export(path, model, vectorizer, texts):
+    """Reloads the SavedModel and returns its largest difference from the in-memory model."""
+    reloaded = tf.saved_model.load(path)
+    served = reloaded.signatures["serving_default"](text=tf.constant(texts))
+    expected = model.predict(vectorizer(tf.constant(texts)), verbose=0)[:, 0]
+    return float(np.max(np.abs(served["probability"].numpy() - expected)))
+
+
+def _write_vocabulary(vectorizer, path):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    vocabulary = vectorizer.get_vocabulary()
+    temporary = f"{path}.partial"
+    with open(temporary, "w", encoding="utf-8") as f:
+        # Index 0 (padding) and 1 (OOV) are the layer's own; it adds them back on load.
+        for token in vocabulary[2:]:
+            f.write(f"{token}\n")
+    os.replace(temporary, path)
+
+
+def _stopped_early(history, patience):
+    """Whether the logged epochs already ran out of patience (a finished, stopped run)."""
+    best, wait = None, 0
+    for row in history:
+        wait += 1
+        if best is None or row["val_loss"] < best:
+            best, wait = row["val_loss"], 0
+        elif wait >= patience and row["epoch"] > 0:
+            return True
+    return False
+
+
+def _check_same_run(config, config_path):
+    if not os.path.exists(config_path):
+        return
+    with open(config_path) as f:
+        saved = json.load(f)
+    changed = [
+        f"--{name} (saved {saved.get(name)!r}, received {getattr(config, name)!r})"
+        for name in _RUN_DEFINING
+        if saved.get(name) != getattr(config, name)
+    ]
+    if changed:
+        raise ValueError(
+            "`--resume` must continue the same run, but these flags differ from the saved run: "
+            + ", ".join(changed)
+        )
+
+
+def main(argv=None):
+    try:
+        config = parse_args(argv)
+        return train(config)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
