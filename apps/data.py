@@ -62,7 +62,17 @@ def load_splits(dataset="imdb_reviews", data_dir=None, validation_fraction=0.1, 
             f"({type(error).__name__}: {error})"
         ) from None
     text_key, label_key = _text_and_label_keys(builder.info)
-    builder.download_and_prepare()  # a no-op when the data is already in data_dir
+    try:
+        builder.download_and_prepare()  # a no-op when the data is already in data_dir
+    except Exception as error:  # no network, a half-written folder, a failed manual step
+        raise ValueError(
+            f"could not load `dataset={dataset!r}`: tensorflow-datasets looked for it in "
+            f"{builder.data_dir} and then failed to download it ({type(error).__name__}: "
+            f"{str(error).splitlines()[0] if str(error) else ''}). Point --data_dir (or "
+            "TFDS_DATA_DIR) at a folder that holds it as TFDS prepares it (on the project's "
+            "machines: --data_dir ../shared/data/tensorflow_datasets), or prepare it on a "
+            f"machine with network (`tfds build {dataset}`) and copy that folder here."
+        ) from None
 
     def as_numpy(split):
         ds = builder.as_dataset(split=split, batch_size=-1)
@@ -126,12 +136,17 @@ def standardize(text):
     return tf.strings.regex_replace(text, r"(^|\s)'+|'+(\s|$)", " ")
 
 
-def make_vectorizer(vocab_size, sequence_length, vocabulary=None):
-    """A `TextVectorization` layer: raw strings to `(B, sequence_length)` token ids, 0 = pad."""
+def make_vectorizer(vocab_size, sequence_length, ngrams=1, vocabulary=None):
+    """A `TextVectorization` layer: raw strings to `(B, sequence_length)` token ids, 0 = pad.
+
+    With `ngrams=2` the sequence holds the words, then the word pairs ("not good"),
+    each pair one token, as Keras's `TextVectorization(ngrams=2)` makes them.
+    """
     return keras.layers.TextVectorization(
         max_tokens=vocab_size,
         output_sequence_length=sequence_length,
         standardize=standardize,
+        ngrams=None if ngrams == 1 else ngrams,
         vocabulary=vocabulary,
         name="vectorizer",
     )

@@ -30,8 +30,10 @@ def export_saved_model(inspector, vectorizer, path):
     `(B, N, L)` the pooling attention (what the classifier looked at).
     """
     vocabulary = tf.constant(vectorizer.get_vocabulary())
+    # Only the vectorizer (its lookup table) is tracked by hand: `add_endpoint` tracks the
+    # variables `serve` uses by itself, and tracking the model too would store every weight
+    # twice (keras-team/keras#23553).
     archive = keras.export.ExportArchive()
-    archive.track(inspector)
     archive.track(vectorizer)
 
     @tf.function(input_signature=[tf.TensorSpec([None], tf.string, name="text")])
@@ -139,7 +141,9 @@ def write_attention_html(records, path, title="keras-sdpa attention"):
                 "probability": record["probability"],
                 "pooling": record["pooling"],
                 "received": np.round(received, 5).tolist(),
-                "rows": [[base64.b64encode(head.tobytes()).decode() for head in layer] for layer in rows],
+                "rows": [
+                    [base64.b64encode(head.tobytes()).decode() for head in layer] for layer in rows
+                ],
             }
         )
     payload = json.dumps({"title": title, "examples": examples}, ensure_ascii=False)
@@ -179,7 +183,9 @@ def write_attention_heatmaps(records, path, max_examples=3, max_tokens=40):
         ax.set_xticks(range(n), tokens, rotation=90, fontsize=7)
         verdict = "pos" if record["prediction"] else "neg"
         truth = "pos" if record["label"] else "neg"
-        ax.set_title(f"pooling attention\npredicted {verdict} ({record['probability']:.2f}), label {truth}")
+        ax.set_title(
+            f"pooling attention\npredicted {verdict} ({record['probability']:.2f}), label {truth}"
+        )
         attention = np.asarray(record["attention"])[0]  # (N, n, n), first block
         for head in range(num_heads):
             ax = axes[row, head + 1]

@@ -29,7 +29,6 @@ import argparse
 import csv
 import dataclasses
 import json
-import math
 import os
 import shutil
 import signal
@@ -56,6 +55,7 @@ class Config:
     validation_fraction: float = 0.1  # of train, fixed-seed; the test split is for the report only
     vocab_size: int = 20000  # TextVectorization max_tokens
     sequence_length: int = 256  # tokens kept per review (TextVectorization output_sequence_length)
+    ngrams: int = 1  # TextVectorization ngrams: 2 adds word pairs as tokens
     # model
     embed_dim: int = 64  # E
     num_heads: int = 2  # N, in the blocks and in the pooling
@@ -80,7 +80,7 @@ class Config:
 
 # Flags that shape the data, the model or the step sequence; a resumed run must match them.
 _RUN_DEFINING = (
-    "dataset", "validation_fraction", "vocab_size", "sequence_length", "embed_dim",
+    "dataset", "validation_fraction", "vocab_size", "sequence_length", "ngrams", "embed_dim",
     "num_heads", "key_dim", "ff_dim", "num_layers", "dropout", "batch_size",
     "learning_rate", "seed", "max_steps",
 )  # fmt: skip
@@ -102,20 +102,27 @@ def parse_args(argv=None):
             kind = next((t for t in typing.get_args(field.type) if t is not type(None)), field.type)
             parser.add_argument(f"--{field.name}", type=kind, default=default)
     config = Config(**vars(parser.parse_args(argv)))
-    _check_config(config)
+    try:
+        _check_config(config)
+    except ValueError as error:
+        parser.error(str(error))  # usage and the message on stderr, exit status 2
     return config
 
 
 def _check_config(config):
-    positive = ("vocab_size", "sequence_length", "embed_dim", "num_heads", "key_dim", "ff_dim",
+    positive = ("vocab_size", "sequence_length", "ngrams", "embed_dim", "num_heads", "key_dim", "ff_dim",
                 "num_layers", "batch_size", "epochs", "patience", "save_every")  # fmt: skip
     for name in positive:
         if getattr(config, name) <= 0:
-            raise ValueError(f"`--{name}` must be positive. Received: {name}={getattr(config, name)}")
+            raise ValueError(
+                f"`--{name}` must be positive. Received: {name}={getattr(config, name)}"
+            )
     if config.max_steps is not None and config.max_steps <= 0:
         raise ValueError(f"`--max_steps` must be positive. Received: max_steps={config.max_steps}")
     if config.vocab_size < 3:
-        raise ValueError(f"`--vocab_size` must be at least 3. Received: vocab_size={config.vocab_size}")
+        raise ValueError(
+            f"`--vocab_size` must be at least 3. Received: vocab_size={config.vocab_size}"
+        )
     if not 0.0 <= config.dropout < 1.0:
         raise ValueError(f"`--dropout` must be in [0, 1). Received: dropout={config.dropout}")
     if config.learning_rate <= 0:
@@ -215,7 +222,9 @@ def read_history(path):
     rows = {}
     with open(path) as f:
         for row in csv.DictReader(f):
-            rows[int(row["epoch"])] = {k: (int(v) if k == "epoch" else float(v)) for k, v in row.items()}
+            rows[int(row["epoch"])] = {
+                k: (int(v) if k == "epoch" else float(v)) for k, v in row.items()
+            }
     return [rows[epoch] for epoch in sorted(rows)]
 
 
@@ -267,10 +276,10 @@ def train(config):
 
     if resuming and os.path.exists(vocabulary_path):
         vectorizer = data.make_vectorizer(
-            config.vocab_size, config.sequence_length, vocabulary=vocabulary_path
+            config.vocab_size, config.sequence_length, config.ngrams, vocabulary=vocabulary_path
         )
     else:
-        vectorizer = data.make_vectorizer(config.vocab_size, config.sequence_length)
+        vectorizer = data.make_vectorizer(config.vocab_size, config.sequence_length, config.ngrams)
         vectorizer.adapt(tf.data.Dataset.from_tensor_slices(splits.train_text).batch(1024))
         _write_vocabulary(vectorizer, vocabulary_path)
     train_ids = data.vectorize(vectorizer, splits.train_text)  # (n, L)
@@ -345,7 +354,10 @@ def train(config):
                 break
             model.fit(
                 training_stream(
-                    train_ids, splits.train_label, config.batch_size, config.seed,
+                    train_ids,
+                    splits.train_label,
+                    config.batch_size,
+                    config.seed,
                     start_step=int(model.optimizer.iterations),
                 ),  # fmt: skip
                 initial_epoch=initial_epoch,

@@ -45,6 +45,12 @@ class ScaledDotProductAttention(keras.layers.Layer):
         bias_constraint: as for `keras.layers.Dense`, applied to every
             projection.
         seed: seed for the attention dropout.
+        implementation: `"auto"` (default), `"dense"` or `"chunked"`: the path of
+            `keras_sdpa.ops.scaled_dot_product_attention`. Chunked runs in
+            `O(T + S)` memory; `"auto"` picks it when the float32 scores would
+            exceed 256 MiB. Dropout while training and `return_attention_scores`
+            always run dense. Results agree to float32 round-off.
+        chunk_size: block size of the chunked path (default 512).
 
     Call arguments:
         query: `(B, T, E_q)` query input.
@@ -89,6 +95,8 @@ class ScaledDotProductAttention(keras.layers.Layer):
         kernel_constraint=None,
         bias_constraint=None,
         seed=None,
+        implementation="auto",
+        chunk_size=None,
         **kwargs,
     ):
         super().__init__(activity_regularizer=activity_regularizer, **kwargs)
@@ -128,7 +136,18 @@ class ScaledDotProductAttention(keras.layers.Layer):
         self.bias_regularizer = keras.regularizers.get(bias_regularizer)
         self.kernel_constraint = keras.constraints.get(kernel_constraint)
         self.bias_constraint = keras.constraints.get(bias_constraint)
+        if implementation not in ("auto", "dense", "chunked"):
+            raise ValueError(
+                '`implementation` must be "auto", "dense" or "chunked". '
+                f"Received: implementation={implementation!r}"
+            )
+        if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size <= 0):
+            raise ValueError(
+                f"`chunk_size` must be a positive integer or None. Received: chunk_size={chunk_size}"
+            )
         self.seed = seed
+        self.implementation = implementation
+        self.chunk_size = chunk_size
         self.seed_generator = keras.random.SeedGenerator(seed) if dropout > 0 else None
         self.supports_masking = True
 
@@ -221,6 +240,8 @@ class ScaledDotProductAttention(keras.layers.Layer):
             training=bool(training),
             seed=seed,
             return_weights=return_attention_scores,
+            implementation=self.implementation,
+            chunk_size=self.chunk_size,
         )
         out, weights = result if return_attention_scores else (result, None)
 
@@ -320,6 +341,8 @@ class ScaledDotProductAttention(keras.layers.Layer):
                 "kernel_constraint": keras.constraints.serialize(self.kernel_constraint),
                 "bias_constraint": keras.constraints.serialize(self.bias_constraint),
                 "seed": self.seed,
+                "implementation": self.implementation,
+                "chunk_size": self.chunk_size,
             }
         )
         return config

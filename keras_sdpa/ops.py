@@ -26,6 +26,9 @@ import tensorflow as tf
 
 # Stands in for -inf on masked scores: finite, so `scores - max` never makes a NaN.
 _MASKED_SCORE = -3.0e38
+# implementation="auto" goes chunked above this many bytes of float32 scores (B * N * T * S * 4).
+_AUTO_CHUNKED_BYTES = 1 << 28
+_DEFAULT_CHUNK_SIZE = 512
 
 
 def scaled_dot_product_attention(
@@ -40,6 +43,8 @@ def scaled_dot_product_attention(
     training=False,
     seed=None,
     return_weights=False,
+    implementation="auto",
+    chunk_size=None,
 ):
     """Scaled dot-product attention, compiled by XLA.
 
@@ -72,6 +77,13 @@ def scaled_dot_product_attention(
             by `keras.random.SeedGenerator.next()`), or `None` for a random one.
         return_weights: if `True`, also return the attention weights (before
             dropout, as `keras.layers.MultiHeadAttention` returns them).
+        implementation: `"dense"` forms the `(B, N, T, S)` scores; `"chunked"`
+            works in `(chunk_size, chunk_size)` blocks with an online softmax
+            and a recomputing gradient, in `O(T + S)` memory (Rabe & Staats,
+            2021; Dao et al., 2022). `"auto"` (default) picks chunked when the
+            float32 scores would exceed 256 MiB. Dropout (when training) and
+            `return_weights` need the whole matrix and always run dense.
+        chunk_size: block size of the chunked path. Defaults to 512.
 
     Returns:
         The output, `(B, T, N, Hv)`, and if `return_weights`, the weights,
@@ -95,7 +107,19 @@ def scaled_dot_product_attention(
         raise ValueError(f"`dropout_rate` must be in [0, 1). Received: dropout_rate={dropout_rate}")
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
+    if implementation not in ("auto", "dense", "chunked"):
+        raise ValueError(
+            '`implementation` must be "auto", "dense" or "chunked". '
+            f"Received: implementation={implementation!r}"
+        )
+    if chunk_size is None:
+        chunk_size = _DEFAULT_CHUNK_SIZE
+    if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size <= 0:
+        raise ValueError(
+            f"`chunk_size` must be a positive int. Received: chunk_size={chunk_size!r}"
+        )
     dropout_rate = float(dropout_rate) if training else 0.0
+    chunked = _use_chunked(implementation, query, key, dropout_rate, return_weights)
     if dropout_rate > 0.0:
         seed = _as_seed(seed)
     else:
@@ -110,12 +134,40 @@ def scaled_dot_product_attention(
         scale=float(scale),
         dropout_rate=dropout_rate,
         return_weights=bool(return_weights),
+        chunk_size=chunk_size if chunked else None,
     )
     return outputs if return_weights else outputs[0]
 
 
-def _attention(query, key, value, mask, seed, *, is_causal, scale, dropout_rate, return_weights):
-    """The whole computation, traced once per static configuration."""
+def _use_chunked(implementation, query, key, dropout_rate, return_weights):
+    """Whether the chunked path runs: never with dropout or weights, which need `(T, S)`."""
+    if implementation == "dense" or dropout_rate > 0.0 or return_weights:
+        return False
+    if implementation == "chunked":
+        return True
+    sizes = [query.shape[0], query.shape[2], query.shape[1], key.shape[1]]  # B, N, T, S
+    if any(size is None for size in sizes):
+        return False
+    return math.prod(sizes) * 4 > _AUTO_CHUNKED_BYTES
+
+
+def _attention(
+    query,
+    key,
+    value,
+    mask,
+    seed,
+    *,
+    is_causal,
+    scale,
+    dropout_rate,
+    return_weights,
+    chunk_size=None,
+):
+    """The whole computation, traced once per static configuration.
+
+    `chunk_size=None` runs the dense path, an int the chunked one.
+    """
     dtype = query.dtype
     compute = tf.float64 if dtype == tf.float64 else tf.float32  # never below float32
     # Heads become a batch axis, so each step is one batched matmul.
@@ -124,6 +176,10 @@ def _attention(query, key, value, mask, seed, *, is_causal, scale, dropout_rate,
     q = tf.transpose(tf.cast(query, compute), [0, 2, 1, 3]) * scale  # (B, N, T, H)
     k = tf.transpose(tf.cast(key, compute), [0, 2, 1, 3])  # (B, N, S, H)
     v = tf.transpose(tf.cast(value, compute), [0, 2, 1, 3])  # (B, N, S, Hv)
+
+    if chunk_size is not None:
+        out = _attend_chunked(q, k, v, mask, is_causal, chunk_size)
+        return tf.cast(tf.transpose(out, [0, 2, 1, 3]), dtype), None  # (B, T, N, Hv)
 
     if is_causal:
         t, s = tf.shape(q)[2], tf.shape(k)[2]
@@ -231,6 +287,184 @@ def _attend(q, k, v, mask, keep, dropout_rate, return_weights):
     if return_weights:
         return attend(q, k, v)
     return attend(q, k, v), None
+
+
+def _attend_chunked(q, k, v, mask, is_causal, chunk_size):
+    """softmax(q k^T) v in `(C, C)` blocks, `C = chunk_size`, never holding `(T, S)`.
+
+    The online softmax of Rabe & Staats (2021, "Self-attention Does Not Need
+    O(n^2) Memory") and FlashAttention (Dao et al., 2022): for each block of
+    queries the blocks of keys arrive one at a time, and a running row maximum
+    `m`, row sum `l` and output `acc` are rescaled by `exp(m_old - m_new)` as each
+    arrives. The gradient recomputes every block from `q`, `k` and the saved
+    log-sum-exp (FlashAttention-2's split: one pass over query blocks for `dq`,
+    one over key blocks for `dk` and `dv`), so memory is `O(T + S)` plus a few
+    `(C, C)` blocks per head, forward and backward. With `is_causal`, blocks
+    wholly above the diagonal are skipped.
+    """
+    t, s = tf.shape(q)[2], tf.shape(k)[2]
+    num_q = (t + chunk_size - 1) // chunk_size
+    num_k = (s + chunk_size - 1) // chunk_size
+    q_blocks = _to_blocks(q, num_q, chunk_size)  # (nq, B, N, C, H)
+    k_blocks = _to_blocks(k, num_k, chunk_size)  # (nk, B, N, C, H)
+    v_blocks = _to_blocks(v, num_k, chunk_size)  # (nk, B, N, C, Hv)
+    mask_blocks = None
+    if mask is not None:
+        if mask.shape[2] is None:  # whether it broadcasts over T is unknown: make it explicit
+            mask = tf.broadcast_to(mask, tf.stack([tf.shape(mask)[0], tf.shape(mask)[1], t, s]))
+        mask = tf.linalg.matrix_transpose(mask)  # (Bm, Nm, S, Tm): blocks of keys first
+        mask_blocks = _to_blocks(mask, num_k, chunk_size)  # (nk, Bm, Nm, C, Tm')
+        mask_blocks = tf.linalg.matrix_transpose(mask_blocks)  # (nk, Bm, Nm, Tm', C)
+        if mask.shape[3] != 1:
+            mask_blocks = tf.transpose(
+                _to_blocks(mask_blocks, num_q, chunk_size, axis=3), [1, 0, 2, 3, 4, 5]
+            )  # (nk, nq, Bm, Nm, C, C)
+    offsets = tf.range(chunk_size)
+
+    def allowed(i, j):
+        """The "may attend" block, `(., ., C or 1, C)`, of query block i and key block j."""
+        keys = j * chunk_size + offsets  # (C,)
+        result = (keys < s)[None, :]  # (1, C): padded keys never
+        if is_causal:
+            queries = i * chunk_size + offsets
+            result = tf.logical_and(result, queries[:, None] >= keys[None, :])  # (C, C)
+        result = result[None, None]
+        if mask_blocks is not None:
+            block = tf.gather(mask_blocks, j)
+            if mask.shape[3] != 1:
+                block = tf.gather(block, i)
+            result = tf.logical_and(result, block)
+        return result
+
+    def first_key_block_after(
+        i,
+    ):  # causal: key blocks j < this hold keys s <= some query of block i
+        return tf.minimum(num_k, i + 1) if is_causal else num_k
+
+    def first_query_block(j):  # causal: query blocks before this one see nothing of key block j
+        return j if is_causal else 0
+
+    def probs_block(i, j, lse_i):
+        """Recomputed `P` block `exp(q_i k_j^T - lse_i)`, masked: `(B, N, C, C)`."""
+        scores = tf.matmul(tf.gather(q_blocks, i), tf.gather(k_blocks, j), transpose_b=True)
+        return tf.where(allowed(i, j), tf.exp(scores - lse_i), 0.0)
+
+    @tf.custom_gradient
+    def attend(q_blocks, k_blocks, v_blocks):
+        def query_block(i, outs, lses):
+            q_i = tf.gather(q_blocks, i)  # (B, N, C, H)
+            row = tf.zeros_like(q_i[..., :1])  # (B, N, C, 1)
+
+            def key_block(j, m, l, acc):
+                scores = tf.matmul(q_i, tf.gather(k_blocks, j), transpose_b=True)  # (B, N, C, C)
+                ok = allowed(i, j)
+                scores = tf.where(ok, scores, _MASKED_SCORE)
+                m_new = tf.maximum(m, tf.reduce_max(scores, axis=-1, keepdims=True))
+                p = tf.where(ok, tf.exp(scores - m_new), 0.0)  # (B, N, C, C)
+                correction = tf.exp(m - m_new)  # (B, N, C, 1)
+                l = l * correction + tf.reduce_sum(p, axis=-1, keepdims=True)
+                acc = acc * correction + tf.matmul(p, tf.gather(v_blocks, j))  # (B, N, C, Hv)
+                return j + 1, m_new, l, acc
+
+            acc = tf.zeros_like(tf.gather(v_blocks, 0))  # (B, N, C, Hv)
+            _, m, l, acc = tf.while_loop(
+                lambda j, *_: j < first_key_block_after(i),
+                key_block,
+                (tf.constant(0), row + _MASKED_SCORE, row, acc),
+            )
+            seen = l > 0.0  # False on fully masked rows: zero output
+            safe_l = tf.where(seen, l, 1.0)
+            outs = outs.write(i, acc * tf.where(seen, 1.0 / safe_l, 0.0))
+            lses = lses.write(i, tf.where(seen, m + tf.math.log(safe_l), 0.0))
+            return i + 1, outs, lses
+
+        _, outs, lses = tf.while_loop(
+            lambda i, *_: i < num_q,
+            query_block,
+            (
+                tf.constant(0),
+                tf.TensorArray(q_blocks.dtype, size=num_q, element_shape=None),
+                tf.TensorArray(q_blocks.dtype, size=num_q, element_shape=None),
+            ),
+        )
+        out_blocks, lse_blocks = outs.stack(), lses.stack()  # (nq, B, N, C, Hv), (nq, B, N, C, 1)
+
+        def grad(d_out_blocks):
+            row_dot = tf.reduce_sum(d_out_blocks * out_blocks, axis=-1, keepdims=True)
+
+            def d_query_block(i, d_qs):  # dq_i = sum_j dS_ij k_j
+                d_out_i, lse_i, row_dot_i = (
+                    tf.gather(x, i) for x in (d_out_blocks, lse_blocks, row_dot)
+                )
+
+                def key_block(j, d_q):
+                    p = probs_block(i, j, lse_i)  # (B, N, C, C)
+                    d_p = tf.matmul(d_out_i, tf.gather(v_blocks, j), transpose_b=True)
+                    d_scores = p * (d_p - row_dot_i)
+                    return j + 1, d_q + tf.matmul(d_scores, tf.gather(k_blocks, j))
+
+                _, d_q = tf.while_loop(
+                    lambda j, *_: j < first_key_block_after(i),
+                    key_block,
+                    (tf.constant(0), tf.zeros_like(tf.gather(q_blocks, 0))),
+                )
+                return i + 1, d_qs.write(i, d_q)
+
+            def d_key_block(j, d_ks, d_vs):  # dk_j = sum_i dS_ij^T q_i, dv_j = sum_i P_ij^T dO_i
+                k_j, v_j = tf.gather(k_blocks, j), tf.gather(v_blocks, j)
+
+                def query_block(i, d_k, d_v):
+                    d_out_i = tf.gather(d_out_blocks, i)
+                    p = probs_block(i, j, tf.gather(lse_blocks, i))  # (B, N, C, C)
+                    d_v = d_v + tf.matmul(p, d_out_i, transpose_a=True)  # (B, N, C, Hv)
+                    d_p = tf.matmul(d_out_i, v_j, transpose_b=True)
+                    d_scores = p * (d_p - tf.gather(row_dot, i))
+                    d_k = d_k + tf.matmul(d_scores, tf.gather(q_blocks, i), transpose_a=True)
+                    return i + 1, d_k, d_v
+
+                _, d_k, d_v = tf.while_loop(
+                    lambda i, *_: i < num_q,
+                    query_block,
+                    (first_query_block(j), tf.zeros_like(k_j), tf.zeros_like(v_j)),
+                )
+                return j + 1, d_ks.write(j, d_k), d_vs.write(j, d_v)
+
+            array = lambda size: tf.TensorArray(q_blocks.dtype, size=size)  # noqa: E731
+            _, d_qs = tf.while_loop(
+                lambda i, *_: i < num_q, d_query_block, (tf.constant(0), array(num_q))
+            )
+            _, d_ks, d_vs = tf.while_loop(
+                lambda j, *_: j < num_k, d_key_block, (tf.constant(0), array(num_k), array(num_k))
+            )
+            return d_qs.stack(), d_ks.stack(), d_vs.stack()
+
+        return out_blocks, grad
+
+    out_blocks = attend(q_blocks, k_blocks, v_blocks)
+    return _from_blocks(out_blocks, t)  # (B, N, T, Hv)
+
+
+def _to_blocks(x, num, chunk_size, axis=2):
+    """Zero-pads `axis` of `x` to `num * chunk_size` and moves its blocks to a new axis 0.
+
+    `(B, N, L, D)` with `axis=2` becomes `(num, B, N, C, D)`.
+    """
+    shape = tf.shape(x)
+    pad = [[0, 0]] * x.shape.rank
+    pad[axis] = [0, num * chunk_size - shape[axis]]
+    x = tf.pad(x, pad)
+    split = tf.concat([shape[:axis], [num, chunk_size], shape[axis + 1 :]], 0)
+    x = tf.reshape(x, split)
+    order = [axis] + [a for a in range(x.shape.rank) if a != axis]
+    return tf.transpose(x, order)
+
+
+def _from_blocks(blocks, length):
+    """`(num, B, N, C, D)` back to `(B, N, length, D)`, dropping the padding."""
+    x = tf.transpose(blocks, [1, 2, 0, 3, 4])  # (B, N, num, C, D)
+    shape = tf.shape(x)
+    x = tf.reshape(x, tf.stack([shape[0], shape[1], shape[2] * shape[3], shape[4]]))
+    return x[:, :, :length]
 
 
 def _check_inputs(query, key, value):

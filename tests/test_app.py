@@ -1,0 +1,332 @@
+"""End-to-end tests of the training app and the plain-TensorFlow predictor, on real IMDB."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from apps import data, predict, train_sentiment
+from keras_sdpa import ScaledDotProductAttention
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# A small, fast run: 2 epochs of 6 steps on real IMDB reviews.
+SMALL_RUN = [
+    "--epochs", "2", "--max_steps", "6", "--batch_size", "32", "--sequence_length", "48",
+    "--vocab_size", "3000", "--embed_dim", "16", "--key_dim", "8", "--ff_dim", "32",
+    "--save_every", "2", "--inspect_examples", "6", "--verbose", "0",
+]  # fmt: skip
+TEXTS = [
+    b"A wonderful, moving film with a brilliant cast.",
+    b"Dull, predictable and far too long. I want my two hours back.",
+]
+
+pytestmark = pytest.mark.slow
+
+
+def _env():
+    env = dict(os.environ)
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    output = str(tmp_path_factory.mktemp("run") / "imdb")
+    assert train_sentiment.main([*SMALL_RUN, "--output", output]) == 0
+    with open(os.path.join(output, "metrics.json")) as f:
+        metrics = json.load(f)
+    return output, metrics
+
+
+@pytest.fixture(scope="module")
+def trained(run):
+    """The in-memory Keras model and vectorizer, rebuilt from the run's own files."""
+    output, metrics = run
+    model = keras.saving.load_model(os.path.join(output, "model.keras"))
+    vectorizer = data.make_vectorizer(
+        metrics["config"]["vocab_size"],
+        metrics["config"]["sequence_length"],
+        metrics["config"]["ngrams"],
+        vocabulary=os.path.join(output, "vocabulary.txt"),
+    )
+    return model, vectorizer
+
+
+def test_run_writes_every_artifact(run):
+    output, metrics = run
+    for name in metrics["artifacts"].values():
+        assert os.path.exists(os.path.join(output, name)), name
+    assert not os.path.exists(os.path.join(output, "checkpoints"))  # finished runs clean up
+    assert metrics["epochs_run"] == 2 and len(metrics["history"]) == 2
+    assert metrics["train_steps"] == 12
+    assert metrics["test_examples"] == 6 * 32
+    assert metrics["validation_examples"] == 6 * 32
+    assert metrics["train_examples"] == 22500  # 25,000 minus the 10% validation carve-out
+    assert metrics["config"]["num_heads"] == 2
+    assert set(metrics["versions"]) == {"python", "tensorflow", "keras", "tensorflow_datasets"}
+    assert metrics["export_max_abs_difference"] < 1e-5
+    assert metrics["train_seconds"] > 0
+
+
+def test_model_is_built_on_our_layer(trained):
+    model, _ = trained
+    layers = [layer for layer in _walk(model) if isinstance(layer, ScaledDotProductAttention)]
+    assert len(layers) == 2  # the block's self-attention and the pooling
+    assert not [
+        layer for layer in _walk(model) if isinstance(layer, keras.layers.MultiHeadAttention)
+    ]
+
+
+def _walk(layer):
+    yield layer
+    for child in getattr(layer, "_layers", []):
+        yield from _walk(child)
+
+
+def test_metrics_are_what_the_model_measures(run, trained):
+    """metrics.json's test accuracy is reproduced by evaluating the saved model anew."""
+    output, metrics = run
+    model, vectorizer = trained
+    splits = data.load_splits(seed=metrics["config"]["seed"])
+    count = metrics["test_examples"]
+    ids = data.vectorize(vectorizer, splits.test_text[:count])
+    probability = model.predict(ids, batch_size=64, verbose=0)[:, 0]
+    accuracy = np.mean((probability >= 0.5) == splits.test_label[:count])
+    np.testing.assert_allclose(accuracy, metrics["test_accuracy"], atol=1e-6)
+    history = metrics["history"]
+    with open(os.path.join(output, "history.csv")) as f:
+        assert len(f.readlines()) == 1 + len(history)
+
+
+def test_validation_is_a_fixed_seed_carve_out_of_train():
+    first = data.load_splits(seed=3)
+    again = data.load_splits(seed=3)
+    other = data.load_splits(seed=4)
+    np.testing.assert_array_equal(first.validation_text, again.validation_text)
+    assert not np.array_equal(first.validation_text, other.validation_text)
+    assert not set(first.validation_text) & set(first.train_text[:5000])
+    assert len(first.validation_text) == 2500 and first.test_split == "test"
+
+
+def test_standardize_handles_markup_and_bad_bytes():
+    out = data.standardize(
+        tf.constant([b"Great<br />FILM!! don't", b"bad \xff\xfe bytes \xf0\x9f\x98\x80"])
+    )
+    first, second = out.numpy()
+    assert first.split() == [b"great", b"film", b"don't"]
+    assert second.split() == [b"bad", b"bytes"]
+
+
+def test_saved_model_serves_raw_strings_without_keras_sdpa(run, trained):
+    """A fresh process loads the SavedModel with plain TensorFlow and matches the Keras model."""
+    output, _ = run
+    model, vectorizer = trained
+    script = f"""
+import json, sys
+import tensorflow as tf
+serve = tf.saved_model.load({os.path.join(output, "saved_model")!r}).signatures["serving_default"]
+out = serve(text=tf.constant({TEXTS!r} + [b"", b"\\xff\\xfe not utf-8 \\xf0\\x9f\\x98\\x80"]))
+assert "keras_sdpa" not in sys.modules and "apps" not in sys.modules
+print(json.dumps({{k: v.numpy().tolist() if v.dtype != tf.string else None for k, v in out.items()}}))
+"""
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd="/"
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    served = json.loads(result.stdout.strip().splitlines()[-1])
+    ids = vectorizer(tf.constant(TEXTS)).numpy()
+    expected = model.predict(ids, verbose=0)[:, 0]
+    np.testing.assert_allclose(served["probability"][:2], expected, atol=1e-5)
+    assert served["label"][:2] == [int(p >= 0.5) for p in expected]
+    np.testing.assert_array_equal(served["length"][:2], (ids != 0).sum(-1))
+    assert served["length"][2] == 0 and 0.0 <= served["probability"][2] <= 1.0
+    pooling = np.asarray(served["pooling"])  # (B, N, L)
+    lengths = np.asarray(served["length"])
+    for i, n in enumerate(lengths):
+        np.testing.assert_allclose(pooling[i, :, :n].sum(-1), 1.0 if n else 0.0, atol=1e-5)
+        np.testing.assert_array_equal(pooling[i, :, n:], 0.0)  # never on padding
+
+
+def test_attention_export_matches_the_model(run, trained):
+    output, metrics = run
+    model, vectorizer = trained
+    with open(os.path.join(output, "attention.jsonl")) as f:
+        records = [json.loads(line) for line in f]
+    assert len(records) == 6
+    splits = data.load_splits(seed=metrics["config"]["seed"])
+    serve = tf.saved_model.load(os.path.join(output, "saved_model")).signatures["serving_default"]
+    for record in records:
+        text = splits.test_text[record["index"]]
+        assert record["text"] == text.decode("utf-8")
+        assert record["label"] == int(splits.test_label[record["index"]])
+        out = serve(text=tf.constant([text]))
+        n = int(out["length"][0])
+        assert len(record["tokens"]) == n and "" not in record["tokens"]
+        np.testing.assert_allclose(record["pooling"], out["pooling"][0, :, :n], atol=1e-4)
+        np.testing.assert_allclose(
+            record["attention"], out["attention"][0, :, :, :n, :n], atol=1e-4
+        )
+        np.testing.assert_allclose(np.sum(record["attention"], -1), 1.0, atol=1e-3)
+        assert record["prediction"] == int(record["probability"] >= 0.5)
+    with open(os.path.join(output, "attention.html"), encoding="utf-8") as f:
+        page = f.read()
+    assert "http://" not in page and "https://" not in page  # nothing fetched
+    embedded = json.loads(page.split('type="application/json">')[1].split("</script>")[0])
+    assert [e["tokens"] for e in embedded["examples"]] == [r["tokens"] for r in records]
+
+
+def _predict(args, stdin=None):
+    return subprocess.run(
+        [sys.executable, "-c",
+         "import sys; from apps import predict; code = predict.main(sys.argv[1:]); "
+         "assert 'keras_sdpa' not in sys.modules, 'predict imported keras_sdpa'; sys.exit(code)",
+         *args],
+        input=stdin, capture_output=True, timeout=300, env=_env(), cwd=ROOT,
+    )  # fmt: skip
+
+
+def test_predict_cli_answers_every_input(run):
+    output, _ = run
+    megabyte = b"a truly great film " * 60000  # 1.1 MB on one line
+    lines = [
+        TEXTS[0],
+        b"",
+        b"\xff\xfe not utf-8",
+        "so good \U0001f600\U0001f44d".encode(),
+        megabyte,
+    ]
+    result = _predict(["--model", output, "--json"], stdin=b"\n".join(lines) + b"\n")
+    assert result.returncode == 0, result.stderr.decode()[-3000:]
+    answers = [json.loads(line) for line in result.stdout.decode().splitlines()]
+    assert len(answers) == len(lines)
+    for answer in answers:
+        assert answer["label"] in ("positive", "negative") and 0 <= answer["probability"] <= 1
+    assert answers[1]["tokens"] == 0 and "note" in answers[1]
+    assert answers[2]["text"].startswith("\ufffd")
+    assert answers[4]["tokens"] == 48  # truncated to sequence_length, not a crash
+    serve = tf.saved_model.load(os.path.join(output, "saved_model")).signatures["serving_default"]
+    expected = float(serve(text=tf.constant([TEXTS[0]]))["probability"][0])
+    np.testing.assert_allclose(answers[0]["probability"], expected, atol=1e-5)
+    top = [t["token"] for t in answers[0]["top_tokens"]]
+    assert top and set(top) <= set(data.standardize(TEXTS[0]).numpy().decode().split() + ["[UNK]"])
+
+
+def test_predict_cli_text_arguments_and_errors(run):
+    output, _ = run
+    result = _predict(["--model", output, TEXTS[0].decode(), TEXTS[1].decode()])
+    assert result.returncode == 0, result.stderr.decode()[-3000:]
+    assert len(result.stdout.decode().splitlines()) == 2
+    missing = _predict(["--model", os.path.join(output, "nope"), "text"])
+    assert missing.returncode == 2 and b"--model" in missing.stderr and b"nope" in missing.stderr
+    with pytest.raises(ValueError, match="model="):
+        predict.resolve_model_path(os.path.join(output, "nope"))
+
+
+@pytest.mark.parametrize(
+    "flags, match",
+    [
+        (["--num_heads", "0"], "num_heads=0"),
+        (["--dropout", "1.5"], "dropout=1.5"),
+        (["--learning_rate", "-1"], "learning_rate=-1"),
+        (["--batch_size", "many"], "invalid int value: 'many'"),
+    ],
+    ids=["num_heads", "dropout", "learning_rate", "batch_size"],
+)
+def test_train_rejects_bad_flags_with_argparse_errors(flags, match, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        train_sentiment.main([*flags, "--output", str(tmp_path / "x")])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert match in err and "usage:" in err
+
+
+def test_unknown_dataset_is_a_clear_error(tmp_path, capsys):
+    code = train_sentiment.main(["--dataset", "no_such_dataset", "--output", str(tmp_path / "x")])
+    assert code == 2
+    assert "dataset='no_such_dataset'" in capsys.readouterr().err
+
+
+def test_no_data_and_no_network_says_where_tfds_looked(tmp_path):
+    """An empty data_dir and an unreachable network: one actionable message, no traceback."""
+    empty = tmp_path / "tfds"
+    empty.mkdir()
+    env = _env()
+    for proxy in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy"):
+        env[proxy] = "http://127.0.0.1:9"  # nothing listens: every download fails at once
+    env.pop("TFDS_DATA_DIR", None)
+    result = subprocess.run(
+        [sys.executable, "-m", "apps.train_sentiment", "--data_dir", str(empty),
+         "--output", str(tmp_path / "out")],
+        capture_output=True, text=True, env=env, cwd=ROOT, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    assert str(empty) in result.stderr and "--data_dir" in result.stderr
+
+
+def test_interrupt_then_resume_loses_nothing(run, tmp_path):
+    """SIGINT mid-epoch, then --resume: the same final weights as the uninterrupted run."""
+    output = str(tmp_path / "imdb")
+    command = [sys.executable, "-m", "apps.train_sentiment", *SMALL_RUN, "--output", output]
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env(), cwd=ROOT
+    )
+    state = os.path.join(output, "checkpoints", "state.json")
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline and process.poll() is None:
+            if os.path.exists(state):
+                with open(state) as f:
+                    if json.load(f)["step"] >= 2:
+                        break
+            time.sleep(0.05)
+        assert process.poll() is None, "the run ended before it could be interrupted"
+        process.send_signal(signal.SIGINT)
+        _, stderr = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 130, stderr.decode()[-3000:]
+    assert b"--resume" in stderr
+    with open(state) as f:
+        interrupted_at = json.load(f)["step"]
+    assert 2 <= interrupted_at < 12
+
+    # Without --resume the app refuses to overwrite the interrupted run.
+    refused = subprocess.run(command, capture_output=True, env=_env(), cwd=ROOT, timeout=300)
+    assert refused.returncode == 2 and b"--resume" in refused.stderr
+
+    resumed = subprocess.run(
+        [*command, "--resume"], capture_output=True, env=_env(), cwd=ROOT, timeout=600
+    )
+    assert resumed.returncode == 0, resumed.stderr.decode()[-3000:]
+    assert f"step {interrupted_at}".encode() in resumed.stdout
+    with open(os.path.join(output, "metrics.json")) as f:
+        metrics = json.load(f)
+    assert metrics["train_steps"] == 12 and metrics["epochs_run"] == 2
+    uninterrupted = keras.saving.load_model(os.path.join(run[0], "model.keras"))
+    continued = keras.saving.load_model(os.path.join(output, "model.keras"))
+    for a, b in zip(uninterrupted.get_weights(), continued.get_weights()):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+    np.testing.assert_allclose(
+        [row["val_loss"] for row in metrics["history"]],
+        [row["val_loss"] for row in run[1]["history"]],
+        atol=1e-5,
+    )
+
+
+def test_resume_refuses_a_different_run(tmp_path, capsys):
+    output = tmp_path / "imdb"
+    (output / "checkpoints").mkdir(parents=True)
+    (output / "checkpoints" / "state.json").write_text('{"step": 3, "train_seconds": 1.0}')
+    (output / "checkpoints" / "config.json").write_text(json.dumps({"num_heads": 4}))
+    code = train_sentiment.main(["--resume", "--output", str(output), "--num_heads", "2"])
+    assert code == 2
+    assert "--num_heads (saved 4, received 2)" in capsys.readouterr().err

@@ -1,0 +1,218 @@
+"""The chunked (O(T) memory) core against the dense core, NumPy, and finite differences."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from test_ops import MASKS, make_mask, numeric_gradient, reference
+
+from keras_sdpa import ScaledDotProductAttention, ops
+from keras_sdpa.ops import scaled_dot_product_attention
+
+B, N, H, HV = 2, 3, 6, 5
+CHUNK = 4  # small, so every test crosses several blocks and a ragged last one
+
+# (T, S): divisible by the chunk, ragged, T < S, T > S, a single partial block.
+LENGTHS = [(8, 8), (11, 11), (7, 13), (13, 6), (3, 3)]
+
+
+def inputs(t, s, dtype="float32", seed=0):
+    rng = np.random.default_rng(seed)
+    shapes = [(B, t, N, H), (B, s, N, H), (B, s, N, HV)]
+    return [tf.constant(rng.normal(size=shape), dtype) for shape in shapes]
+
+
+def mask_for(kind, t, s):
+    mask = make_mask(kind, t=t, s=s)
+    if mask is not None and mask.ndim == 4 and mask.shape[1] not in (1, N):
+        mask = mask[:, :1]  # test_ops builds masks for its own N
+    return mask
+
+
+def run(implementation, q, k, v, mask, is_causal, scale=None):
+    """Output and the gradients of a loss that weighs every output element differently."""
+    weights = tf.cos(
+        tf.reshape(tf.range(tf.size(q[..., :1]) * HV, dtype=q.dtype), (*q.shape[:3], HV))
+    )
+    with tf.GradientTape() as tape:
+        tape.watch([q, k, v])
+        out = scaled_dot_product_attention(
+            q, k, v, mask, is_causal=is_causal, scale=scale,
+            implementation=implementation, chunk_size=CHUNK,
+        )  # fmt: skip
+        loss = tf.reduce_sum(out * weights)
+    return [out, *tape.gradient(loss, [q, k, v])]
+
+
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("mask_kind", MASKS)
+@pytest.mark.parametrize("t, s", LENGTHS, ids=[f"T{t}_S{s}" for t, s in LENGTHS])
+def test_chunked_equals_dense_forward_and_gradients(t, s, mask_kind, is_causal):
+    q, k, v = inputs(t, s)
+    mask = mask_for(mask_kind, t, s)
+    dense = run("dense", q, k, v, mask, is_causal)
+    chunked = run("chunked", q, k, v, mask, is_causal)
+    for name, a, b in zip(["out", "d_q", "d_k", "d_v"], dense, chunked):
+        np.testing.assert_allclose(b, a, atol=1e-5, err_msg=name)
+
+
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("mask_kind", MASKS)
+def test_chunked_matches_numpy_reference(mask_kind, is_causal):
+    t, s = 11, 9
+    q, k, v = inputs(t, s, "float64")
+    mask = mask_for(mask_kind, t, s)
+    out = scaled_dot_product_attention(
+        q, k, v, mask, is_causal=is_causal, scale=0.7, implementation="chunked", chunk_size=CHUNK
+    )
+    want, _ = reference(q, k, v, mask, is_causal, 0.7)
+    np.testing.assert_allclose(out, want, atol=1e-12)
+
+
+def test_chunked_bfloat16_equals_dense():
+    q, k, v = inputs(13, 10, "bfloat16")
+    mask = mask_for("padding", 13, 10)
+    dense = run("dense", q, k, v, mask, True)
+    chunked = run("chunked", q, k, v, mask, True)
+    for a, b in zip(dense, chunked):
+        np.testing.assert_allclose(
+            tf.cast(b, tf.float32), tf.cast(a, tf.float32), atol=1e-2, rtol=1e-2
+        )
+
+
+def test_chunked_fully_masked_rows_are_zero_with_finite_gradients():
+    t, s = 9, 10
+    q, k, v = inputs(t, s)
+    mask = np.ones((B, 1, t, s), bool)
+    mask[0, 0, 2] = False  # one query row of example 0 sees nothing
+    mask[1] = False  # example 1 sees nothing at all
+    out, d_q, d_k, d_v = run("chunked", q, k, v, mask, False)
+    np.testing.assert_array_equal(out[0, 2], 0.0)
+    np.testing.assert_array_equal(out[1], 0.0)
+    for grad in (d_q, d_k, d_v):
+        assert np.all(np.isfinite(grad))
+    np.testing.assert_array_equal(d_k[1], 0.0)
+
+
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+def test_chunked_gradients_match_finite_differences(is_causal):
+    t, s = 7, 6
+    q, k, v = inputs(t, s, "float64")
+    mask = mask_for("fully_masked_rows", t, s)
+    c = np.random.default_rng(3).normal(size=(B, t, N, HV))
+
+    def loss(q, k, v):
+        out = scaled_dot_product_attention(
+            q, k, v, mask, is_causal=is_causal, implementation="chunked", chunk_size=CHUNK
+        )
+        return tf.reduce_sum(out * c)
+
+    with tf.GradientTape() as tape:
+        tape.watch([q, k, v])
+        value = loss(q, k, v)
+    grads = tape.gradient(value, [q, k, v])
+    arrays = [q.numpy(), k.numpy(), v.numpy()]
+    for i, grad in enumerate(grads):
+
+        def f(x, i=i):
+            args = list(arrays)
+            args[i] = x
+            return float(loss(*(tf.constant(a) for a in args)))
+
+        np.testing.assert_allclose(grad, numeric_gradient(f, arrays[i]), atol=1e-7, rtol=1e-6)
+
+
+def test_chunked_path_is_one_xla_program_with_loops():
+    q, k, v = inputs(11, 11)
+    kwargs = dict(is_causal=True, scale=0.5, dropout_rate=0.0, return_weights=False)
+    hlo = ops._attention_xla.experimental_get_compiler_ir(
+        q, k, v, None, None, chunk_size=CHUNK, **kwargs
+    )(stage="optimized_hlo")
+    assert "while" in hlo and " dot(" in hlo and "exponential(" in hlo
+    dense = ops._attention_xla.experimental_get_compiler_ir(
+        q, k, v, None, None, chunk_size=None, **kwargs
+    )(stage="optimized_hlo")
+    assert "while" not in dense
+
+
+def test_auto_picks_chunked_only_for_large_scores_without_dropout_or_weights():
+    small = tf.zeros((1, 128, 4, 8))
+    large = tf.zeros((1, 8192, 4, 8))  # 1 * 4 * 8192^2 * 4 bytes = 1 GiB of scores
+    assert not ops._use_chunked("auto", small, small, 0.0, False)
+    assert ops._use_chunked("auto", large, large, 0.0, False)
+    assert not ops._use_chunked("auto", large, large, 0.1, False)  # dropout needs (T, S)
+    assert not ops._use_chunked("auto", large, large, 0.0, True)  # so do the weights
+    assert ops._use_chunked("chunked", small, small, 0.0, False)
+    assert not ops._use_chunked("dense", large, large, 0.0, False)
+
+
+def test_dropout_and_weights_fall_back_to_dense():
+    q, k, v = inputs(9, 9)
+    kwargs = dict(dropout_rate=0.3, training=True, seed=11, return_weights=True)
+    dense = scaled_dot_product_attention(q, k, v, implementation="dense", **kwargs)
+    chunked = scaled_dot_product_attention(q, k, v, implementation="chunked", **kwargs)
+    for a, b in zip(dense, chunked):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(implementation="flash"), r"`implementation` must be.*implementation='flash'"),
+        (dict(chunk_size=0), r"`chunk_size` must be a positive int.*chunk_size=0"),
+        (dict(chunk_size=2.5), r"chunk_size=2.5"),
+    ],
+    ids=["implementation", "chunk_zero", "chunk_float"],
+)
+def test_bad_implementation_arguments(kwargs, match):
+    q, k, v = inputs(3, 3)
+    with pytest.raises(ValueError, match=match):
+        scaled_dot_product_attention(q, k, v, **kwargs)
+
+
+def test_layer_results_do_not_depend_on_the_implementation():
+    rng = np.random.default_rng(0)
+    query = tf.constant(rng.normal(size=(B, 11, 16)), tf.float32)
+    value = tf.constant(rng.normal(size=(B, 9, 12)), tf.float32)
+    mask = tf.constant(rng.random((B, 11, 9)) > 0.3)
+    layers = {
+        name: ScaledDotProductAttention(num_heads=2, key_dim=4, implementation=name, chunk_size=4)
+        for name in ("dense", "chunked")
+    }
+    layers["dense"](query, value)
+    layers["chunked"](query, value)
+    layers["chunked"].set_weights(layers["dense"].get_weights())
+    results = {}
+    for name, layer in layers.items():
+        with tf.GradientTape() as tape:
+            out = layer(query, value, attention_mask=mask, use_causal_mask=True)
+            loss = tf.reduce_sum(out * tf.sin(out))
+        results[name] = [out, *tape.gradient(loss, layer.trainable_weights)]
+    for a, b in zip(results["dense"], results["chunked"]):
+        np.testing.assert_allclose(b, a, atol=1e-5)
+
+
+def test_layer_config_round_trips_the_implementation():
+    layer = ScaledDotProductAttention(
+        num_heads=2, key_dim=4, implementation="chunked", chunk_size=64
+    )
+    config = layer.get_config()
+    assert config["implementation"] == "chunked" and config["chunk_size"] == 64
+    clone = ScaledDotProductAttention.from_config(config)
+    assert clone.implementation == "chunked" and clone.chunk_size == 64
+    with pytest.raises(ValueError, match="implementation='fast'"):
+        ScaledDotProductAttention(implementation="fast")
+    with pytest.raises(ValueError, match="chunk_size=-1"):
+        ScaledDotProductAttention(chunk_size=-1)
+
+
+def test_layer_in_a_keras_model_trains_with_chunked_attention():
+    x = keras.Input((None, 8))
+    y = ScaledDotProductAttention(num_heads=2, key_dim=4, implementation="chunked", chunk_size=4)(
+        x, x
+    )
+    model = keras.Model(x, keras.layers.GlobalAveragePooling1D()(y))
+    model.compile("adam", "mse")
+    data = np.random.default_rng(0).normal(size=(8, 10, 8)).astype("float32")
+    history = model.fit(data, data.mean(1), epochs=3, verbose=0)
+    assert history.history["loss"][-1] < history.history["loss"][0]
