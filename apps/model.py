@@ -1,9 +1,9 @@
 """The sentiment classifier, built from `keras_sdpa.ScaledDotProductAttention`.
 
-    token ids (B, L) -> Embedding(mask_zero=True) + positions    (B, L, E)
-                     -> num_layers x TransformerBlock             (B, L, E)   self-attention
-                     -> AttentionPooling                          (B, E)      a learned query attends over the tokens
-                     -> Dense(1, sigmoid)                         (B,)        P(positive)
+    token ids (B, L) -> Embedding(mask_zero=True) + positions  (B, L, E)
+                     -> num_layers x TransformerBlock           (B, L, E)  self-attention
+                     -> AttentionPooling                        (B, E)     a learned query attends
+                     -> Dense(1, sigmoid)                       (B, 1)     P(positive)
 
 Both attentions are our layer: the blocks with T = S = L, the pooling with T = 1,
 whose weights say directly which tokens the classifier looked at.

@@ -110,8 +110,10 @@ def parse_args(argv=None):
 
 
 def _check_config(config):
-    positive = ("vocab_size", "sequence_length", "ngrams", "embed_dim", "num_heads", "key_dim", "ff_dim",
-                "num_layers", "batch_size", "epochs", "patience", "save_every")  # fmt: skip
+    positive = (
+        "vocab_size", "sequence_length", "ngrams", "embed_dim", "num_heads", "key_dim", "ff_dim",
+        "num_layers", "batch_size", "epochs", "patience", "save_every",
+    )  # fmt: skip
     for name in positive:
         if getattr(config, name) <= 0:
             raise ValueError(
@@ -131,7 +133,8 @@ def _check_config(config):
         )
     if config.inspect_examples < 0:
         raise ValueError(
-            f"`--inspect_examples` must be >= 0. Received: inspect_examples={config.inspect_examples}"
+            "`--inspect_examples` must be >= 0. "
+            f"Received: inspect_examples={config.inspect_examples}"
         )
 
 
@@ -271,7 +274,8 @@ def train(config):
         )
     print(
         f"train {len(splits.train_text)}, validation {len(splits.validation_text)} (from train, "
-        f"seed {config.seed}), test {len(splits.test_text)} ({splits.test_split} split, report only)"
+        f"seed {config.seed}), test {len(splits.test_text)} "
+        f"({splits.test_split} split, for the final report only)"
     )
 
     if resuming and os.path.exists(vocabulary_path):
@@ -474,8 +478,10 @@ def _report(config, output, model, inspector, vectorizer, splits, history, best_
         },
     }
     paths["metrics"] = os.path.join(output, "metrics.json")
+    paths["model_card"] = os.path.join(output, "README.md")
     metrics["artifacts"] = {name: os.path.relpath(path, output) for name, path in paths.items()}
     export.write_json_atomic(paths["metrics"], metrics)
+    export.write_model_card(metrics, paths["model_card"])
     # The run is complete: its resumable state is no longer needed.
     shutil.rmtree(os.path.join(output, "checkpoints"), ignore_errors=True)
 

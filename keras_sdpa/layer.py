@@ -143,7 +143,8 @@ class ScaledDotProductAttention(keras.layers.Layer):
             )
         if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size <= 0):
             raise ValueError(
-                f"`chunk_size` must be a positive integer or None. Received: chunk_size={chunk_size}"
+                "`chunk_size` must be a positive integer or None. "
+                f"Received: chunk_size={chunk_size}"
             )
         self.seed = seed
         self.implementation = implementation

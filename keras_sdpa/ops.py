@@ -295,7 +295,7 @@ def _attend_chunked(q, k, v, mask, is_causal, chunk_size):
     The online softmax of Rabe & Staats (2021, "Self-attention Does Not Need
     O(n^2) Memory") and FlashAttention (Dao et al., 2022): for each block of
     queries the blocks of keys arrive one at a time, and a running row maximum
-    `m`, row sum `l` and output `acc` are rescaled by `exp(m_old - m_new)` as each
+    `m`, row sum `total` and output `acc` are rescaled by `exp(m_old - m_new)` as each
     arrives. The gradient recomputes every block from `q`, `k` and the saved
     log-sum-exp (FlashAttention-2's split: one pass over query blocks for `dq`,
     one over key blocks for `dk` and `dv`), so memory is `O(T + S)` plus a few
@@ -355,27 +355,27 @@ def _attend_chunked(q, k, v, mask, is_causal, chunk_size):
             q_i = tf.gather(q_blocks, i)  # (B, N, C, H)
             row = tf.zeros_like(q_i[..., :1])  # (B, N, C, 1)
 
-            def key_block(j, m, l, acc):
+            def key_block(j, m, total, acc):
                 scores = tf.matmul(q_i, tf.gather(k_blocks, j), transpose_b=True)  # (B, N, C, C)
                 ok = allowed(i, j)
                 scores = tf.where(ok, scores, _MASKED_SCORE)
                 m_new = tf.maximum(m, tf.reduce_max(scores, axis=-1, keepdims=True))
                 p = tf.where(ok, tf.exp(scores - m_new), 0.0)  # (B, N, C, C)
                 correction = tf.exp(m - m_new)  # (B, N, C, 1)
-                l = l * correction + tf.reduce_sum(p, axis=-1, keepdims=True)
+                total = total * correction + tf.reduce_sum(p, axis=-1, keepdims=True)
                 acc = acc * correction + tf.matmul(p, tf.gather(v_blocks, j))  # (B, N, C, Hv)
-                return j + 1, m_new, l, acc
+                return j + 1, m_new, total, acc
 
             acc = tf.zeros_like(tf.gather(v_blocks, 0))  # (B, N, C, Hv)
-            _, m, l, acc = tf.while_loop(
+            _, m, total, acc = tf.while_loop(
                 lambda j, *_: j < first_key_block_after(i),
                 key_block,
                 (tf.constant(0), row + _MASKED_SCORE, row, acc),
             )
-            seen = l > 0.0  # False on fully masked rows: zero output
-            safe_l = tf.where(seen, l, 1.0)
-            outs = outs.write(i, acc * tf.where(seen, 1.0 / safe_l, 0.0))
-            lses = lses.write(i, tf.where(seen, m + tf.math.log(safe_l), 0.0))
+            seen = total > 0.0  # False on fully masked rows: zero output
+            safe_total = tf.where(seen, total, 1.0)
+            outs = outs.write(i, acc * tf.where(seen, 1.0 / safe_total, 0.0))
+            lses = lses.write(i, tf.where(seen, m + tf.math.log(safe_total), 0.0))
             return i + 1, outs, lses
 
         _, outs, lses = tf.while_loop(

@@ -134,7 +134,8 @@ import tensorflow as tf
 serve = tf.saved_model.load({os.path.join(output, "saved_model")!r}).signatures["serving_default"]
 out = serve(text=tf.constant({TEXTS!r} + [b"", b"\\xff\\xfe not utf-8 \\xf0\\x9f\\x98\\x80"]))
 assert "keras_sdpa" not in sys.modules and "apps" not in sys.modules
-print(json.dumps({{k: v.numpy().tolist() if v.dtype != tf.string else None for k, v in out.items()}}))
+numbers = {{k: v.numpy().tolist() for k, v in out.items() if v.dtype != tf.string}}
+print(json.dumps(numbers))
 """
     result = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd="/"
