@@ -169,6 +169,7 @@ def build_classifier(
     """
     ids = keras.Input((sequence_length,), dtype="int32", name="token_ids")
     x = TokenAndPositionEmbedding(vocab_size, sequence_length, embed_dim, name="embedding")(ids)
+    x = keras.layers.Dropout(dropout, seed=seed, name="embedding_dropout")(x)
     mask = ops.not_equal(ids, 0)  # (B, L), the Embedding's mask_zero mask
     block_scores = []
     for index in range(num_layers):

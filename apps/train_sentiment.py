@@ -66,7 +66,7 @@ class Config:
     # training
     batch_size: int = 64
     epochs: int = 4
-    learning_rate: float = 1e-3  # Adam
+    learning_rate: float = 1e-3  # Adam, with cosine decay to 0 over the epochs
     patience: int = 1  # early stopping on validation loss
     seed: int = 0
     max_steps: int | None = None  # smoke runs: cap steps per epoch and evaluation batches
@@ -82,7 +82,7 @@ class Config:
 _RUN_DEFINING = (
     "dataset", "validation_fraction", "vocab_size", "sequence_length", "ngrams", "embed_dim",
     "num_heads", "key_dim", "ff_dim", "num_layers", "dropout", "batch_size",
-    "learning_rate", "seed", "max_steps",
+    "learning_rate", "seed", "max_steps", "epochs",
 )  # fmt: skip
 
 
@@ -302,8 +302,18 @@ def train(config):
     )
     # The attention core is XLA-compiled on its own; the rest of the step runs on TF's
     # kernels (XLA's CPU random numbers make Keras's Dropout far slower under jit).
+    steps_per_epoch = max(1, len(train_ids) // config.batch_size)
+    validation_steps = None
+    if config.max_steps is not None:
+        steps_per_epoch = min(steps_per_epoch, config.max_steps)
+        validation_steps = config.max_steps
+    # Cosine decay to zero over the planned steps: a function of the optimizer's own step,
+    # so a resumed run follows the same schedule.
+    schedule = keras.optimizers.schedules.CosineDecay(
+        config.learning_rate, decay_steps=steps_per_epoch * config.epochs
+    )
     model.compile(
-        optimizer=keras.optimizers.Adam(config.learning_rate),
+        optimizer=keras.optimizers.Adam(schedule),
         loss="binary_crossentropy",
         metrics=["accuracy"],
         jit_compile=False,
@@ -315,11 +325,6 @@ def train(config):
         with open(state_json) as f:
             state.seconds_before = json.load(f)["train_seconds"]
 
-    steps_per_epoch = max(1, len(train_ids) // config.batch_size)
-    validation_steps = None
-    if config.max_steps is not None:
-        steps_per_epoch = min(steps_per_epoch, config.max_steps)
-        validation_steps = config.max_steps
     step = int(model.optimizer.iterations)
     first_epoch, done_in_epoch = divmod(step, steps_per_epoch)
     history = read_history(history_path)
