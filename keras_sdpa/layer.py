@@ -50,7 +50,7 @@ class ScaledDotProductAttention(keras.layers.Layer):
             `O(T + S)` memory; `"auto"` picks it when the float32 scores would
             exceed 256 MiB. Dropout while training and `return_attention_scores`
             always run dense. Results agree to float32 round-off.
-        chunk_size: block size of the chunked path (default 512).
+        chunk_size: block size of the chunked path (default 1024).
 
     Call arguments:
         query: `(B, T, E_q)` query input.

@@ -28,7 +28,7 @@ import tensorflow as tf
 _MASKED_SCORE = -3.0e38
 # implementation="auto" goes chunked above this many bytes of float32 scores (B * N * T * S * 4).
 _AUTO_CHUNKED_BYTES = 1 << 28
-_DEFAULT_CHUNK_SIZE = 512
+_DEFAULT_CHUNK_SIZE = 1024
 
 
 def scaled_dot_product_attention(
@@ -83,7 +83,7 @@ def scaled_dot_product_attention(
             2021; Dao et al., 2022). `"auto"` (default) picks chunked when the
             float32 scores would exceed 256 MiB. Dropout (when training) and
             `return_weights` need the whole matrix and always run dense.
-        chunk_size: block size of the chunked path. Defaults to 512.
+        chunk_size: block size of the chunked path. Defaults to 1024.
 
     Returns:
         The output, `(B, T, N, Hv)`, and if `return_weights`, the weights,
@@ -414,12 +414,17 @@ def _attend_chunked(q, k, v, mask, is_causal, chunk_size):
                 k_j, v_j = tf.gather(k_blocks, j), tf.gather(v_blocks, j)
 
                 def query_block(i, d_k, d_v):
-                    d_out_i = tf.gather(d_out_blocks, i)
-                    p = probs_block(i, j, tf.gather(lse_blocks, i))  # (B, N, C, C)
-                    d_v = d_v + tf.matmul(p, d_out_i, transpose_a=True)  # (B, N, C, Hv)
-                    d_p = tf.matmul(d_out_i, v_j, transpose_b=True)
-                    d_scores = p * (d_p - tf.gather(row_dot, i))
-                    d_k = d_k + tf.matmul(d_scores, tf.gather(q_blocks, i), transpose_a=True)
+                    # In the (keys, queries) layout, so that no product reads a block
+                    # transposed (XLA's CPU matmul is slow at that).
+                    q_i, d_out_i = tf.gather(q_blocks, i), tf.gather(d_out_blocks, i)
+                    lse_t = tf.linalg.matrix_transpose(tf.gather(lse_blocks, i))  # (B, N, 1, C)
+                    scores_t = tf.matmul(k_j, q_i, transpose_b=True)  # (B, N, C_keys, C_queries)
+                    ok_t = tf.linalg.matrix_transpose(allowed(i, j))
+                    p_t = tf.where(ok_t, tf.exp(scores_t - lse_t), 0.0)
+                    d_v = d_v + tf.matmul(p_t, d_out_i)  # (B, N, C, Hv)
+                    d_p_t = tf.matmul(v_j, d_out_i, transpose_b=True)
+                    row_dot_t = tf.linalg.matrix_transpose(tf.gather(row_dot, i))
+                    d_k = d_k + tf.matmul(p_t * (d_p_t - row_dot_t), q_i)  # (B, N, C, H)
                     return i + 1, d_k, d_v
 
                 _, d_k, d_v = tf.while_loop(
