@@ -26,6 +26,7 @@ Ctrl-C or SIGTERM saves the exact training state (weights, optimizer, step);
 """
 
 import argparse
+import contextlib
 import csv
 import dataclasses
 import json
@@ -178,7 +179,16 @@ class TrainingState(keras.callbacks.Callback):
         self.seconds_before = seconds_before
         self.weights_path = os.path.join(directory, "state.weights.h5")
         self.json_path = os.path.join(directory, "state.json")
+        self.seeds_path = os.path.join(directory, "state.seeds.npz")
         self.started = time.time()
+
+    def restore(self):
+        self.model.load_weights(self.weights_path)
+        with np.load(self.seeds_path) as saved:
+            for variable, key in zip(_seed_states(self.model), saved.files):
+                variable.assign(saved[key])
+        with open(self.json_path) as f:
+            self.seconds_before = json.load(f)["train_seconds"]
 
     def seconds(self):
         return self.seconds_before + time.time() - self.started
@@ -191,12 +201,26 @@ class TrainingState(keras.callbacks.Callback):
         self.save()
 
     def save(self):
+        with _interrupts_deferred():  # a Ctrl-C mid-write would leave the file open
+            self._save()
+
+    def _save(self):
         os.makedirs(self.directory, exist_ok=True)
         temporary = self.weights_path + ".partial.weights.h5"
         self.model.save_weights(temporary)
         os.replace(temporary, self.weights_path)
+        # The dropout seed generators' states are variables that `save_weights` leaves out;
+        # without them a resumed run would draw different dropout masks.
+        temporary = self.seeds_path + ".partial.npz"
+        np.savez(temporary, *[v.numpy() for v in _seed_states(self.model)])
+        os.replace(temporary, self.seeds_path)
         step = int(self.model.optimizer.iterations)
         export.write_json_atomic(self.json_path, {"step": step, "train_seconds": self.seconds()})
+
+
+def _seed_states(model):
+    """The state variables of every `keras.random.SeedGenerator` in the model, in order."""
+    return [v for v in model.variables if v.name == "seed_generator_state"]
 
 
 class ResumableEarlyStopping(keras.callbacks.EarlyStopping):
@@ -233,6 +257,23 @@ def read_history(path):
 
 def _raise_keyboard_interrupt(signum, frame):
     raise KeyboardInterrupt(f"signal {signum}")
+
+
+@contextlib.contextmanager
+def _interrupts_deferred():
+    """Holds SIGINT and SIGTERM until the block is done, then raises KeyboardInterrupt."""
+    received = []
+    previous = {
+        number: signal.signal(number, lambda signum, frame: received.append(signum))
+        for number in (signal.SIGINT, signal.SIGTERM)
+    }
+    try:
+        yield
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+    if received:
+        raise KeyboardInterrupt(f"signal {received[0]}")
 
 
 def train(config):
@@ -320,10 +361,9 @@ def train(config):
     )
     model.optimizer.build(model.trainable_variables)
     state = TrainingState(checkpoints, config.save_every)
+    state.set_model(model)  # fit sets it too; restore() and an early Ctrl-C need it before
     if resuming:
-        model.load_weights(state.weights_path)
-        with open(state_json) as f:
-            state.seconds_before = json.load(f)["train_seconds"]
+        state.restore()
 
     step = int(model.optimizer.iterations)
     first_epoch, done_in_epoch = divmod(step, steps_per_epoch)

@@ -97,8 +97,11 @@ def run_child(impl, length, repeats, chunk_size, timeout, memory_limit_gib):
         proc.wait()
     stdout, stderr = proc.communicate()
     if proc.returncode != 0:
-        tail = (stderr.strip().splitlines() or ["killed"])[-1]
-        return {"error": f"exit {proc.returncode}: {tail[:100]}"}
+        lines = stderr.strip().splitlines() or ["killed"]
+        # TensorFlow's last line is often just the op's name; the reason is the error line.
+        reasons = [line for line in lines if "Error" in line or "RESOURCE_EXHAUSTED" in line]
+        reason = (reasons or lines)[-1].strip()
+        return {"error": f"exit {proc.returncode}: {reason[:120]}"}
     return json.loads(stdout.strip().splitlines()[-1])
 
 

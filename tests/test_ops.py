@@ -135,9 +135,9 @@ def test_xla_matches_eager(mask_kind):
 def test_core_is_compiled_by_xla():
     q, k, v = random_inputs()
     kwargs = dict(is_causal=False, scale=0.5, dropout_rate=0.0, return_weights=False)
-    hlo = ops._attention_xla.experimental_get_compiler_ir(q, k, v, None, None, **kwargs)(
-        stage="optimized_hlo"
-    )
+    hlo = ops._attention_xla.experimental_get_compiler_ir(
+        q, k, v, None, None, chunk_size=None, **kwargs
+    )(stage="optimized_hlo")
     # The whole computation is one XLA module: the two matmuls, the exp of the softmax.
     assert "HloModule" in hlo
     assert hlo.count(" dot(") >= 2
