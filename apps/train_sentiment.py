@@ -389,7 +389,11 @@ def train(config):
         early_stopping,
     ]
     stopped = _stopped_early(history, config.patience)
-    previous_handler = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    # SIGINT too: a process started in the background by a shell inherits SIGINT ignored.
+    previous_handlers = {
+        number: signal.signal(number, _raise_keyboard_interrupt)
+        for number in (signal.SIGINT, signal.SIGTERM)
+    }
     try:
         # An interrupted epoch first finishes its remaining steps, then whole epochs follow.
         segments = []
@@ -429,7 +433,8 @@ def train(config):
         )
         return 130
     finally:
-        signal.signal(signal.SIGTERM, previous_handler)
+        for number, handler in previous_handlers.items():
+            signal.signal(number, handler)
     train_seconds = state.seconds()
 
     history = read_history(history_path)
