@@ -234,6 +234,12 @@ def test_predict_cli_text_arguments_and_errors(run):
     assert missing.returncode == 2 and b"--model" in missing.stderr and b"nope" in missing.stderr
     with pytest.raises(ValueError, match="model="):
         predict.resolve_model_path(os.path.join(output, "nope"))
+    for flags, message in (
+        (["--top_k", "-1"], b"top_k=-1"),
+        (["--max_bytes", "0"], b"max_bytes=0"),
+    ):
+        bad = _predict(["--model", output, *flags, "text"])
+        assert bad.returncode == 2 and message in bad.stderr
 
 
 @pytest.mark.parametrize(
@@ -243,8 +249,11 @@ def test_predict_cli_text_arguments_and_errors(run):
         (["--dropout", "1.5"], "dropout=1.5"),
         (["--learning_rate", "-1"], "learning_rate=-1"),
         (["--batch_size", "many"], "invalid int value: 'many'"),
+        (["--max_steps", "0"], "max_steps=0"),
+        (["--vocab_size", "2"], "vocab_size=2"),
+        (["--inspect_examples", "-1"], "inspect_examples=-1"),
     ],
-    ids=["num_heads", "dropout", "learning_rate", "batch_size"],
+    ids=["num_heads", "dropout", "learning_rate", "batch_size", "max_steps", "vocab", "inspect"],
 )
 def test_train_rejects_bad_flags_with_argparse_errors(flags, match, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:

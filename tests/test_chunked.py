@@ -4,7 +4,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from test_ops import MASKS, make_mask, numeric_gradient, reference
+from test_ops import MASKS, assert_gradients_match_finite_differences, make_mask, reference
 
 from keras_sdpa import ScaledDotProductAttention, ops
 from keras_sdpa.ops import scaled_dot_product_attention
@@ -107,19 +107,7 @@ def test_chunked_gradients_match_finite_differences(is_causal):
         )
         return tf.reduce_sum(out * c)
 
-    with tf.GradientTape() as tape:
-        tape.watch([q, k, v])
-        value = loss(q, k, v)
-    grads = tape.gradient(value, [q, k, v])
-    arrays = [q.numpy(), k.numpy(), v.numpy()]
-    for i, grad in enumerate(grads):
-
-        def f(x, i=i):
-            args = list(arrays)
-            args[i] = x
-            return float(loss(*(tf.constant(a) for a in args)))
-
-        np.testing.assert_allclose(grad, numeric_gradient(f, arrays[i]), atol=1e-7, rtol=1e-6)
+    assert_gradients_match_finite_differences(loss, [q, k, v])
 
 
 def test_chunked_path_is_one_xla_program_with_loops():

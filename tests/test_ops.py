@@ -187,6 +187,23 @@ def test_fully_masked_rows_give_zeros_not_nan(return_weights, dropout_rate):
         assert (result[1].numpy()[:, :, 0] == 0).all()
 
 
+def assert_gradients_match_finite_differences(loss, tensors):
+    """The tape's gradient of `loss(*tensors)` against central differences, per argument."""
+    with tf.GradientTape() as tape:
+        tape.watch(tensors)
+        value = loss(*tensors)
+    grads = tape.gradient(value, tensors)
+    arrays = [t.numpy() for t in tensors]
+    for i, grad in enumerate(grads):
+
+        def f(x, i=i):
+            args = list(arrays)
+            args[i] = x
+            return float(loss(*(tf.constant(a) for a in args)))
+
+        np.testing.assert_allclose(grad, numeric_gradient(f, arrays[i]), atol=1e-7, rtol=1e-6)
+
+
 def numeric_gradient(f, x, eps=1e-6):
     """Central differences of a scalar function of a float64 array."""
     x = np.array(x, np.float64)
@@ -225,19 +242,7 @@ def test_gradients_match_finite_differences(mask_kind, return_weights, dropout_r
             return tf.reduce_sum(result[0] * c_out) + tf.reduce_sum(result[1] * c_weights)
         return tf.reduce_sum(result * c_out)
 
-    with tf.GradientTape() as tape:
-        tape.watch([q, k, v])
-        value = loss(q, k, v)
-    grads = tape.gradient(value, [q, k, v])
-    inputs = [q.numpy(), k.numpy(), v.numpy()]
-    for i, grad in enumerate(grads):
-
-        def f(x, i=i):
-            args = list(inputs)
-            args[i] = x
-            return float(loss(*(tf.constant(a) for a in args)))
-
-        np.testing.assert_allclose(grad, numeric_gradient(f, inputs[i]), atol=1e-7, rtol=1e-6)
+    assert_gradients_match_finite_differences(loss, [q, k, v])
 
 
 def test_dropout_drops_weights_and_rescales_the_rest():
