@@ -51,6 +51,9 @@ class ScaledDotProductAttention(keras.layers.Layer):
             exceed 256 MiB. Dropout while training and `return_attention_scores`
             always run dense. Results agree to float32 round-off.
         chunk_size: block size of the chunked path (default 1024).
+        scale: multiplies the scores `Q K^T`. Defaults to `1 / sqrt(key_dim)`,
+            the derivation's scaling; `scale=1.0` turns it off (see "The math,
+            verified" in the README for what that costs).
 
     Call arguments:
         query: `(B, T, E_q)` query input.
@@ -97,6 +100,7 @@ class ScaledDotProductAttention(keras.layers.Layer):
         seed=None,
         implementation="auto",
         chunk_size=None,
+        scale=None,
         **kwargs,
     ):
         super().__init__(activity_regularizer=activity_regularizer, **kwargs)
@@ -146,6 +150,10 @@ class ScaledDotProductAttention(keras.layers.Layer):
                 "`chunk_size` must be a positive integer or None. "
                 f"Received: chunk_size={chunk_size}"
             )
+        if scale is not None:
+            ops._check_scale(scale)
+            scale = float(scale)
+        self.scale = scale
         self.seed = seed
         self.implementation = implementation
         self.chunk_size = chunk_size
@@ -237,6 +245,7 @@ class ScaledDotProductAttention(keras.layers.Layer):
             v,
             mask,
             is_causal=use_causal_mask,
+            scale=self.scale,
             dropout_rate=self.dropout,
             training=bool(training),
             seed=seed,
@@ -344,6 +353,7 @@ class ScaledDotProductAttention(keras.layers.Layer):
                 "seed": self.seed,
                 "implementation": self.implementation,
                 "chunk_size": self.chunk_size,
+                "scale": self.scale,
             }
         )
         return config

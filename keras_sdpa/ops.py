@@ -21,6 +21,7 @@ its weights are all zero and its output is zero, never NaN, on every path.
 """
 
 import math
+import numbers
 
 import tensorflow as tf
 
@@ -107,6 +108,7 @@ def scaled_dot_product_attention(
         raise ValueError(f"`dropout_rate` must be in [0, 1). Received: dropout_rate={dropout_rate}")
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
+    _check_scale(scale)
     if implementation not in ("auto", "dense", "chunked"):
         raise ValueError(
             '`implementation` must be "auto", "dense" or "chunked". '
@@ -470,6 +472,18 @@ def _from_blocks(blocks, length):
     shape = tf.shape(x)
     x = tf.reshape(x, tf.stack([shape[0], shape[1], shape[2] * shape[3], shape[4]]))
     return x[:, :, :length]
+
+
+def _check_scale(scale):
+    if (
+        isinstance(scale, bool)
+        or not isinstance(scale, numbers.Real)
+        or not math.isfinite(scale)
+        or scale <= 0
+    ):
+        raise ValueError(
+            f"`scale` must be a positive finite number or None. Received: scale={scale!r}"
+        )
 
 
 def _check_inputs(query, key, value):

@@ -74,16 +74,17 @@ def test_self_attention_matches_keras():
     np.testing.assert_allclose(got, want, atol=1e-5)
 
 
-def test_single_head_is_the_derivation():
+@pytest.mark.parametrize("scale", [None, 1.0, 0.05], ids=["default", "unscaled", "scale_0.05"])
+def test_single_head_is_the_derivation(scale):
     """num_heads=1 without W_O: softmax(X W_Q (X W_K)^T / sqrt(d_k)) X W_V, in NumPy."""
     query, value, key = inputs(4, "float64")
-    layer = ScaledDotProductAttention(key_dim=H, value_dim=HV, dtype="float64")
+    layer = ScaledDotProductAttention(key_dim=H, value_dim=HV, scale=scale, dtype="float64")
     out = layer(query, value, key).numpy()
     w_q, b_q, w_k, b_k, w_v, b_v = (w.numpy() for w in layer.weights)
     q = np.einsum("bte,eh->bth", query, w_q[:, 0]) + b_q[0]
     k = np.einsum("bse,eh->bsh", key, w_k[:, 0]) + b_k[0]
     v = np.einsum("bse,eh->bsh", value, w_v[:, 0]) + b_v[0]
-    scores = q @ k.transpose(0, 2, 1) / np.sqrt(H)
+    scores = q @ k.transpose(0, 2, 1) * (1 / np.sqrt(H) if scale is None else scale)
     weights = np.exp(scores - scores.max(-1, keepdims=True))
     weights /= weights.sum(-1, keepdims=True)
     assert out.shape == (B, T, HV)
@@ -164,12 +165,14 @@ def test_get_config_round_trip():
         kernel_regularizer="l2",
         bias_constraint="non_neg",
         seed=4,
+        scale=0.5,
         name="attn",
     )
     config = layer.get_config()
     clone = ScaledDotProductAttention.from_config(config)
     assert clone.get_config() == config
     assert config["num_heads"] == 3 and config["value_dim"] == 2 and config["output_shape"] == 6
+    assert config["scale"] == 0.5
     restored = keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(layer))
     assert isinstance(restored, ScaledDotProductAttention)
 
@@ -304,6 +307,9 @@ def test_mixed_precision(policy):
         (dict(key_dim=0), r"`key_dim` must be a positive integer or None. Received: key_dim=0"),
         (dict(output_shape=(2, 3)), r"`output_shape` must be an int or a 1-tuple"),
         (dict(output_shape=0), r"`output_shape` must be a positive integer.*output_shape=0"),
+        (dict(scale=0.0), r"`scale` must be a positive finite number or None. Received: scale=0.0"),
+        (dict(scale=float("nan")), r"scale=nan"),
+        (dict(scale="1"), r"scale='1'"),
     ],
 )
 def test_bad_constructor_arguments(kwargs, match):

@@ -281,8 +281,21 @@ def test_dropout_is_seedable_and_only_in_training():
         (dict(dropout_rate=-0.1), r"dropout_rate=-0.1"),
         (dict(query=np.zeros((B, T, N, H), np.int32)), r"`query` must be a floating.*int32"),
         (dict(value=np.zeros((B, S, N + 1, HV))), r"number of heads N"),
+        (dict(scale=-1.0), r"`scale` must be a positive finite number.*scale=-1.0"),
+        (dict(scale=float("inf")), r"scale=inf"),
     ],
-    ids=["rank", "head_size", "length", "mask", "dropout_1", "dropout_neg", "int", "heads"],
+    ids=[
+        "rank",
+        "head_size",
+        "length",
+        "mask",
+        "dropout_1",
+        "dropout_neg",
+        "int",
+        "heads",
+        "scale_neg",
+        "scale_inf",
+    ],
 )
 def test_bad_input_raises_value_error(kwargs, match):
     q, k, v = random_inputs()
