@@ -45,3 +45,35 @@ def test_experiment_table_matches_its_metrics_files():
         metrics = json.loads((folder / name).read_text())
         assert validation == _percent(metrics["validation_accuracy"])
         assert test == _percent(metrics["test_accuracy"])
+
+
+def test_math_section_quotes_the_committed_measurements():
+    """The README's math section quotes the metrics.json that apps.math_verified wrote."""
+    metrics = json.loads((ROOT / "saved_models/math_verified/metrics.json").read_text())
+    assert all(metrics["holds"].values()), metrics["holds"]
+    claims = metrics["claims"]
+    section = README.read_text().split("## The math, verified")[1].split("\n## ")[0]
+    variance = claims["1_variance"]
+    last = claims["3_saturation"][-1]
+    training = claims["5_training"]
+    weighted = claims["6_weighted_sum"]
+    quoted = [
+        f"{variance['rows'][0]['variance']:.2f} at d_k = 4",
+        f"{variance['rows'][-1]['variance']:.2f} at d_k = 1024",
+        f"{variance['slope']:.4f} +/- {variance['slope_standard_error']:.4f}",
+        f"{variance['rows'][-1]['scaled_variance']:.4f} at d_k = 1024",
+        f"{claims['2_core_score_variance'][-1]['variance']:.3f} read back",
+        f"{last['unscaled']['entropy']:.3f} nats unscaled",
+        f"mean max weight {last['unscaled']['max_weight']:.3f}",
+        f"{last['unscaled']['jacobian_norm_median']:.2g} unscaled",
+        f"{last['scaled']['jacobian_norm_median']:.3f} scaled",
+        f"step {training['scaled']['steps_to_95']} scaled",
+        f"step {training['unscaled']['steps_to_95']} unscaled",
+        f"{training['scaled']['final_val_accuracy']:.3f} against "
+        f"{training['unscaled']['final_val_accuracy']:.3f}",
+        f"max ‖row sum - 1‖ {weighted['max_row_sum_error']:.2g}",
+        f"max ‖out - A V W_O‖ {weighted['max_output_error']:.2g}",
+    ]
+    missing = [text for text in quoted if text not in section]
+    assert not missing, missing
+    assert (ROOT / "saved_models/math_verified/results.md").is_file()
