@@ -113,34 +113,38 @@ def write_attention_jsonl(records, path):
     return path
 
 
+_MAX_TEXT = 20_000  # characters of each review kept for the page's text and search
+
+
 def write_attention_html(records, path, title="keras-sdpa attention"):
     """A self-contained viewer (no network): the records embedded as JSON.
 
     To keep the file small the self-attention matrices are embedded as base64 bytes,
-    each row scaled so its largest weight is 255; the pooling weights and each
-    token's received attention (the column mean over attending tokens) stay exact.
+    each row scaled so its largest weight is 255, with the row maxima beside them
+    (a weight comes back to within 1/510 of its row's maximum); the pooling weights
+    and each token's received attention (the column mean over attending tokens) are
+    exact to 5 decimals.
     """
     examples = []
     for record in records:
-        attention = np.asarray(record["attention"], dtype=np.float32)  # (layers, N, n, n)
-        n = len(record["tokens"])
-        if n:
-            row_max = attention.max(axis=-1, keepdims=True)
-            scaled = np.where(row_max > 0, attention / np.where(row_max > 0, row_max, 1), 0)
-            received = attention.mean(axis=-2)  # (layers, N, n)
-        else:
-            scaled = attention
-            received = attention.sum(axis=-2)
+        n, heads = len(record["tokens"]), len(record["pooling"])
+        attention = np.asarray(record["attention"], dtype=np.float32)
+        attention = attention.reshape(len(record["attention"]), heads, n, n)  # (layers, N, n, n)
+        # An empty review has n = 0: max and mean over no tokens become empty arrays.
+        row_max = attention.max(axis=-1, initial=0.0)  # (layers, N, n)
+        received = attention.sum(axis=-2) / max(1, n)  # (layers, N, n)
+        scaled = attention / np.where(row_max > 0, row_max, 1.0)[..., None]  # rows peak at 1
         rows = np.round(scaled * 255).astype(np.uint8)
         examples.append(
             {
-                "text": record["text"][:2000],
+                "text": record["text"][:_MAX_TEXT],
                 "tokens": record["tokens"],
                 "label": record["label"],
                 "prediction": record["prediction"],
                 "probability": record["probability"],
                 "pooling": record["pooling"],
                 "received": np.round(received, 5).tolist(),
+                "row_max": row_max.round(7).tolist(),
                 "rows": [
                     [base64.b64encode(head.tobytes()).decode() for head in layer] for layer in rows
                 ],

@@ -1,4 +1,34 @@
-"""The self-contained attention viewer page (`attention.html`); `__DATA__` is the embedded JSON."""
+"""The attention viewer: a self-contained `attention.html`, and a CLI that makes one.
+
+Usage:
+    python -m apps.viewer                                   # saved_models/imdb_sdpa
+    python -m apps.viewer --model saved_models/imdb_sdpa --examples 100
+    python -m apps.viewer --screenshot viewer.png --view "review=1&layer=0&head=1"
+
+The training app writes `attention.html` at the end of every run. This CLI writes
+it again from a SavedModel alone, with plain TensorFlow: it serves a seeded sample
+of test reviews through `serving_default` (which returns the tokens and the
+weights) and writes `attention.jsonl` and `attention.html` beside the model.
+The page is one file with the data embedded as JSON and no network fetches; its
+address keeps the view (`attention.html#review=1&layer=0&head=1&token=5`), so a
+link shows what you saw. `--screenshot` also saves a headless-Chromium PNG of it.
+`TEMPLATE` is the page; `__DATA__` is replaced by the JSON.
+"""
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+
+# Chromium's flags for these machines: headless, no sandbox (root), and no background
+# connections (the network is closed, and Chromium would keep retrying).
+CHROMIUM_FLAGS = (
+    "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+    "--disable-quic",
+)  # fmt: skip
+
 
 TEMPLATE = r"""<!doctype html>
 <html lang="en">
@@ -24,8 +54,14 @@ TEMPLATE = r"""<!doctype html>
             border-radius: 6px; overflow-wrap: anywhere; }
   .tok { padding: 2px 1px; border-radius: 3px; cursor: pointer; }
   .tok.selected { outline: 2px solid #d1242f; }
-  #hint { font-size: 13px; color: #57606a; margin: 6px 0; }
+  #hint, #legend { font-size: 13px; color: #57606a; margin: 6px 0; }
+  .swatch { display: inline-block; width: 14px; height: 14px; border: 1px solid #ccc; vertical-align: middle; }
   canvas { border: 1px solid #ddd; max-width: 100%; image-rendering: pixelated; background: #fff; }
+  @media (max-width: 600px) {
+    main, .controls { padding-left: 8px; padding-right: 8px; }
+    #tokens { font-size: 14px; }
+    .controls input { width: 9em; }
+  }
   details { margin-top: 10px; font-size: 14px; }
   .text { white-space: pre-wrap; font-size: 13px; color: #57606a; }
 </style>
@@ -34,23 +70,25 @@ TEMPLATE = r"""<!doctype html>
 <header>
   <h1>__TITLE__</h1>
   <p>Each token is shaded by the attention it receives. Click a token to see what it attends to
-     (its row of the self-attention matrix). Padding is never shown.</p>
+     (its row of the self-attention matrix); &larr; and &rarr; move between reviews. Padding is never shown.</p>
 </header>
 <div class="controls">
-  <button id="prev" aria-label="previous">&larr; prev</button>
+  <button id="prev" aria-label="previous review">&larr; prev</button>
   <span id="position"></span>
-  <button id="next" aria-label="next">next &rarr;</button>
+  <button id="next" aria-label="next review">next &rarr;</button>
   <label>show <select id="filter">
     <option value="all">all</option><option value="correct">correct</option>
     <option value="wrong">wrong</option><option value="confident">most confident</option>
     <option value="unsure">least confident</option></select></label>
   <label>search <input id="search" type="search" placeholder="words in the review"></label>
-  <label>attention <select id="view"></select></label>
+  <label>layer <select id="layer"></select></label>
+  <label>head <select id="head"></select></label>
 </div>
 <main>
   <div class="meta" id="meta"></div>
   <div id="tokens"></div>
   <div id="hint"></div>
+  <div id="legend"></div>
   <canvas id="heatmap" width="300" height="300"></canvas>
   <details><summary>original text</summary><div class="text" id="text"></div></details>
 </main>
@@ -61,22 +99,24 @@ const DATA = JSON.parse(document.getElementById("data").textContent);
 const EXAMPLES = DATA.examples;
 const NUM_LAYERS = EXAMPLES.length ? EXAMPLES[0].rows.length : 0;
 const NUM_HEADS = EXAMPLES.length ? EXAMPLES[0].pooling.length : 0;
-const state = { order: [], position: 0, view: "pooling:0", selected: null };
+// layer: "pooling" or a block index; selected: the clicked token, whose row is shown.
+const state = { order: [], position: 0, layer: "pooling", head: 0, selected: null };
 
-function decodeRows(b64, n) {
-  const bytes = atob(b64); const out = new Float32Array(n * n);
-  for (let i = 0; i < bytes.length; i++) out[i] = bytes.charCodeAt(i) / 255;
+function decodeRows(ex, layer, head) {
+  // The (n, n) self-attention of one head: bytes scaled per row, times the row's maximum.
+  const n = ex.tokens.length, bytes = atob(ex.rows[layer][head]), maxima = ex.row_max[layer][head];
+  const out = new Float32Array(n * n);
+  for (let i = 0; i < bytes.length; i++) out[i] = (bytes.charCodeAt(i) / 255) * maxima[Math.floor(i / n)];
   return out;
 }
 function viewWeights(ex) {
-  // The per-token shading of the current view: pooling, received, or a clicked token's row.
-  const [kind, a, b] = state.view.split(":").map((v, i) => (i ? Number(v) : v));
-  if (kind === "pooling") return ex.pooling[a];
+  // The per-token shading: pooling weights, attention received, or the clicked token's row.
+  if (state.layer === "pooling") return ex.pooling[state.head];
   if (state.selected !== null) {
-    const n = ex.tokens.length, rows = decodeRows(ex.rows[a][b], n);
+    const n = ex.tokens.length, rows = decodeRows(ex, state.layer, state.head);
     return Array.from(rows.slice(state.selected * n, state.selected * n + n));
   }
-  return ex.received[a][b];
+  return ex.received[state.layer][state.head];
 }
 function applyFilter() {
   const filter = document.getElementById("filter").value;
@@ -90,14 +130,28 @@ function applyFilter() {
   if (query) order = order.filter(i => EXAMPLES[i].text.toLowerCase().includes(query));
   state.order = order; state.position = 0; state.selected = null; render();
 }
+function select(i) {
+  // Pooling has no rows (one learned query): a click shows the token's row in the last block.
+  if (state.layer === "pooling" && NUM_LAYERS) {
+    state.layer = NUM_LAYERS - 1; document.getElementById("layer").value = String(state.layer);
+  }
+  state.selected = state.selected === i ? null : i; render();
+}
 function render() {
   const position = document.getElementById("position");
   const tokens = document.getElementById("tokens");
   position.textContent = state.order.length ? `${state.position + 1} / ${state.order.length}` : "0 / 0";
   position.dataset.count = state.order.length;
   tokens.innerHTML = "";
-  if (!state.order.length) { document.getElementById("meta").textContent = "No review matches."; return; }
+  document.getElementById("prev").disabled = state.position <= 0;
+  document.getElementById("next").disabled = state.position >= state.order.length - 1;
+  if (!state.order.length) {
+    document.getElementById("meta").textContent = "No review matches.";
+    document.getElementById("hint").textContent = "";
+    document.getElementById("legend").textContent = ""; drawHeatmap(null); return;
+  }
   const index = state.order[state.position], ex = EXAMPLES[index];
+  tokens.dataset.example = index;
   const label = ex.label ? "positive" : "negative", predicted = ex.prediction ? "positive" : "negative";
   const correct = ex.label === ex.prediction;
   document.getElementById("meta").innerHTML =
@@ -107,53 +161,93 @@ function render() {
     `<span class="badge ${correct ? "right" : "wrong"}" id="verdict">${correct ? "correct" : "wrong"}</span> ` +
     `&middot; ${ex.tokens.length} tokens`;
   document.getElementById("text").textContent = ex.text;
+  // Shading runs from the lowest weight in view (white) to the highest (full orange).
   const weights = viewWeights(ex);
-  const top = Math.max(1e-9, ...weights);
+  const low = weights.length ? Math.min(...weights) : 0, high = weights.length ? Math.max(...weights) : 0;
+  const shade = w => (high > low ? (w - low) / (high - low) : high > 0 ? 1 : 0);
   ex.tokens.forEach((token, i) => {
     const span = document.createElement("span");
     span.className = "tok" + (state.selected === i ? " selected" : "");
     span.textContent = token;
     span.dataset.index = i;
     span.dataset.weight = weights[i];
-    span.title = `weight ${Number(weights[i]).toFixed(4)}`;
-    span.style.background = `rgba(255, 140, 0, ${(weights[i] / top).toFixed(3)})`;
-    span.addEventListener("click", () => {
-      state.selected = state.selected === i ? null : i; render();
-    });
+    span.title = `${token}: weight ${Number(weights[i]).toFixed(4)}`;
+    span.dataset.shade = shade(weights[i]).toFixed(3);
+    span.style.background = `rgba(255, 140, 0, ${span.dataset.shade})`;
+    span.addEventListener("click", () => select(i));
     tokens.appendChild(span); tokens.appendChild(document.createTextNode(" "));
   });
-  const kind = state.view.split(":")[0];
-  document.getElementById("hint").textContent = kind === "pooling"
-    ? "Pooling view: the classifier's learned query attending over the review."
+  const head = `head ${state.head}`;
+  document.getElementById("hint").textContent = state.layer === "pooling"
+    ? `Pooling, ${head}: the classifier's learned query attending over the review (what it looked at). Click a token for its self-attention row.`
     : state.selected === null
-      ? "Self-attention view: shading is the attention each token receives (mean over rows). Click a token for its row."
-      : `Row of "${ex.tokens[state.selected]}": what it attends to. Click it again to go back.`;
+      ? `Block ${state.layer}, ${head}: the attention each token receives (mean over its column). Click a token for its row.`
+      : `Block ${state.layer}, ${head}, the row of "${ex.tokens[state.selected]}": what it attends to. Click it again to go back.`;
+  document.getElementById("legend").innerHTML = weights.length
+    ? `shading: <span class="swatch" style="background: rgba(255, 140, 0, 0)"></span> ${low.toFixed(4)} ` +
+      `to <span class="swatch" style="background: rgba(255, 140, 0, 1)"></span> ${high.toFixed(4)}` : "";
   drawHeatmap(ex);
+  writeHash(index);
+}
+function writeHash(index) {
+  // The view lives in the address (#review=3&layer=0&head=1&token=7): links and reloads keep it.
+  const token = state.selected === null ? "" : `&token=${state.selected}`;
+  try { history.replaceState(null, "", `#review=${index}&layer=${state.layer}&head=${state.head}${token}`); }
+  catch (error) { /* some browsers refuse history on file:// pages; the view still works */ }
+}
+function readHash(hash) {
+  const params = new URLSearchParams(hash.slice(1));
+  const layer = params.get("layer"), head = Number(params.get("head"));
+  if (layer !== null && (layer === "pooling" || Number(layer) < NUM_LAYERS)) {
+    state.layer = layer === "pooling" ? "pooling" : Number(layer);
+    document.getElementById("layer").value = layer;
+  }
+  if (Number.isInteger(head) && head >= 0 && head < NUM_HEADS) {
+    state.head = head; document.getElementById("head").value = String(head);
+  }
+  const review = state.order.indexOf(Number(params.get("review")));
+  if (params.has("review") && review >= 0) state.position = review;
+  const token = Number(params.get("token"));
+  if (params.has("token") && state.layer !== "pooling" && Number.isInteger(token) &&
+      token >= 0 && token < EXAMPLES[state.order[state.position]].tokens.length) state.selected = token;
+  render();
 }
 function drawHeatmap(ex) {
-  const canvas = document.getElementById("heatmap"), n = ex.tokens.length;
-  const [kind, a, b] = state.view.split(":").map((v, i) => (i ? Number(v) : v));
-  const layer = kind === "pooling" ? 0 : a, head = kind === "pooling" ? a : b;
-  const rows = n ? decodeRows(ex.rows[layer][head], n) : new Float32Array(0);
+  // T x S: the block's (n, n) matrix, or the pooling query's (1, n) row.
+  const canvas = document.getElementById("heatmap"), n = ex ? ex.tokens.length : 0;
+  const pooling = state.layer === "pooling";
+  const rows = !n ? new Float32Array(0) : pooling ? Float32Array.from(ex.pooling[state.head])
+                                               : decodeRows(ex, state.layer, state.head);
+  const height = pooling ? 1 : n;
   const cell = Math.max(1, Math.floor(300 / Math.max(1, n)));
-  canvas.width = canvas.height = Math.max(1, cell * n);
-  const context = canvas.getContext("2d");
-  for (let i = 0; i < n; i++) for (let j = 0; j < n; j++) {
-    const v = rows[i * n + j];
-    context.fillStyle = `rgb(${Math.round(255 - 80 * v)}, ${Math.round(255 - 140 * v)}, ${Math.round(255 - 255 * v)})`;
-    context.fillRect(j * cell, i * cell, cell, cell);
+  canvas.width = Math.max(1, cell * n);
+  canvas.height = Math.max(1, pooling ? 24 : cell * n);
+  const context = canvas.getContext("2d"), rowHeight = pooling ? 24 : cell;
+  for (let i = 0; i < height; i++) {
+    // Each row from its lowest weight (white) to its highest (dark), like the token shading.
+    let low = Infinity, high = -Infinity;
+    for (let j = 0; j < n; j++) { low = Math.min(low, rows[i * n + j]); high = Math.max(high, rows[i * n + j]); }
+    for (let j = 0; j < n; j++) {
+      const v = high > low ? (rows[i * n + j] - low) / (high - low) : 1;
+      context.fillStyle = `rgb(${Math.round(255 - 80 * v)}, ${Math.round(255 - 140 * v)}, ${Math.round(255 - 255 * v)})`;
+      context.fillRect(j * cell, i * rowHeight, cell, rowHeight);
+    }
   }
-  if (state.selected !== null) {
+  if (!pooling && state.selected !== null) {
     context.strokeStyle = "#d1242f"; context.strokeRect(0, state.selected * cell, n * cell, cell);
   }
-  canvas.title = `block ${layer}, head ${head}: ${n} x ${n}, each row scaled to its maximum`;
+  canvas.title = pooling ? `pooling, head ${state.head}: 1 x ${n}`
+                         : `block ${state.layer}, head ${state.head}: ${n} x ${n} (row: attending token), each row from its lowest to its highest weight`;
 }
 function init() {
-  const view = document.getElementById("view");
-  for (let h = 0; h < NUM_HEADS; h++) view.add(new Option(`pooling, head ${h}`, `pooling:${h}`));
-  for (let l = 0; l < NUM_LAYERS; l++) for (let h = 0; h < NUM_HEADS; h++)
-    view.add(new Option(`block ${l}, head ${h}`, `block:${l}:${h}`));
-  view.addEventListener("change", () => { state.view = view.value; render(); });
+  const layer = document.getElementById("layer"), head = document.getElementById("head");
+  layer.add(new Option("pooling", "pooling"));
+  for (let l = 0; l < NUM_LAYERS; l++) layer.add(new Option(`block ${l}`, String(l)));
+  for (let h = 0; h < NUM_HEADS; h++) head.add(new Option(`head ${h}`, String(h)));
+  layer.addEventListener("change", () => {
+    state.layer = layer.value === "pooling" ? "pooling" : Number(layer.value); state.selected = null; render();
+  });
+  head.addEventListener("change", () => { state.head = Number(head.value); render(); });
   document.getElementById("filter").addEventListener("change", applyFilter);
   document.getElementById("search").addEventListener("input", applyFilter);
   document.getElementById("prev").addEventListener("click", () => {
@@ -165,10 +259,169 @@ function init() {
     if (e.key === "ArrowLeft") document.getElementById("prev").click();
     if (e.key === "ArrowRight") document.getElementById("next").click();
   });
+  const hash = location.hash;  // before the first render writes its own
   applyFilter();
+  if (EXAMPLES.length) readHash(hash);
 }
 init();
 </script>
 </body>
 </html>
 """
+
+
+def records_from_saved_model(serve, texts, labels, batch_size=8):
+    """Inspection records (as `apps.export.inspect_records` writes them) from a SavedModel.
+
+    `serve` is its `serving_default`; the weights are cut to each review's real tokens.
+    """
+    import numpy as np
+    import tensorflow as tf
+
+    records = []
+    for start in range(0, len(texts), batch_size):
+        batch = list(texts[start : start + batch_size])
+        out = serve(text=tf.constant(batch))
+        for i, text in enumerate(batch):
+            n = int(out["length"][i])
+            probability = float(out["probability"][i])
+            records.append(
+                {
+                    "index": start + i,
+                    "text": text.decode("utf-8", errors="replace"),
+                    "tokens": [t.decode("utf-8") for t in out["tokens"][i, :n].numpy()],
+                    "label": int(labels[start + i]),
+                    "prediction": int(probability >= 0.5),
+                    "probability": round(probability, 6),
+                    "pooling": np.round(out["pooling"][i, :, :n].numpy(), 5).tolist(),
+                    "attention": np.round(out["attention"][i, :, :, :n, :n].numpy(), 5).tolist(),
+                }
+            )
+    return records
+
+
+def chromium(width=1200, height=900, binary=None, driver=None):
+    """A headless Chromium driven by Selenium through Debian's `chromium-driver`.
+
+    `binary` and `driver` default to `$CHROMIUM`/`$CHROMEDRIVER`, then to the first
+    `chromium` and `chromedriver` on the PATH. Raises `RuntimeError` naming what to
+    install when either is missing (Selenium's own browser download needs a network).
+    """
+    import shutil
+
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    binary = binary or os.environ.get("CHROMIUM") or shutil.which("chromium")
+    driver = driver or os.environ.get("CHROMEDRIVER") or shutil.which("chromedriver")
+    if not binary or not driver:
+        raise RuntimeError(
+            f"headless Chromium needs a browser and its driver; found chromium={binary!r}, "
+            f"chromedriver={driver!r}. On Debian or Ubuntu: "
+            "`apt-get install chromium chromium-driver`; elsewhere set $CHROMIUM and $CHROMEDRIVER."
+        )
+    options = webdriver.ChromeOptions()
+    options.binary_location = binary
+    for flag in CHROMIUM_FLAGS:
+        options.add_argument(flag)
+    options.add_argument(f"--user-data-dir={tempfile.mkdtemp(prefix='chromium-')}")
+    options.add_argument(f"--window-size={width},{height}")
+    return webdriver.Chrome(service=Service(driver), options=options)
+
+
+def screenshot(page, path, view="", width=1200, height=900):
+    """Opens `page` (a file path) at `view` (`"review=1&layer=0&head=1"`) in headless
+    Chromium and saves a PNG of it to `path`."""
+    browser = chromium(width, height)
+    try:
+        browser.get("file://" + os.path.abspath(page) + ("#" + view.lstrip("#") if view else ""))
+        browser.save_screenshot(path)
+    finally:
+        browser.quit()
+    return path
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(
+        prog="python -m apps.viewer",
+        description="Write attention.html (and attention.jsonl) from a SavedModel.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--model", default="saved_models/imdb_sdpa", help="run folder")
+    parser.add_argument("--examples", type=int, default=50, help="test reviews to export")
+    parser.add_argument("--dataset", default=None, help="default: the run's metrics.json")
+    parser.add_argument("--data_dir", default=None, help="TFDS folder; else $TFDS_DATA_DIR")
+    parser.add_argument("--seed", type=int, default=None, help="default: the run's seed")
+    parser.add_argument("--output", default=None, help="folder; default: --model")
+    parser.add_argument("--screenshot", default=None, help="also save a PNG of the page here")
+    parser.add_argument(
+        "--view",
+        default="",
+        help="the screenshot's view, as in the page's address: \"review=1&layer=0&head=1\"",
+    )
+    args = parser.parse_args(argv)
+    if args.examples <= 0:
+        parser.error(f"`--examples` must be positive. Received: examples={args.examples}")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import numpy as np
+    import tensorflow as tf
+
+    from apps import data, export
+    from apps.predict import resolve_model_path
+
+    try:
+        model_path = resolve_model_path(args.model)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    config = {}
+    metrics_path = os.path.join(args.model, "metrics.json")
+    if os.path.isfile(metrics_path):
+        with open(metrics_path) as f:
+            config = json.load(f)["config"]
+    dataset = args.dataset or config.get("dataset", "imdb_reviews")
+    seed = config.get("seed", 0) if args.seed is None else args.seed
+    try:
+        splits = data.load_splits(dataset, args.data_dir, seed=seed)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    # The same seeded sample as the training app's own export.
+    count = min(args.examples, len(splits.test_text))
+    chosen = np.sort(
+        np.random.default_rng(seed).choice(len(splits.test_text), count, replace=False)
+    )
+    print(f"Serving {count} {dataset} test reviews through {model_path}")
+    serve = tf.saved_model.load(model_path).signatures["serving_default"]
+    records = records_from_saved_model(serve, splits.test_text[chosen], splits.test_label[chosen])
+    for record, index in zip(records, chosen):
+        record["index"] = int(index)  # position in the test split
+    output = args.output or args.model
+    os.makedirs(output, exist_ok=True)
+    paths = [
+        export.write_attention_jsonl(records, os.path.join(output, "attention.jsonl")),
+        export.write_attention_html(
+            records,
+            os.path.join(output, "attention.html"),
+            title=f"keras-sdpa attention: {dataset} test reviews",
+        ),
+    ]
+    if args.screenshot:
+        try:
+            paths.append(screenshot(paths[1], args.screenshot, args.view))
+        except (ImportError, RuntimeError) as error:
+            print(f"error: no screenshot: {error}", file=sys.stderr)
+            return 1
+    print("Wrote:")
+    for path in paths:
+        print(f"  {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
