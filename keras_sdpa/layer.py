@@ -44,7 +44,8 @@ class ScaledDotProductAttention(keras.layers.Layer):
         bias_regularizer, activity_regularizer, kernel_constraint,
         bias_constraint: as for `keras.layers.Dense`, applied to every
             projection.
-        seed: seed for the attention dropout.
+        seed: seed for the attention dropout. Under a `tf.distribute` strategy
+            each replica draws its own masks from it.
         implementation: `"auto"` (default), `"dense"` or `"chunked"`: the path of
             `keras_sdpa.ops.scaled_dot_product_attention`. Chunked runs in
             `O(T + S)` memory; `"auto"` picks it when the float32 scores would
@@ -238,7 +239,7 @@ class ScaledDotProductAttention(keras.layers.Layer):
             mask = tf.expand_dims(mask, 1)  # (B, 1, T, S)
         seed = None
         if training and self.dropout > 0:
-            seed = self.seed_generator.next()
+            seed = _per_replica(self.seed_generator.next())
         result = ops.scaled_dot_product_attention(
             q,
             k,
@@ -357,6 +358,20 @@ class ScaledDotProductAttention(keras.layers.Layer):
             }
         )
         return config
+
+
+def _per_replica(seed):
+    """A `(2,)` seed made distinct for each replica of a `tf.distribute` strategy.
+
+    The seed generator's state is a mirrored variable that every replica advances
+    alike, so without this all replicas would drop the same attention weights.
+    Outside a strategy (one replica) the seed is unchanged.
+    """
+    context = tf.distribute.get_replica_context()
+    if context is None or context.num_replicas_in_sync == 1:
+        return seed
+    replica = tf.cast(context.replica_id_in_sync_group, seed.dtype)
+    return seed + tf.stack([replica * 1_000_003, tf.zeros_like(replica)])
 
 
 def _project(x, kernel, bias):

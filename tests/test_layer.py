@@ -211,6 +211,41 @@ def test_saved_model_export_loads_without_keras_sdpa(tmp_path):
     np.testing.assert_allclose(got, want.ravel(), atol=1e-6)
 
 
+@pytest.mark.slow
+def test_mirrored_replicas_draw_their_own_dropout_masks():
+    """Two replicas on two logical CPUs, the same input: different masks in training,
+    the same output in inference, and the mirrored weights identical on both."""
+    script = textwrap.dedent("""
+        import numpy as np, tensorflow as tf
+        cpu = tf.config.list_physical_devices("CPU")[0]
+        two = [tf.config.LogicalDeviceConfiguration()] * 2
+        tf.config.set_logical_device_configuration(cpu, two)
+        from keras_sdpa import ScaledDotProductAttention
+        strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+        x = tf.random.stateless_normal((2, 5, 8), seed=[1, 2])
+        with strategy.scope():
+            layer = ScaledDotProductAttention(2, 4, dropout=0.5, seed=3)
+            layer(x, x)
+
+        def outputs(training):
+            per_replica = strategy.run(lambda: layer(x, x, training=training))
+            return [t.numpy() for t in strategy.experimental_local_results(per_replica)]
+
+        a, b = outputs(True)
+        assert a.shape == (2, 5, 8) and not np.allclose(a, b), "replicas drew the same masks"
+        c, d = outputs(False)
+        np.testing.assert_allclose(c, d, atol=1e-6)
+        kernels = strategy.experimental_local_results(layer.query_kernel.value)
+        np.testing.assert_array_equal(kernels[0].numpy(), kernels[1].numpy())
+        print("ok", strategy.num_replicas_in_sync)
+    """)
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split()[-2:] == ["ok", "2"]
+
+
 def test_gradients_match_finite_differences():
     """d loss / d (inputs, W_Q, W_K, W_V), against central differences in float64."""
     query, value, key = inputs(5, "float64")
