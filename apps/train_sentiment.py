@@ -4,6 +4,8 @@ Usage:
     python -m apps.train_sentiment --data_dir ../shared/data/tensorflow_datasets
     python -m apps.train_sentiment --resume            # continue an interrupted run
     python -m apps.train_sentiment --epochs 1 --max_steps 20 --output /tmp/smoke
+    python -m apps.train_sentiment --strategy mirrored       # every local GPU (or CPU device)
+    TF_CONFIG='{...}' python -m apps.train_sentiment --strategy multi_worker
 
 Loads a TFDS text dataset (default `imdb_reviews`), carves a fixed-seed
 validation set out of train, trains with `model.fit` (progress bar, early
@@ -44,7 +46,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from apps import data, export  # noqa: E402
+from apps import data, distribute, export  # noqa: E402
 from apps import model as model_lib  # noqa: E402
 
 
@@ -73,6 +75,11 @@ class Config:
     max_steps: int | None = None  # smoke runs: cap steps per epoch and evaluation batches
     save_every: int = 50  # steps between training-state saves (also at every epoch end)
     verbose: str = "auto"  # model.fit's progress bar
+    # distribution (tf.distribute); --batch_size is per replica, the global batch is N times it
+    strategy: str = (
+        "default"  # default (one device) | mirrored (local GPUs, else CPUs) | multi_worker
+    )
+    logical_cpus: int | None = None  # split the CPU into N devices first (mirrored without GPUs)
     # output
     output: str = "saved_models/imdb_sdpa"
     inspect_examples: int = 50  # test reviews exported for attention inspection
@@ -83,8 +90,10 @@ class Config:
 _RUN_DEFINING = (
     "dataset", "validation_fraction", "vocab_size", "sequence_length", "ngrams", "embed_dim",
     "num_heads", "key_dim", "ff_dim", "num_layers", "dropout", "batch_size",
-    "learning_rate", "seed", "max_steps", "epochs",
+    "learning_rate", "seed", "max_steps", "epochs", "strategy", "logical_cpus",
 )  # fmt: skip
+
+STRATEGIES = ("default", "mirrored", "multi_worker")
 
 
 def parse_args(argv=None):
@@ -126,6 +135,15 @@ def _check_config(config):
         raise ValueError(
             f"`--vocab_size` must be at least 3. Received: vocab_size={config.vocab_size}"
         )
+    if config.strategy not in STRATEGIES:
+        raise ValueError(
+            f"`--strategy` must be one of {', '.join(STRATEGIES)}. "
+            f"Received: strategy={config.strategy!r}"
+        )
+    if config.logical_cpus is not None and config.logical_cpus <= 0:
+        raise ValueError(
+            f"`--logical_cpus` must be positive. Received: logical_cpus={config.logical_cpus}"
+        )
     if not 0.0 <= config.dropout < 1.0:
         raise ValueError(f"`--dropout` must be in [0, 1). Received: dropout={config.dropout}")
     if config.learning_rate <= 0:
@@ -156,11 +174,19 @@ def training_stream(ids, labels, batch_size, seed, start_step=0):
     indices = tf.data.Dataset.counter().flat_map(one_pass)  # example indices, forever
     indices = indices.skip(start_step * batch_size).batch(batch_size)
     stream = indices.map(lambda i: (tf.gather(ids, i), tf.gather(labels, i)))  # (B, L), (B,)
-    return stream.prefetch(tf.data.AUTOTUNE)
+    return _shard_by_data(stream.prefetch(tf.data.AUTOTUNE))
 
 
 def eval_dataset(ids, labels, batch_size):
-    return tf.data.Dataset.from_tensor_slices((ids, labels.astype("float32"))).batch(batch_size)
+    dataset = tf.data.Dataset.from_tensor_slices((ids, labels.astype("float32")))
+    return _shard_by_data(dataset.batch(batch_size))
+
+
+def _shard_by_data(dataset):
+    # In-memory data has no files to shard: each worker takes its share of every batch.
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
+    return dataset.with_options(options)
 
 
 class TrainingState(keras.callbacks.Callback):
@@ -194,7 +220,7 @@ class TrainingState(keras.callbacks.Callback):
         return self.seconds_before + time.time() - self.started
 
     def on_train_batch_end(self, batch, logs=None):
-        if int(self.model.optimizer.iterations) % self.save_every == 0:
+        if _step(self.model) % self.save_every == 0:
             self.save()
 
     def on_epoch_end(self, epoch, logs=None):
@@ -214,8 +240,13 @@ class TrainingState(keras.callbacks.Callback):
         temporary = self.seeds_path + ".partial.npz"
         np.savez(temporary, *[v.numpy() for v in _seed_states(self.model)])
         os.replace(temporary, self.seeds_path)
-        step = int(self.model.optimizer.iterations)
+        step = _step(self.model)
         export.write_json_atomic(self.json_path, {"step": step, "train_seconds": self.seconds()})
+
+
+def _step(model):
+    """The optimizer's step count (`.numpy()`: under a strategy it is a mirrored variable)."""
+    return int(model.optimizer.iterations.numpy())
 
 
 def _seed_states(model):
@@ -277,7 +308,30 @@ def _interrupts_deferred():
 
 
 def train(config):
+    strategy = distribute.make_strategy(config.strategy, config.logical_cpus)  # before any TF op
+    replicas = strategy.num_replicas_in_sync
+    global_batch = config.batch_size * replicas
+    task_type, task_id, chief = distribute.worker(strategy)
     output = os.path.abspath(config.output)
+    if not chief:
+        # Every worker runs the whole program (evaluation and export are collective too);
+        # only the chief's files are the run's. The others write beside it, as Keras does.
+        output = os.path.join(output, f"workertemp_{task_id}")
+    distribution = {
+        "strategy": type(strategy).__name__,
+        "replicas": replicas,
+        "replica_devices": distribute.replica_devices(strategy),
+        "batch_size_per_replica": config.batch_size,
+        "global_batch_size": global_batch,
+        "task": f"{task_type}:{task_id}",
+        "chief": chief,
+    }
+    print(
+        f"Strategy {distribution['strategy']}: {replicas} replica(s) on "
+        f"{', '.join(distribution['replica_devices'])}; global batch {global_batch} "
+        f"({config.batch_size} per replica); task {distribution['task']}"
+        + ("" if chief else f", writing to {output}")
+    )
     checkpoints = os.path.join(output, "checkpoints")
     state_json = os.path.join(checkpoints, "state.json")
     config_path = os.path.join(checkpoints, "config.json")
@@ -330,48 +384,52 @@ def train(config):
     train_ids = data.vectorize(vectorizer, splits.train_text)  # (n, L)
     validation_ids = data.vectorize(vectorizer, splits.validation_text)
 
-    model, inspector = model_lib.build_classifier(
-        vocab_size=vectorizer.vocabulary_size(),
-        sequence_length=config.sequence_length,
-        embed_dim=config.embed_dim,
-        num_heads=config.num_heads,
-        key_dim=config.key_dim,
-        ff_dim=config.ff_dim,
-        num_layers=config.num_layers,
-        dropout=config.dropout,
-        seed=config.seed,
-    )
-    # The attention core is XLA-compiled on its own; the rest of the step runs on TF's
-    # kernels (XLA's CPU random numbers make Keras's Dropout far slower under jit).
-    steps_per_epoch = max(1, len(train_ids) // config.batch_size)
+    steps_per_epoch = max(1, len(train_ids) // global_batch)
     validation_steps = None
     if config.max_steps is not None:
         steps_per_epoch = min(steps_per_epoch, config.max_steps)
         validation_steps = config.max_steps
-    # Cosine decay to zero over the planned steps: a function of the optimizer's own step,
-    # so a resumed run follows the same schedule.
-    schedule = keras.optimizers.schedules.CosineDecay(
-        config.learning_rate, decay_steps=steps_per_epoch * config.epochs
-    )
-    model.compile(
-        optimizer=keras.optimizers.Adam(schedule),
-        loss="binary_crossentropy",
-        metrics=["accuracy"],
-        jit_compile=False,
-    )
-    model.optimizer.build(model.trainable_variables)
+    # Variables, the model, its attention layers and the optimizer all live in the scope.
+    with strategy.scope():
+        model, inspector = model_lib.build_classifier(
+            vocab_size=vectorizer.vocabulary_size(),
+            sequence_length=config.sequence_length,
+            embed_dim=config.embed_dim,
+            num_heads=config.num_heads,
+            key_dim=config.key_dim,
+            ff_dim=config.ff_dim,
+            num_layers=config.num_layers,
+            dropout=config.dropout,
+            seed=config.seed,
+        )
+        # Cosine decay to zero over the planned steps: a function of the optimizer's own
+        # step, so a resumed run follows the same schedule.
+        schedule = keras.optimizers.schedules.CosineDecay(
+            config.learning_rate, decay_steps=steps_per_epoch * config.epochs
+        )
+        # The attention core is XLA-compiled on its own; the rest of the step runs on TF's
+        # kernels (XLA's CPU random numbers make Keras's Dropout far slower under jit).
+        model.compile(
+            optimizer=keras.optimizers.Adam(schedule),
+            loss="binary_crossentropy",
+            metrics=["accuracy"],
+            jit_compile=False,
+        )
+        model.optimizer.build(model.trainable_variables)
+    multi_worker = distribute.is_multi_worker(strategy)
+    distribute.fix_keras_for_multi_worker(model, strategy)
     state = TrainingState(checkpoints, config.save_every)
     state.set_model(model)  # fit sets it too; restore() and an early Ctrl-C need it before
     if resuming:
         state.restore()
 
-    step = int(model.optimizer.iterations)
+    step = _step(model)
     first_epoch, done_in_epoch = divmod(step, steps_per_epoch)
     history = read_history(history_path)
     if resuming:
         print(f"Resuming at epoch {first_epoch + 1}, step {step} ({done_in_epoch} into the epoch)")
 
-    validation = eval_dataset(validation_ids, splits.validation_label, config.batch_size)
+    validation = eval_dataset(validation_ids, splits.validation_label, global_batch)
     best_path = os.path.join(checkpoints, "best.weights.h5")
     best_so_far = min((row["val_loss"] for row in history), default=None)
     early_stopping = ResumableEarlyStopping(history_path, patience=config.patience, verbose=1)
@@ -405,27 +463,31 @@ def train(config):
         for initial_epoch, epochs, steps in segments:
             if stopped:
                 break
-            model.fit(
-                training_stream(
-                    train_ids,
-                    splits.train_label,
-                    config.batch_size,
-                    config.seed,
-                    start_step=int(model.optimizer.iterations),
-                ),  # fmt: skip
-                initial_epoch=initial_epoch,
-                epochs=epochs,
-                steps_per_epoch=steps,
-                validation_data=validation,
-                validation_steps=validation_steps,
-                callbacks=callbacks,
-                shuffle=False,  # the stream is already shuffled, deterministically
-                verbose=int(config.verbose) if config.verbose.isdigit() else config.verbose,
-            )
+            # Multi-worker Keras finds its strategy in the scope (see apps/distribute.py);
+            # evaluation and export then run on each worker alone, with the same weights.
+            fitting = strategy.scope() if multi_worker else contextlib.nullcontext()
+            with fitting:
+                model.fit(
+                    training_stream(
+                        train_ids,
+                        splits.train_label,
+                        global_batch,
+                        config.seed,
+                        start_step=_step(model),
+                    ),  # fmt: skip
+                    initial_epoch=initial_epoch,
+                    epochs=epochs,
+                    steps_per_epoch=steps,
+                    validation_data=validation,
+                    validation_steps=validation_steps,
+                    callbacks=callbacks,
+                    shuffle=False,  # the stream is already shuffled, deterministically
+                    verbose=int(config.verbose) if config.verbose.isdigit() else config.verbose,
+                )
             stopped = early_stopping.stopped_epoch > 0
     except KeyboardInterrupt:
         state.save()
-        step = int(model.optimizer.iterations)
+        step = _step(model)
         print(
             f"\nInterrupted at step {step}. Training state saved to {checkpoints}.\n"
             f"Continue with: python -m apps.train_sentiment --resume --output {config.output}",
@@ -443,22 +505,23 @@ def train(config):
     best_epoch = min(history, key=lambda row: row["val_loss"])["epoch"] if history else None
     return _report(
         config, output, model, inspector, vectorizer, splits, history, best_epoch, train_seconds,
-        stopped, validation,
+        stopped, validation, distribution,
     )  # fmt: skip
 
 
 def _report(config, output, model, inspector, vectorizer, splits, history, best_epoch,
-            train_seconds, stopped, validation):  # fmt: skip
+            train_seconds, stopped, validation, distribution):  # fmt: skip
     print("Evaluating the best epoch's weights on validation and test")
     steps = config.max_steps
+    global_batch = distribution["global_batch_size"]
     validation_loss, validation_accuracy = model.evaluate(validation, steps=steps, verbose=0)
     test_ids = data.vectorize(vectorizer, splits.test_text)
-    test = eval_dataset(test_ids, splits.test_label, config.batch_size)
+    test = eval_dataset(test_ids, splits.test_label, global_batch)
     test_loss, test_accuracy = model.evaluate(test, steps=steps, verbose=0)
-    num_test = len(test_ids) if steps is None else min(len(test_ids), steps * config.batch_size)
+    num_test = len(test_ids) if steps is None else min(len(test_ids), steps * global_batch)
     num_validation = len(splits.validation_label)
     if steps is not None:
-        num_validation = min(num_validation, steps * config.batch_size)
+        num_validation = min(num_validation, steps * global_batch)
 
     paths = {}
     print("Exporting the SavedModel")
@@ -514,10 +577,11 @@ def _report(config, output, model, inspector, vectorizer, splits, history, best_
         "epochs_run": len(history),
         "best_epoch": None if best_epoch is None else best_epoch + 1,
         "stopped_early": bool(stopped),
-        "train_steps": int(model.optimizer.iterations),
+        "train_steps": _step(model),
         "train_seconds": round(train_seconds, 1),
         "parameters": int(model.count_params()),
         "export_max_abs_difference": max_difference,
+        "distribution": distribution,
         "history": history,
         "config": dataclasses.asdict(config),
         "versions": {

@@ -1,0 +1,163 @@
+"""The training app under tf.distribute, on this machine: no GPU, loopback only.
+
+`mirrored` runs on the CPU split into two logical devices; `multi_worker` runs as two
+worker processes on 127.0.0.1 that find each other through TF_CONFIG. Each run is a
+fresh process: TensorFlow fixes its devices and its cluster when it starts.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+
+from apps import distribute, train_sentiment
+
+pytestmark = pytest.mark.slow
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# 2 epochs of 6 steps of 2 x 16 reviews, at a learning rate that moves the loss visibly.
+RUN = [
+    "--epochs", "2", "--max_steps", "6", "--batch_size", "16", "--sequence_length", "48",
+    "--vocab_size", "3000", "--embed_dim", "16", "--key_dim", "8", "--ff_dim", "32",
+    "--learning_rate", "3e-3", "--inspect_examples", "4", "--verbose", "2",
+]  # fmt: skip
+TIMEOUT = 600
+
+
+def _env(**extra):
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.update(extra)
+    return env
+
+
+def _app(*args):
+    return [sys.executable, "-m", "apps.train_sentiment", *RUN, *args]
+
+
+def _free_ports(count):
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def _metrics(output):
+    with open(os.path.join(output, "metrics.json")) as f:
+        return json.load(f)
+
+
+def _weights(output):
+    model = keras.saving.load_model(os.path.join(output, "model.keras"))
+    return model.get_weights()
+
+
+@pytest.fixture(scope="module")
+def mirrored(tmp_path_factory):
+    output = str(tmp_path_factory.mktemp("mirrored") / "run")
+    result = subprocess.run(
+        _app("--strategy", "mirrored", "--logical_cpus", "2", "--output", output),
+        capture_output=True, text=True, timeout=TIMEOUT, env=_env(), cwd=ROOT,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    return output, result.stdout
+
+
+def test_mirrored_trains_on_both_replicas(mirrored):
+    output, stdout = mirrored
+    metrics = _metrics(output)
+    distribution = metrics["distribution"]
+    assert distribution["strategy"] == "MirroredStrategy" and distribution["replicas"] == 2
+    # Both logical CPUs ran a step of their own.
+    assert [d.rsplit("/", 1)[-1] for d in distribution["replica_devices"]] == [
+        "device:CPU:0", "device:CPU:1",
+    ]  # fmt: skip
+    assert distribution["global_batch_size"] == 32 and "global batch 32 (16 per replica)" in stdout
+    # 6 steps per epoch of the global batch: the data was split, not repeated per replica.
+    assert metrics["train_steps"] == 12 and metrics["test_examples"] == 6 * 32
+    history = metrics["history"]
+    assert history[1]["loss"] < history[0]["loss"]
+    assert history[1]["val_loss"] < history[0]["val_loss"]
+
+
+def test_mirrored_model_exports_and_serves_raw_text(mirrored):
+    output, _ = mirrored
+    assert _metrics(output)["export_max_abs_difference"] < 1e-5
+    result = subprocess.run(
+        [sys.executable, "-c",
+         "import sys; from apps import predict; code = predict.main(sys.argv[1:]); "
+         "assert 'keras_sdpa' not in sys.modules; sys.exit(code)",
+         "--model", output, "--json", "A wonderful film.", "Dull and far too long."],
+        capture_output=True, text=True, timeout=300, env=_env(), cwd=ROOT,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    answers = [json.loads(line) for line in result.stdout.splitlines()]
+    assert len(answers) == 2 and all(0 < a["probability"] < 1 for a in answers)
+
+
+def test_multi_worker_on_loopback_ends_with_identical_weights(mirrored, tmp_path):
+    ports = _free_ports(2)
+    cluster = {"worker": [f"127.0.0.1:{port}" for port in ports]}
+    output = str(tmp_path / "run")
+    workers = []
+    try:
+        for index in range(2):
+            tf_config = json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}})
+            workers.append(
+                subprocess.Popen(
+                    _app("--strategy", "multi_worker", "--output", output),
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                    env=_env(TF_CONFIG=tf_config),
+                    cwd=ROOT,
+                    start_new_session=True,
+                )  # fmt: skip
+            )
+        logs = [worker.communicate(timeout=TIMEOUT) for worker in workers]
+    finally:
+        for worker in workers:  # also on a timeout or a failed assertion: no stray workers
+            if worker.poll() is None:
+                os.killpg(worker.pid, signal.SIGKILL)
+                worker.wait()
+    for worker, (stdout, stderr) in zip(workers, logs):
+        assert worker.returncode == 0, stdout[-2000:] + stderr[-4000:]
+
+    chief_output = output
+    other_output = os.path.join(output, "workertemp_1")
+    chief, other = _metrics(chief_output), _metrics(other_output)
+    for metrics, task in ((chief, "worker:0"), (other, "worker:1")):
+        distribution = metrics["distribution"]
+        assert distribution["replicas"] == 2 and distribution["task"] == task
+        assert distribution["global_batch_size"] == 32
+        assert metrics["train_steps"] == 12
+    assert chief["distribution"]["chief"] and not other["distribution"]["chief"]
+    for a, b in zip(_weights(chief_output), _weights(other_output), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert chief["history"] == other["history"]
+    # Two workers of one replica each compute what two local replicas do.
+    mirrored_history = _metrics(mirrored[0])["history"]
+    for row, want in zip(chief["history"], mirrored_history, strict=True):
+        assert row["val_loss"] == pytest.approx(want["val_loss"], abs=1e-4)
+
+
+def test_bad_strategy_flags(tmp_path, capsys, monkeypatch):
+    with pytest.raises(SystemExit) as exit_info:
+        train_sentiment.parse_args(["--strategy", "tpu"])
+    assert exit_info.value.code == 2
+    assert "`--strategy` must be one of default, mirrored, multi_worker" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        train_sentiment.parse_args(["--logical_cpus", "0"])
+    assert "logical_cpus=0" in capsys.readouterr().err
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    with pytest.raises(ValueError, match="reads the cluster from the TF_CONFIG"):
+        distribute.make_strategy("multi_worker")
