@@ -203,8 +203,9 @@ def main(argv=None):
         if os.path.exists(args.output):
             with open(args.output) as f:
                 old = f.read()
-            if "\n## " in old:
-                notes = "\n" + old[old.index("\n## ") :]
+            starts = [old.find(mark) for mark in ("\n<!-- ", "\n## ") if mark in old]
+            if starts:  # from the first later section, with its markers
+                notes = "\n" + old[min(starts) + 1 :]
         with open(args.output, "w") as f:
             f.write(
                 f"# Benchmarks\n\nProduced by:\n\n    {command.strip()}\n\n"

