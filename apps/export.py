@@ -67,50 +67,73 @@ def export_saved_model(inspector, vectorizer, path):
     return path
 
 
-def write_json_atomic(path, payload):
+def write_text_atomic(path, text):
+    """Writes `text` (a string, or an iterable of strings) to `path` as UTF-8, via a
+    temporary file and a rename: an interrupted write never leaves half a file."""
     temporary = f"{path}.partial"
-    with open(temporary, "w") as f:
-        json.dump(payload, f, indent=2, sort_keys=True)
-        f.write("\n")
+    with open(temporary, "w", encoding="utf-8") as f:
+        f.writelines([text] if isinstance(text, str) else text)
     os.replace(temporary, path)
+    return path
 
 
-def inspect_records(inspector, vectorizer, texts, labels):
-    """One record per review: text, tokens, label, prediction, weights over real tokens.
+def write_json_atomic(path, payload):
+    return write_text_atomic(path, json.dumps(payload, indent=2, sort_keys=True) + "\n")
 
-    `attention[layer][head]` is the `(n, n)` self-attention over the `n` real tokens
-    (row: the attending token; column: the attended one), `pooling[head]` the `(n,)`
-    pooling weights. Padding never appears.
+
+def inspection_sample(size, count, seed):
+    """Indices of the `count` (at most `size`) test reviews exported for inspection:
+    seeded, sorted, the same for the training app and `python -m apps.viewer`."""
+    rng = np.random.default_rng(seed)
+    return np.sort(rng.choice(size, min(count, size), replace=False))
+
+
+def make_record(index, text, tokens, label, probability, pooling, attention):
+    """One inspection record over the `n` real tokens of a review.
+
+    `pooling` is `(N, n)` and `attention` `(layers, N, n, n)` (row: the attending
+    token; column: the attended one). Padding never appears.
     """
+    return {
+        "index": int(index),
+        "text": text.decode("utf-8", errors="replace") if isinstance(text, bytes) else text,
+        "tokens": [str(t) for t in tokens],
+        "label": int(label),
+        "prediction": int(probability >= 0.5),
+        "probability": round(float(probability), 6),
+        "pooling": np.round(pooling, 5).tolist(),
+        "attention": np.round(attention, 5).tolist(),
+    }
+
+
+def inspect_records(inspector, vectorizer, texts, labels, indices=None):
+    """`make_record` for each review, from the in-memory inspector model.
+
+    `indices` are the reviews' positions in their split (default: 0, 1, ...).
+    """
+    indices = range(len(texts)) if indices is None else indices
     vocabulary = np.array(vectorizer.get_vocabulary(), dtype=object)
     ids = vectorizer(tf.constant(texts)).numpy()  # (B, L)
     outputs = inspector.predict(ids, batch_size=16, verbose=0)
     records = []
-    for i, text in enumerate(texts):
+    for i, (index, text) in enumerate(zip(indices, texts)):
         n = int((ids[i] != 0).sum())
-        probability = float(outputs["probability"][i, 0])
         records.append(
-            {
-                "index": i,
-                "text": text.decode("utf-8", errors="replace") if isinstance(text, bytes) else text,
-                "tokens": [str(t) for t in vocabulary[ids[i, :n]]],
-                "label": int(labels[i]),
-                "prediction": int(probability >= 0.5),
-                "probability": round(probability, 6),
-                "pooling": np.round(outputs["pooling"][i, :, :n], 5).tolist(),
-                "attention": np.round(outputs["attention"][i, :, :, :n, :n], 5).tolist(),
-            }
+            make_record(
+                index,
+                text,
+                vocabulary[ids[i, :n]],
+                labels[i],
+                outputs["probability"][i, 0],
+                outputs["pooling"][i, :, :n],
+                outputs["attention"][i, :, :, :n, :n],
+            )  # fmt: skip
         )
     return records
 
 
 def write_attention_jsonl(records, path):
-    temporary = f"{path}.partial"
-    with open(temporary, "w") as f:
-        for record in records:
-            f.write(json.dumps(record, ensure_ascii=False) + "\n")
-    os.replace(temporary, path)
-    return path
+    return write_text_atomic(path, (json.dumps(r, ensure_ascii=False) + "\n" for r in records))
 
 
 _MAX_TEXT = 20_000  # characters of each review kept for the page's text and search
@@ -153,19 +176,28 @@ def write_attention_html(records, path, title="keras-sdpa attention"):
     payload = json.dumps({"title": title, "examples": examples}, ensure_ascii=False)
     payload = payload.replace("</", "<\\/")  # safe inside <script>
     document = viewer.TEMPLATE.replace("__TITLE__", html.escape(title)).replace("__DATA__", payload)
-    temporary = f"{path}.partial"
-    with open(temporary, "w", encoding="utf-8") as f:
-        f.write(document)
-    os.replace(temporary, path)
-    return path
+    return write_text_atomic(path, document)
 
 
-def write_attention_heatmaps(records, path, max_examples=3, max_tokens=40):
-    """PNG: for a few short reviews, the pooling weights and each head's self-attention."""
+def pyplot():
+    """`matplotlib.pyplot` on the file-only Agg backend (no display needed)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(figure, path):
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    pyplot().close(figure)
+
+
+def write_attention_heatmaps(records, path, max_examples=3, max_tokens=40):
+    """PNG: for a few short reviews, the pooling weights and each head's self-attention."""
+    plt = pyplot()
 
     short = sorted(
         (r for r in records if 0 < len(r["tokens"]) <= max_tokens), key=lambda r: len(r["tokens"])
@@ -197,18 +229,13 @@ def write_attention_heatmaps(records, path, max_examples=3, max_tokens=40):
             ax.set_xticks(range(n), tokens, rotation=90, fontsize=6)
             ax.set_yticks(range(n), tokens, fontsize=6)
             ax.set_title(f"block 0, head {head}: query row attends to key column")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
     return path
 
 
 def write_training_curves(history, path):
     """PNG of loss and accuracy per epoch, train and validation."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     epochs = [row["epoch"] + 1 for row in history]
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
@@ -220,9 +247,7 @@ def write_training_curves(history, path):
         ax.grid(alpha=0.3)
         ax.legend()
     fig.suptitle("ScaledDotProductAttention sentiment classifier")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
     return path
 
 
@@ -289,11 +314,7 @@ or, with TensorFlow alone:
 
 (add `--data_dir` for an existing TFDS folder).
 """
-    temporary = f"{path}.partial"
-    with open(temporary, "w") as f:
-        f.write(card)
-    os.replace(temporary, path)
-    return path
+    return write_text_atomic(path, card)
 
 
 def _machine():

@@ -18,9 +18,7 @@ claim that stops holding fails `tests/test_math_verified.py`, which asserts
 each claim from this app's own measurements.
 """
 
-import argparse
 import dataclasses
-import json
 import math
 import os
 import sys
@@ -33,6 +31,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
+from apps import cli, export  # noqa: E402
 from keras_sdpa import ScaledDotProductAttention  # noqa: E402
 from keras_sdpa.ops import scaled_dot_product_attention  # noqa: E402
 
@@ -63,31 +62,14 @@ _QUICK = dict(samples=20_000, rows=256, train_examples=6_000, train_epochs=2, ev
 
 
 def parse_args(argv=None):
-    defaults = Config()
-    parser = argparse.ArgumentParser(
+    return cli.parse_config(
+        Config,
+        argv,
         prog="python -m apps.math_verified",
         description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        check=_check_config,
+        presets=lambda args: _QUICK if args.quick else None,  # explicit flags still win
     )
-    for field in dataclasses.fields(Config):
-        default = getattr(defaults, field.name)
-        if field.type is bool:
-            parser.add_argument(f"--{field.name}", action="store_true", help=None)
-        elif field.type is tuple:
-            parser.add_argument(f"--{field.name}", type=int, nargs="+", default=list(default))
-        else:
-            parser.add_argument(f"--{field.name}", type=field.type, default=None)
-    args = vars(parser.parse_args(argv))
-    given = {name: value for name, value in args.items() if value is not None}
-    if given.get("quick"):
-        given = {**_QUICK, **given}  # explicit flags still win over --quick
-    given["key_dims"] = tuple(given["key_dims"])
-    config = Config(**given)
-    try:
-        _check_config(config)
-    except ValueError as error:
-        parser.error(str(error))
-    return config
 
 
 def _check_config(config):
@@ -323,20 +305,20 @@ class _Evaluate(keras.callbacks.Callback):
         self.steps, self.val_loss, self.val_accuracy, self.loss = [], [], [], []
         self.step = 0
 
-    def _evaluate(self):
+    def evaluate(self):
         loss, accuracy = self.model.evaluate(*self.data, batch_size=1000, verbose=0)
         self.steps.append(self.step)
         self.val_loss.append(float(loss))
         self.val_accuracy.append(float(accuracy))
 
     def on_train_begin(self, logs=None):
-        self._evaluate()
+        self.evaluate()
 
     def on_train_batch_end(self, batch, logs=None):
         self.step += 1
         self.loss.append(float(logs["loss"]))
         if self.step % self.every == 0:
-            self._evaluate()
+            self.evaluate()
 
 
 def measure_training(config, progress):
@@ -364,7 +346,7 @@ def measure_training(config, progress):
             callbacks=[evaluate],
             verbose=0,
         )
-        evaluate._evaluate()  # the final point
+        evaluate.evaluate()  # the final point
         runs[name] = {
             "steps": evaluate.steps,
             "val_loss": evaluate.val_loss,
@@ -453,10 +435,7 @@ def check_weighted_sum(result, tolerance=1e-5):
 
 
 def _plot_variance(variance, path_1, path_2):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = export.pyplot()
 
     d = np.array([r["d_k"] for r in variance["rows"]], float)
     v = np.array([r["variance"] for r in variance["rows"]])
@@ -468,9 +447,7 @@ def _plot_variance(variance, path_1, path_2):
     axis.set(xscale="log", yscale="log", xlabel="d_k", ylabel="Var(q . k)")
     axis.set_title("Claim 1: Var(q . k) = d_k")
     axis.legend()
-    figure.tight_layout()
-    figure.savefig(path_1, dpi=110)
-    plt.close(figure)
+    export.save_figure(figure, path_1)
 
     scaled = np.array([r["scaled_variance"] for r in variance["rows"]])
     figure, axis = plt.subplots(figsize=(5.5, 4))
@@ -480,16 +457,11 @@ def _plot_variance(variance, path_1, path_2):
     axis.set(xscale="log", yscale="log", xlabel="d_k", ylabel="variance of the scores")
     axis.set_title("Claim 2: scaling brings the variance back to 1")
     axis.legend()
-    figure.tight_layout()
-    figure.savefig(path_2, dpi=110)
-    plt.close(figure)
+    export.save_figure(figure, path_2)
 
 
 def _plot_saturation(saturation, sequence_length, path_3, path_4):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = export.pyplot()
 
     d = [r["d_k"] for r in saturation]
     figure, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
@@ -502,9 +474,7 @@ def _plot_saturation(saturation, sequence_length, path_3, path_4):
     left.legend()
     right.legend()
     figure.suptitle(f"Claim 3: without scaling the softmax saturates (S = {sequence_length})")
-    figure.tight_layout()
-    figure.savefig(path_3, dpi=110)
-    plt.close(figure)
+    export.save_figure(figure, path_3)
 
     figure, axis = plt.subplots(figsize=(5.5, 4))
     for name, color in (("unscaled", "C0"), ("scaled", "C1")):
@@ -515,16 +485,11 @@ def _plot_saturation(saturation, sequence_length, path_3, path_4):
     axis.set(xscale="log", yscale="log", xlabel="d_k", ylabel="||d softmax / d scores||_F")
     axis.set_title("Claim 4: saturated softmax, vanishing gradient")
     axis.legend()
-    figure.tight_layout()
-    figure.savefig(path_4, dpi=110)
-    plt.close(figure)
+    export.save_figure(figure, path_4)
 
 
 def _plot_training(training, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = export.pyplot()
 
     figure, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     for name, color in (("scaled", "C0"), ("unscaled", "C3")):
@@ -539,9 +504,7 @@ def _plot_training(training, path):
     right.set(xlabel="training step", ylabel="validation accuracy", ylim=(0.4, 1.01))
     right.legend()
     figure.suptitle(f"Claim 5: training at d_k = {training['key_dim']} (faint: training loss)")
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
+    export.save_figure(figure, path)
 
 
 def _results_table(metrics):
@@ -716,8 +679,8 @@ def run(config):
     _plot_training(training, paths["claim5_training.png"])
     metrics_path = os.path.join(config.output, "metrics.json")
     results_path = os.path.join(config.output, "results.md")
-    _write_atomic(metrics_path, json.dumps(metrics, indent=2, sort_keys=True) + "\n")
-    _write_atomic(results_path, _results_table(metrics))
+    export.write_json_atomic(metrics_path, metrics)
+    export.write_text_atomic(results_path, _results_table(metrics))
 
     progress("done")
     for claim, ok in metrics["holds"].items():
@@ -726,13 +689,6 @@ def run(config):
     for path in (results_path, metrics_path, *paths.values()):
         print(f"  {path}")
     return metrics
-
-
-def _write_atomic(path, text):
-    temporary = f"{path}.partial"
-    with open(temporary, "w") as f:
-        f.write(text)
-    os.replace(temporary, path)
 
 
 def main(argv=None):

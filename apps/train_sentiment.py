@@ -27,7 +27,6 @@ Ctrl-C or SIGTERM saves the exact training state (weights, optimizer, step);
 `--resume` continues from it on the same batches an uninterrupted run would see.
 """
 
-import argparse
 import contextlib
 import csv
 import dataclasses
@@ -37,7 +36,6 @@ import shutil
 import signal
 import sys
 import time
-import typing
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -46,7 +44,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from apps import data, distribute, export  # noqa: E402
+from apps import cli, data, distribute, export  # noqa: E402
 from apps import model as model_lib  # noqa: E402
 
 
@@ -97,26 +95,13 @@ STRATEGIES = ("default", "mirrored", "multi_worker")
 
 
 def parse_args(argv=None):
-    defaults = Config()
-    parser = argparse.ArgumentParser(
+    return cli.parse_config(
+        Config,
+        argv,
         prog="python -m apps.train_sentiment",
         description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        check=_check_config,
     )
-    for field in dataclasses.fields(Config):
-        default = getattr(defaults, field.name)
-        if field.type is bool:
-            parser.add_argument(f"--{field.name}", action="store_true")
-        else:
-            # `int | None` -> int
-            kind = next((t for t in typing.get_args(field.type) if t is not type(None)), field.type)
-            parser.add_argument(f"--{field.name}", type=kind, default=default)
-    config = Config(**vars(parser.parse_args(argv)))
-    try:
-        _check_config(config)
-    except ValueError as error:
-        parser.error(str(error))  # usage and the message on stderr, exit status 2
-    return config
 
 
 def _check_config(config):
@@ -541,14 +526,12 @@ def _report(config, output, model, inspector, vectorizer, splits, history, best_
 
     if config.inspect_examples:
         print(f"Exporting attention for {config.inspect_examples} test reviews")
-        rng = np.random.default_rng(config.seed)
-        count = min(config.inspect_examples, len(splits.test_text))
-        chosen = np.sort(rng.choice(len(splits.test_text), count, replace=False))
-        records = export.inspect_records(
-            inspector, vectorizer, splits.test_text[chosen], splits.test_label[chosen]
+        chosen = export.inspection_sample(
+            len(splits.test_text), config.inspect_examples, config.seed
         )
-        for record, index in zip(records, chosen):
-            record["index"] = int(index)  # position in the test split
+        records = export.inspect_records(
+            inspector, vectorizer, splits.test_text[chosen], splits.test_label[chosen], chosen
+        )
         paths["attention_jsonl"] = export.write_attention_jsonl(
             records, os.path.join(output, "attention.jsonl")
         )
@@ -620,13 +603,8 @@ def _check_export(path, model, vectorizer, texts):
 
 def _write_vocabulary(vectorizer, path):
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    vocabulary = vectorizer.get_vocabulary()
-    temporary = f"{path}.partial"
-    with open(temporary, "w", encoding="utf-8") as f:
-        # Index 0 (padding) and 1 (OOV) are the layer's own; it adds them back on load.
-        for token in vocabulary[2:]:
-            f.write(f"{token}\n")
-    os.replace(temporary, path)
+    # Index 0 (padding) and 1 (OOV) are the layer's own; it adds them back on load.
+    export.write_text_atomic(path, (f"{token}\n" for token in vectorizer.get_vocabulary()[2:]))
 
 
 def _stopped_early(history, patience):

@@ -270,32 +270,30 @@ init();
 """
 
 
-def records_from_saved_model(serve, texts, labels, batch_size=8):
-    """Inspection records (as `apps.export.inspect_records` writes them) from a SavedModel.
-
-    `serve` is its `serving_default`; the weights are cut to each review's real tokens.
-    """
-    import numpy as np
+def records_from_saved_model(serve, texts, labels, indices=None, batch_size=8):
+    """`apps.export.make_record` for each review, from a SavedModel's `serving_default`
+    (`serve`), cut to each review's real tokens. `indices` as for `inspect_records`."""
     import tensorflow as tf
 
+    from apps import export
+
+    indices = list(range(len(texts)) if indices is None else indices)
     records = []
     for start in range(0, len(texts), batch_size):
         batch = list(texts[start : start + batch_size])
         out = serve(text=tf.constant(batch))
         for i, text in enumerate(batch):
             n = int(out["length"][i])
-            probability = float(out["probability"][i])
             records.append(
-                {
-                    "index": start + i,
-                    "text": text.decode("utf-8", errors="replace"),
-                    "tokens": [t.decode("utf-8") for t in out["tokens"][i, :n].numpy()],
-                    "label": int(labels[start + i]),
-                    "prediction": int(probability >= 0.5),
-                    "probability": round(probability, 6),
-                    "pooling": np.round(out["pooling"][i, :, :n].numpy(), 5).tolist(),
-                    "attention": np.round(out["attention"][i, :, :, :n, :n].numpy(), 5).tolist(),
-                }
+                export.make_record(
+                    indices[start + i],
+                    text,
+                    [t.decode("utf-8") for t in out["tokens"][i, :n].numpy()],
+                    labels[start + i],
+                    float(out["probability"][i]),
+                    out["pooling"][i, :, :n].numpy(),
+                    out["attention"][i, :, :, :n, :n].numpy(),
+                )  # fmt: skip
             )
     return records
 
@@ -368,7 +366,6 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    import numpy as np
     import tensorflow as tf
 
     from apps import data, export
@@ -392,15 +389,12 @@ def main(argv=None):
         print(f"error: {error}", file=sys.stderr)
         return 2
     # The same seeded sample as the training app's own export.
-    count = min(args.examples, len(splits.test_text))
-    chosen = np.sort(
-        np.random.default_rng(seed).choice(len(splits.test_text), count, replace=False)
-    )
-    print(f"Serving {count} {dataset} test reviews through {model_path}")
+    chosen = export.inspection_sample(len(splits.test_text), args.examples, seed)
+    print(f"Serving {len(chosen)} {dataset} test reviews through {model_path}")
     serve = tf.saved_model.load(model_path).signatures["serving_default"]
-    records = records_from_saved_model(serve, splits.test_text[chosen], splits.test_label[chosen])
-    for record, index in zip(records, chosen):
-        record["index"] = int(index)  # position in the test split
+    records = records_from_saved_model(
+        serve, splits.test_text[chosen], splits.test_label[chosen], chosen
+    )
     output = args.output or args.model
     os.makedirs(output, exist_ok=True)
     paths = [

@@ -15,6 +15,7 @@ import sys
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 from apps import distribute, train_sentiment
 
@@ -158,6 +159,10 @@ def test_bad_strategy_flags(tmp_path, capsys, monkeypatch):
     with pytest.raises(SystemExit):
         train_sentiment.parse_args(["--logical_cpus", "0"])
     assert "logical_cpus=0" in capsys.readouterr().err
+    # --logical_cpus once TensorFlow has set up its devices.
+    tf.config.list_logical_devices("CPU")
+    with pytest.raises(ValueError, match=r"`--logical_cpus` must be set before TensorFlow starts"):
+        distribute.make_strategy("default", logical_cpus=2)
     monkeypatch.delenv("TF_CONFIG", raising=False)
     with pytest.raises(ValueError, match="reads the cluster from the TF_CONFIG"):
         distribute.make_strategy("multi_worker")

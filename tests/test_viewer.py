@@ -9,6 +9,7 @@ with a message that says so (`apps.viewer.chromium`).
 
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -224,3 +225,27 @@ def test_the_address_keeps_the_view(page, browser):
     _select(browser, "head", "1")
     browser.find_element(By.ID, "next").click()
     assert browser.execute_script("return location.hash") == "#review=2&layer=1&head=1"
+
+
+def test_missing_chromium_names_what_to_install(monkeypatch):
+    monkeypatch.delenv("CHROMIUM", raising=False)
+    monkeypatch.delenv("CHROMEDRIVER", raising=False)
+    monkeypatch.setenv("PATH", "")
+    with pytest.raises(RuntimeError, match=r"found chromium=None.*apt-get install chromium"):
+        viewer.chromium()
+
+
+@pytest.mark.parametrize(
+    "argv, status, message",
+    [
+        (["--examples", "0"], 2, "`--examples` must be positive. Received: examples=0"),
+        (["--model", "no/such/run"], 2, "is not a SavedModel nor a run folder.*no/such/run"),
+    ],
+)
+def test_viewer_cli_errors(argv, status, message, capsys):
+    try:
+        code = viewer.main(argv)
+    except SystemExit as exit_info:  # argparse
+        code = exit_info.code
+    assert code == status
+    assert re.search(message, capsys.readouterr().err)
