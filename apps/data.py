@@ -136,17 +136,12 @@ def standardize(text):
     return tf.strings.regex_replace(text, r"(^|\s)'+|'+(\s|$)", " ")
 
 
-def make_vectorizer(vocab_size, sequence_length, ngrams=1, vocabulary=None):
-    """A `TextVectorization` layer: raw strings to `(B, sequence_length)` token ids, 0 = pad.
-
-    With `ngrams=2` the sequence holds the words, then the word pairs ("not good"),
-    each pair one token, as Keras's `TextVectorization(ngrams=2)` makes them.
-    """
+def make_vectorizer(vocab_size, sequence_length, vocabulary=None):
+    """A `TextVectorization` layer: raw strings to `(B, sequence_length)` token ids, 0 = pad."""
     return keras.layers.TextVectorization(
         max_tokens=vocab_size,
         output_sequence_length=sequence_length,
         standardize=standardize,
-        ngrams=None if ngrams == 1 else ngrams,
         vocabulary=vocabulary,
         name="vectorizer",
     )

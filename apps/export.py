@@ -30,11 +30,14 @@ def export_saved_model(inspector, vectorizer, path):
     `(B, N, L)` the pooling attention (what the classifier looked at).
     """
     vocabulary = tf.constant(vectorizer.get_vocabulary())
-    # Only the vectorizer (its lookup table) is tracked by hand: `add_endpoint` tracks the
-    # variables `serve` uses by itself, and tracking the model too would store every weight
-    # twice (keras-team/keras#23553).
+    # Only the lookup tables (the vectorizer's, and the word-pair lookup's) are tracked by
+    # hand: `add_endpoint` tracks the variables `serve` uses by itself, and tracking the
+    # model too would store every weight twice (keras-team/keras#23553).
     archive = keras.export.ExportArchive()
     archive.track(vectorizer)
+    embedding = inspector.get_layer("embedding")
+    if embedding.bigram_vocab_size:
+        archive.track(embedding.bigram_lookup)
 
     @tf.function(input_signature=[tf.TensorSpec([None], tf.string, name="text")])
     def serve(text):
@@ -264,6 +267,12 @@ def write_model_card(metrics, path):
         f"| {row['val_loss']:.4f} | {row['val_accuracy']:.4f} |"
         for row in metrics["history"]
     )
+    pairs = ""
+    if config.get("bigram_vocab_size"):
+        pairs = (
+            f" + the embedding of each word's pair with the word before it (the "
+            f"{config['bigram_vocab_size']:,} most frequent pairs in train, `bigrams.txt`)"
+        )
     card = f"""# {config["dataset"]} sentiment classifier on keras-sdpa
 
 Written by `python -m apps.train_sentiment`; every number below comes from this folder's
@@ -283,9 +292,9 @@ Written by `python -m apps.train_sentiment`; every number below comes from this 
 
 ## Model
 
-`TextVectorization` (vocabulary {config["vocab_size"]:,}, ngrams {config["ngrams"]}, length
-{config["sequence_length"]}) -> `Embedding(mask_zero=True)` + positions ({config["embed_dim"]}
-wide) -> {config["num_layers"]} self-attention block(s) of `keras_sdpa.ScaledDotProductAttention`
+`TextVectorization` (vocabulary {config["vocab_size"]:,}, length {config["sequence_length"]})
+-> `Embedding(mask_zero=True)` + positions{pairs} ({config["embed_dim"]} wide) ->
+{config["num_layers"]} self-attention block(s) of `keras_sdpa.ScaledDotProductAttention`
 ({config["num_heads"]} heads of {config["key_dim"]}) -> attention pooling (a learned query, the
 same layer with T = 1) -> `Dense(1, sigmoid)`.
 

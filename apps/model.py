@@ -1,6 +1,7 @@
 """The sentiment classifier, built from `keras_sdpa.ScaledDotProductAttention`.
 
     token ids (B, L) -> Embedding(mask_zero=True) + positions  (B, L, E)
+                        (+ word-pair embedding, optional)
                      -> num_layers x TransformerBlock           (B, L, E)  self-attention
                      -> AttentionPooling                        (B, E)     a learned query attends
                      -> Dense(1, sigmoid)                       (B, 1)     P(positive)
@@ -10,34 +11,96 @@ whose weights say directly which tokens the classifier looked at.
 """
 
 import keras
+import tensorflow as tf
 from keras import ops
 
 from keras_sdpa import ScaledDotProductAttention
 
 
+def bigram_keys(ids, vocab_size):
+    """Each position's word pair `(previous word, word)` as one int64 key.
+
+    The key is `previous * vocab_size + word`; it is 0 at the first position and wherever
+    either word is padding, so pairs never cross into the padding.
+
+    Args:
+        ids: token ids `(B, L)`, 0 = padding.
+        vocab_size: the number of word ids (the vectorizer's vocabulary size).
+
+    Returns:
+        int64 keys `(B, L)`.
+    """
+    ids = ops.cast(ids, "int64")
+    previous = ops.pad(ids[:, :-1], [[0, 0], [1, 0]])  # (B, L), shifted right by one
+    keys = previous * vocab_size + ids
+    return ops.where(ops.logical_and(previous > 0, ids > 0), keys, ops.zeros_like(keys))
+
+
 @keras.saving.register_keras_serializable(package="apps")
 class TokenAndPositionEmbedding(keras.layers.Layer):
-    """Token embedding (`mask_zero=True`, id 0 is padding) plus a learned position embedding."""
+    """Token embedding (`mask_zero=True`, id 0 is padding) plus a learned position embedding.
 
-    def __init__(self, vocab_size, sequence_length, embed_dim, **kwargs):
+    With `bigram_vocab_size > 0`, each position also adds the embedding of its word pair
+    (previous word, word), looked up by `keras.layers.IntegerLookup` among the
+    `bigram_vocab_size` most frequent pairs of the training set (`adapt_bigrams`);
+    rarer pairs share one out-of-vocabulary vector. The sequence stays one vector per
+    word, so the attention weights are still over words.
+    """
+
+    def __init__(self, vocab_size, sequence_length, embed_dim, bigram_vocab_size=0, **kwargs):
         super().__init__(**kwargs)
         self.vocab_size = vocab_size
         self.sequence_length = sequence_length
         self.embed_dim = embed_dim
+        self.bigram_vocab_size = bigram_vocab_size
         self.token_embedding = keras.layers.Embedding(
             vocab_size, embed_dim, mask_zero=True, name="token_embedding"
         )
         self.position_embedding = keras.layers.Embedding(
             sequence_length, embed_dim, name="position_embedding"
         )
+        if bigram_vocab_size:
+            # Index 0: no pair (key 0); index 1: a pair outside the vocabulary.
+            self.bigram_lookup = keras.layers.IntegerLookup(
+                max_tokens=bigram_vocab_size + 2,
+                mask_token=0,
+                vocabulary_dtype="int64",
+                name="bigram_lookup",
+            )
+            self.bigram_embedding = keras.layers.Embedding(
+                bigram_vocab_size + 2, embed_dim, name="bigram_embedding"
+            )
+
+    def adapt_bigrams(self, ids, batch_size=1024):
+        """Sets the pair vocabulary: the most frequent pairs in token ids `(n, L)`."""
+        keys = tf.data.Dataset.from_tensor_slices(ids).batch(batch_size)
+        self.bigram_lookup.adapt(keys.map(lambda batch: bigram_keys(batch, self.vocab_size)))
+
+    @property
+    def bigrams(self):
+        """The pair vocabulary as `(previous, word)` id pairs, most frequent first."""
+        keys = self.bigram_lookup.get_vocabulary(include_special_tokens=False)
+        return [divmod(int(key), self.vocab_size) for key in keys]
+
+    def set_bigrams(self, pairs):
+        """Sets the pair vocabulary from `(previous, word)` id pairs (as `bigrams` gives)."""
+        self.bigram_lookup.set_vocabulary(
+            [previous * self.vocab_size + word for previous, word in pairs]
+        )
 
     def build(self, ids_shape):
         self.token_embedding.build(ids_shape)
         self.position_embedding.build((self.sequence_length,))
+        if self.bigram_vocab_size:
+            self.bigram_embedding.build(ids_shape)
 
     def call(self, ids):
         positions = ops.arange(ops.shape(ids)[-1])  # (L,)
-        return self.token_embedding(ids) + self.position_embedding(positions)  # (B, L, E)
+        x = self.token_embedding(ids) + self.position_embedding(positions)  # (B, L, E)
+        if self.bigram_vocab_size:
+            pairs = self.bigram_lookup(bigram_keys(ids, self.vocab_size))  # (B, L)
+            x = x + self.bigram_embedding(pairs)
+        return x
 
     def compute_mask(self, ids, mask=None):
         return self.token_embedding.compute_mask(ids)
@@ -51,6 +114,7 @@ class TokenAndPositionEmbedding(keras.layers.Layer):
             "vocab_size": self.vocab_size,
             "sequence_length": self.sequence_length,
             "embed_dim": self.embed_dim,
+            "bigram_vocab_size": self.bigram_vocab_size,
         }
 
 
@@ -160,15 +224,20 @@ def build_classifier(
     num_layers=1,
     dropout=0.1,
     seed=0,
+    bigram_vocab_size=0,
 ):
     """Returns `(model, inspector)`, two functional models over the same weights.
 
     `model` maps token ids `(B, L)` to `P(positive)` `(B, 1)` and is the one trained.
     `inspector` returns a dict: `probability` `(B, 1)`, `attention` (the blocks' weights,
     `(B, num_layers, N, L, L)`) and `pooling` (the pooling weights, `(B, N, L)`).
+    With `bigram_vocab_size > 0`, call `model.get_layer("embedding").adapt_bigrams(ids)`
+    on the training ids before training.
     """
     ids = keras.Input((sequence_length,), dtype="int32", name="token_ids")
-    x = TokenAndPositionEmbedding(vocab_size, sequence_length, embed_dim, name="embedding")(ids)
+    x = TokenAndPositionEmbedding(
+        vocab_size, sequence_length, embed_dim, bigram_vocab_size, name="embedding"
+    )(ids)
     x = keras.layers.Dropout(dropout, seed=seed, name="embedding_dropout")(x)
     mask = ops.not_equal(ids, 0)  # (B, L), the Embedding's mask_zero mask
     block_scores = []

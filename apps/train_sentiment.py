@@ -15,6 +15,7 @@ steps), reports on the test split once at the end, and writes to `--output`:
     saved_model/         SavedModel; serving_default takes raw strings
     model.keras          the trained Keras model (token ids -> P(positive))
     vocabulary.txt       the TextVectorization vocabulary
+    bigrams.txt          the word pairs that have their own embedding, most frequent first
     metrics.json         what this run measured, with its config and versions
     training_curves.png  loss and accuracy per epoch
     history.csv          the same numbers, one row per epoch
@@ -54,9 +55,9 @@ class Config:
     dataset: str = "imdb_reviews"  # any TFDS text dataset with (text, label)
     data_dir: str | None = None  # TFDS folder; else $TFDS_DATA_DIR; else TFDS's default
     validation_fraction: float = 0.1  # of train, fixed-seed; the test split is for the report only
-    vocab_size: int = 20000  # TextVectorization max_tokens
+    vocab_size: int = 10000  # TextVectorization max_tokens
     sequence_length: int = 512  # tokens kept per review (TextVectorization output_sequence_length)
-    ngrams: int = 1  # TextVectorization ngrams: 2 adds word pairs as tokens
+    bigram_vocab_size: int = 20000  # most frequent word pairs embedded; 0 = words only
     # model
     embed_dim: int = 64  # E
     num_heads: int = 2  # N, in the blocks and in the pooling
@@ -86,8 +87,8 @@ class Config:
 
 # Flags that shape the data, the model or the step sequence; a resumed run must match them.
 _RUN_DEFINING = (
-    "dataset", "validation_fraction", "vocab_size", "sequence_length", "ngrams", "embed_dim",
-    "num_heads", "key_dim", "ff_dim", "num_layers", "dropout", "batch_size",
+    "dataset", "validation_fraction", "vocab_size", "sequence_length", "bigram_vocab_size",
+    "embed_dim", "num_heads", "key_dim", "ff_dim", "num_layers", "dropout", "batch_size",
     "learning_rate", "seed", "max_steps", "epochs", "strategy", "logical_cpus",
 )  # fmt: skip
 
@@ -106,7 +107,7 @@ def parse_args(argv=None):
 
 def _check_config(config):
     positive = (
-        "vocab_size", "sequence_length", "ngrams", "embed_dim", "num_heads", "key_dim", "ff_dim",
+        "vocab_size", "sequence_length", "embed_dim", "num_heads", "key_dim", "ff_dim",
         "num_layers", "batch_size", "epochs", "patience", "save_every",
     )  # fmt: skip
     for name in positive:
@@ -119,6 +120,11 @@ def _check_config(config):
     if config.vocab_size < 3:
         raise ValueError(
             f"`--vocab_size` must be at least 3. Received: vocab_size={config.vocab_size}"
+        )
+    if config.bigram_vocab_size < 0:
+        raise ValueError(
+            "`--bigram_vocab_size` must be >= 0 (0 turns word pairs off). "
+            f"Received: bigram_vocab_size={config.bigram_vocab_size}"
         )
     if config.strategy not in STRATEGIES:
         raise ValueError(
@@ -322,6 +328,7 @@ def train(config):
     config_path = os.path.join(checkpoints, "config.json")
     history_path = os.path.join(output, "history.csv")
     vocabulary_path = os.path.join(output, "vocabulary.txt")
+    bigrams_path = os.path.join(output, "bigrams.txt")
 
     resuming = False
     if os.path.exists(state_json):
@@ -360,10 +367,10 @@ def train(config):
 
     if resuming and os.path.exists(vocabulary_path):
         vectorizer = data.make_vectorizer(
-            config.vocab_size, config.sequence_length, config.ngrams, vocabulary=vocabulary_path
+            config.vocab_size, config.sequence_length, vocabulary=vocabulary_path
         )
     else:
-        vectorizer = data.make_vectorizer(config.vocab_size, config.sequence_length, config.ngrams)
+        vectorizer = data.make_vectorizer(config.vocab_size, config.sequence_length)
         vectorizer.adapt(tf.data.Dataset.from_tensor_slices(splits.train_text).batch(1024))
         _write_vocabulary(vectorizer, vocabulary_path)
     train_ids = data.vectorize(vectorizer, splits.train_text)  # (n, L)
@@ -386,6 +393,7 @@ def train(config):
             num_layers=config.num_layers,
             dropout=config.dropout,
             seed=config.seed,
+            bigram_vocab_size=config.bigram_vocab_size,
         )
         # Cosine decay to zero over the planned steps: a function of the optimizer's own
         # step, so a resumed run follows the same schedule.
@@ -401,6 +409,14 @@ def train(config):
             jit_compile=False,
         )
         model.optimizer.build(model.trainable_variables)
+    if config.bigram_vocab_size:
+        embedding = model.get_layer("embedding")
+        if resuming and os.path.exists(bigrams_path):
+            embedding.set_bigrams(_read_bigrams(vectorizer, bigrams_path))
+        else:
+            embedding.adapt_bigrams(train_ids)
+            _write_bigrams(vectorizer, embedding.bigrams, bigrams_path)
+        print(f"{len(embedding.bigrams)} word pairs have their own embedding")
     multi_worker = distribute.is_multi_worker(strategy)
     distribute.fix_keras_for_multi_worker(model, strategy)
     state = TrainingState(checkpoints, config.save_every)
@@ -517,6 +533,8 @@ def _report(config, output, model, inspector, vectorizer, splits, history, best_
     paths["keras_model"] = os.path.join(output, "model.keras")
     model.save(paths["keras_model"])
     paths["vocabulary"] = os.path.join(output, "vocabulary.txt")
+    if config.bigram_vocab_size:
+        paths["bigrams"] = os.path.join(output, "bigrams.txt")
     paths["history"] = os.path.join(output, "history.csv")
     paths["tensorboard"] = os.path.join(output, "logs")
     if history:
@@ -605,6 +623,18 @@ def _write_vocabulary(vectorizer, path):
     os.makedirs(os.path.dirname(path), exist_ok=True)
     # Index 0 (padding) and 1 (OOV) are the layer's own; it adds them back on load.
     export.write_text_atomic(path, (f"{token}\n" for token in vectorizer.get_vocabulary()[2:]))
+
+
+def _write_bigrams(vectorizer, pairs, path):
+    """One pair per line ("not good"), most frequent first: the lookup's own order."""
+    words = vectorizer.get_vocabulary()
+    export.write_text_atomic(path, (f"{words[a]} {words[b]}\n" for a, b in pairs))
+
+
+def _read_bigrams(vectorizer, path):
+    index = {word: i for i, word in enumerate(vectorizer.get_vocabulary())}
+    with open(path, encoding="utf-8") as f:
+        return [tuple(index[word] for word in line.split(" ")) for line in f.read().splitlines()]
 
 
 def _stopped_early(history, patience):

@@ -14,6 +14,7 @@ import pytest
 import tensorflow as tf
 
 from apps import data, predict, train_sentiment
+from apps import model as model_lib
 from keras_sdpa import ScaledDotProductAttention
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -54,7 +55,6 @@ def trained(run):
     vectorizer = data.make_vectorizer(
         metrics["config"]["vocab_size"],
         metrics["config"]["sequence_length"],
-        metrics["config"]["ngrams"],
         vocabulary=os.path.join(output, "vocabulary.txt"),
     )
     return model, vectorizer
@@ -106,6 +106,27 @@ def test_metrics_are_what_the_model_measures(run, trained):
         assert len(f.readlines()) == 1 + len(history)
 
 
+def test_bigrams_are_the_most_frequent_pairs_in_train(run, trained):
+    output, metrics = run
+    model, vectorizer = trained
+    pairs = model.get_layer("embedding").bigrams
+    words = vectorizer.get_vocabulary()
+    with open(os.path.join(output, "bigrams.txt"), encoding="utf-8") as f:
+        assert f.read().splitlines() == [f"{words[a]} {words[b]}" for a, b in pairs]
+    # Counted independently with NumPy over the run's training ids.
+    splits = data.load_splits(seed=metrics["config"]["seed"])
+    ids = data.vectorize(vectorizer, splits.train_text).astype("int64")
+    previous, current = ids[:, :-1].ravel(), ids[:, 1:].ravel()
+    real = (previous > 0) & (current > 0)
+    keys, counts = np.unique(previous[real] * len(words) + current[real], return_counts=True)
+    count = dict(zip(keys.tolist(), counts.tolist()))
+    kept = [count[a * len(words) + b] for a, b in pairs]
+    assert len(pairs) == metrics["config"]["bigram_vocab_size"] < len(keys)
+    assert kept == sorted(kept, reverse=True)  # most frequent first
+    left_out = np.setdiff1d(keys, [a * len(words) + b for a, b in pairs])
+    assert max(count[k] for k in left_out.tolist()) <= kept[-1]
+
+
 def test_validation_is_a_fixed_seed_carve_out_of_train():
     first = data.load_splits(seed=3)
     again = data.load_splits(seed=3)
@@ -119,6 +140,49 @@ def test_validation_is_a_fixed_seed_carve_out_of_train():
         collections.Counter(other.train_text) + collections.Counter(other.validation_text)
     )
     assert first.test_split == "test"
+
+
+def test_bigram_keys_pair_each_word_with_the_one_before():
+    rng = np.random.default_rng(0)
+    ids = rng.integers(1, 50, size=(4, 9))
+    ids[0, 5:] = 0  # padding at the end, as TextVectorization pads
+    ids[1, :] = 0
+    keys = model_lib.bigram_keys(ids, 50).numpy()
+    expected = np.zeros_like(keys)
+    for b, row in enumerate(ids):
+        for t in range(1, len(row)):
+            if row[t - 1] and row[t]:
+                expected[b, t] = row[t - 1] * 50 + row[t]
+    np.testing.assert_array_equal(keys, expected)
+    assert keys.dtype == np.int64
+
+
+def test_bigram_embedding_keeps_the_most_frequent_pairs_through_save_and_load(tmp_path):
+    # Pair counts: (3, 4) four times, (4, 5) three times, (2, 3) twice; the rest once.
+    ids = np.array(
+        [[3, 4, 5, 0, 0], [3, 4, 5, 0, 0], [3, 4, 5, 6, 0], [2, 3, 4, 0, 0], [2, 3, 7, 8, 9]]
+    )
+    model, _ = model_lib.build_classifier(
+        vocab_size=10, sequence_length=5, embed_dim=8, key_dim=4, ff_dim=8, bigram_vocab_size=3
+    )
+    embedding = model.get_layer("embedding")
+    embedding.adapt_bigrams(ids)
+    assert embedding.bigrams == [(3, 4), (4, 5), (2, 3)]
+    looked_up = embedding.bigram_lookup(model_lib.bigram_keys(ids[3:4], 10)).numpy()
+    np.testing.assert_array_equal(looked_up, [[0, 4, 2, 0, 0]])  # 0: no pair, (3, 4) is 2
+    # Rarer pairs share the out-of-vocabulary vector (index 1).
+    np.testing.assert_array_equal(
+        embedding.bigram_lookup(model_lib.bigram_keys(ids[4:5], 10)).numpy(), [[0, 4, 1, 1, 1]]
+    )
+    path = str(tmp_path / "model.keras")
+    model.save(path)
+    loaded = keras.saving.load_model(path)
+    assert loaded.get_layer("embedding").bigrams == embedding.bigrams
+    np.testing.assert_allclose(loaded.predict(ids, verbose=0), model.predict(ids, verbose=0))
+    # The pair embedding reaches the output: zeroing it changes the prediction.
+    table = embedding.bigram_embedding.embeddings
+    table.assign(np.zeros(table.shape, "float32"))
+    assert np.abs(model.predict(ids, verbose=0) - loaded.predict(ids, verbose=0)).max() > 1e-4
 
 
 def test_standardize_handles_markup_and_bad_bytes():
@@ -252,8 +316,12 @@ def test_predict_cli_text_arguments_and_errors(run):
         (["--max_steps", "0"], "max_steps=0"),
         (["--vocab_size", "2"], "vocab_size=2"),
         (["--inspect_examples", "-1"], "inspect_examples=-1"),
+        (["--bigram_vocab_size", "-5"], "bigram_vocab_size=-5"),
     ],
-    ids=["num_heads", "dropout", "learning_rate", "batch_size", "max_steps", "vocab", "inspect"],
+    ids=[
+        "num_heads", "dropout", "learning_rate", "batch_size", "max_steps", "vocab", "inspect",
+        "bigrams",
+    ],  # fmt: skip
 )
 def test_train_rejects_bad_flags_with_argparse_errors(flags, match, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -332,6 +400,9 @@ def test_interrupt_then_resume_loses_nothing(run, tmp_path):
     assert metrics["train_steps"] == 12 and metrics["epochs_run"] == 2
     uninterrupted = keras.saving.load_model(os.path.join(run[0], "model.keras"))
     continued = keras.saving.load_model(os.path.join(output, "model.keras"))
+    # The resumed run read its word pairs back from bigrams.txt, in the same order.
+    pairs = uninterrupted.get_layer("embedding").bigrams
+    assert len(pairs) == 20000 and continued.get_layer("embedding").bigrams == pairs
     for a, b in zip(uninterrupted.get_weights(), continued.get_weights()):
         np.testing.assert_allclose(a, b, atol=1e-5)
     np.testing.assert_allclose(
