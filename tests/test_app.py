@@ -318,10 +318,7 @@ def test_predict_cli_text_arguments_and_errors(run):
         (["--inspect_examples", "-1"], "inspect_examples=-1"),
         (["--bigram_vocab_size", "-5"], "bigram_vocab_size=-5"),
     ],
-    ids=[
-        "num_heads", "dropout", "learning_rate", "batch_size", "max_steps", "vocab", "inspect",
-        "bigrams",
-    ],  # fmt: skip
+    ids=["heads", "dropout", "lr", "batch", "max_steps", "vocab", "inspect", "bigrams"],
 )
 def test_train_rejects_bad_flags_with_argparse_errors(flags, match, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
