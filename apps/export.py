@@ -293,7 +293,7 @@ Written by `python -m apps.train_sentiment`; every number below comes from this 
 ## Model
 
 `TextVectorization` (vocabulary {config["vocab_size"]:,}, length {config["sequence_length"]})
--> `Embedding(mask_zero=True)` + positions{pairs} ({config["embed_dim"]} wide) ->
+-> `Embedding(mask_zero=True)` + positions ({config["embed_dim"]} wide){pairs} ->
 {config["num_layers"]} self-attention block(s) of `keras_sdpa.ScaledDotProductAttention`
 ({config["num_heads"]} heads of {config["key_dim"]}) -> attention pooling (a learned query, the
 same layer with T = 1) -> `Dense(1, sigmoid)`.
