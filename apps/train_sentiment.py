@@ -412,11 +412,13 @@ def train(config):
     if config.bigram_vocab_size:
         embedding = model.get_layer("embedding")
         if resuming and os.path.exists(bigrams_path):
-            embedding.set_bigrams(_read_bigrams(vectorizer, bigrams_path))
+            pairs = _read_bigrams(vectorizer, bigrams_path)
+            embedding.set_bigrams(pairs)
         else:
             embedding.adapt_bigrams(train_ids)
-            _write_bigrams(vectorizer, embedding.bigrams, bigrams_path)
-        print(f"{len(embedding.bigrams)} word pairs have their own embedding")
+            pairs = embedding.bigrams
+            _write_bigrams(vectorizer, pairs, bigrams_path)
+        print(f"{len(pairs)} word pairs have their own embedding")
     multi_worker = distribute.is_multi_worker(strategy)
     distribute.fix_keras_for_multi_worker(model, strategy)
     state = TrainingState(checkpoints, config.save_every)
