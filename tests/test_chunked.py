@@ -4,7 +4,13 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from test_ops import MASKS, assert_gradients_match_finite_differences, make_mask, reference
+from test_ops import (
+    MASKS,
+    assert_gradients_match_finite_differences,
+    core_kwargs,
+    make_mask,
+    reference,
+)
 
 from keras_sdpa import ScaledDotProductAttention, ops
 from keras_sdpa.ops import scaled_dot_product_attention
@@ -112,26 +118,27 @@ def test_chunked_gradients_match_finite_differences(is_causal):
 
 def test_chunked_path_is_one_xla_program_with_loops():
     q, k, v = inputs(11, 11)
-    kwargs = dict(is_causal=True, scale=0.5, dropout_rate=0.0, return_weights=False)
+    kwargs = core_kwargs(is_causal=True, chunk_size=CHUNK)
     hlo = ops._attention_xla.experimental_get_compiler_ir(
-        q, k, v, None, None, chunk_size=CHUNK, **kwargs
+        q, k, v, None, None, None, **{**kwargs, "path": "chunked"}
     )(stage="optimized_hlo")
     assert "while" in hlo and " dot(" in hlo and "exponential(" in hlo
     dense = ops._attention_xla.experimental_get_compiler_ir(
-        q, k, v, None, None, chunk_size=None, **kwargs
+        q, k, v, None, None, None, **kwargs
     )(stage="optimized_hlo")
     assert "while" not in dense
 
 
-def test_auto_picks_chunked_only_for_large_scores_without_dropout_or_weights():
+def test_auto_picks_chunked_only_for_large_scores_without_weights():
     small = tf.zeros((1, 128, 4, 8))
     large = tf.zeros((1, 8192, 4, 8))  # 1 * 4 * 8192^2 * 4 bytes = 1 GiB of scores
-    assert not ops._use_chunked("auto", small, small, 0.0, False)
-    assert ops._use_chunked("auto", large, large, 0.0, False)
-    assert not ops._use_chunked("auto", large, large, 0.1, False)  # dropout needs (T, S)
-    assert not ops._use_chunked("auto", large, large, 0.0, True)  # so do the weights
-    assert ops._use_chunked("chunked", small, small, 0.0, False)
-    assert not ops._use_chunked("dense", large, large, 0.0, False)
+    unknown = tf.TensorSpec((None, None, 4, 8))
+    assert ops._choose_path("auto", small, small, False) == "dense"
+    assert ops._choose_path("auto", large, large, False) == "chunked"
+    assert ops._choose_path("auto", large, large, True) == "dense"  # the weights need (T, S)
+    assert ops._choose_path("auto", unknown, unknown, False) == "auto"  # decided at run time
+    assert ops._choose_path("chunked", small, small, False) == "chunked"
+    assert ops._choose_path("dense", large, large, False) == "dense"
 
 
 def test_dropout_and_weights_fall_back_to_dense():

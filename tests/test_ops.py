@@ -120,23 +120,42 @@ def test_matches_keras_dot_product_attention(mask_kind, is_causal):
     np.testing.assert_allclose(ours, theirs, atol=1e-5)
 
 
+def core_kwargs(**overrides):
+    """The static arguments of the private compiled core, `ops._attention_xla`."""
+    kwargs = dict(
+        mask_pattern=None,
+        bias_pattern=None,
+        is_causal=False,
+        window=None,
+        cap=None,
+        scale=0.5,
+        dropout_rate=0.0,
+        return_weights=False,
+        path="dense",
+        chunk_size=2048,
+    )
+    kwargs.update(overrides)
+    return kwargs
+
+
 @pytest.mark.parametrize("mask_kind", MASKS)
 def test_xla_matches_eager(mask_kind):
     q, k, v = random_inputs()
     mask = make_mask(mask_kind)
     mask = None if mask is None else tf.constant(mask)
-    kwargs = dict(is_causal=True, scale=0.5, dropout_rate=0.0, return_weights=True)
-    eager = ops._attention(q, k, v, mask, None, **kwargs)
-    xla = ops._attention_xla(q, k, v, mask, None, **kwargs)
+    kwargs = core_kwargs(is_causal=True, scale=0.5, return_weights=True)
+    kwargs["mask_pattern"] = None if mask is None else (True,) * 4
+    mask = None if mask is None else tf.broadcast_to(mask, (B, N, T, S))
+    eager = ops._attention(q, k, v, mask, None, None, **kwargs)
+    xla = ops._attention_xla(q, k, v, mask, None, None, **kwargs)
     for a, b in zip(eager, xla):
         np.testing.assert_allclose(a, b, atol=1e-6)
 
 
 def test_core_is_compiled_by_xla():
     q, k, v = random_inputs()
-    kwargs = dict(is_causal=False, scale=0.5, dropout_rate=0.0, return_weights=False)
     hlo = ops._attention_xla.experimental_get_compiler_ir(
-        q, k, v, None, None, chunk_size=None, **kwargs
+        q, k, v, None, None, None, **core_kwargs(path="dense")
     )(stage="optimized_hlo")
     # The whole computation is one XLA module: the two matmuls, the exp of the softmax.
     assert "HloModule" in hlo
@@ -280,9 +299,23 @@ def test_dropout_is_seedable_and_only_in_training():
         (dict(dropout_rate=1.0), r"`dropout_rate` must be in \[0, 1\).*dropout_rate=1.0"),
         (dict(dropout_rate=-0.1), r"dropout_rate=-0.1"),
         (dict(query=np.zeros((B, T, N, H), np.int32)), r"`query` must be a floating.*int32"),
-        (dict(value=np.zeros((B, S, N + 1, HV))), r"number of heads N"),
+        (dict(value=np.zeros((B, S, N + 1, HV))), r"same number of heads K.*\(2, 5, 5, 7\)"),
+        (
+            dict(key=np.zeros((B, S, 3, H)), value=np.zeros((B, S, 3, HV))),
+            r"key/value heads K .* must divide the query heads N.*key.shape=\(2, 5, 3, 6\)",
+        ),
         (dict(scale=-1.0), r"`scale` must be a positive finite number.*scale=-1.0"),
         (dict(scale=float("inf")), r"scale=inf"),
+        (
+            dict(bias=np.zeros((B, N, T, S + 1))),
+            r"`bias` must broadcast to the logits' shape \(B, N, T, S\) = \(2, 4, 3, 5\)\. "
+            r"Received: bias.shape=\(2, 4, 3, 6\)",
+        ),
+        (dict(bias=np.zeros((T, S), bool)), r"`bias` must be a floating tensor.*bool"),
+        (dict(sliding_window=0), r"`sliding_window` must be None or a positive int.*=0"),
+        (dict(sliding_window=2.5), r"sliding_window=2.5"),
+        (dict(attn_logits_soft_cap=0.0), r"`attn_logits_soft_cap` must be .*positive.*=0.0"),
+        (dict(attn_logits_soft_cap=-1), r"attn_logits_soft_cap=-1"),
     ],
     ids=[
         "rank",
@@ -293,8 +326,15 @@ def test_dropout_is_seedable_and_only_in_training():
         "dropout_neg",
         "int",
         "heads",
+        "kv_heads_divide",
         "scale_neg",
         "scale_inf",
+        "bias_shape",
+        "bias_dtype",
+        "window_zero",
+        "window_float",
+        "cap_zero",
+        "cap_negative",
     ],
 )
 def test_bad_input_raises_value_error(kwargs, match):

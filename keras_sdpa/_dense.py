@@ -1,0 +1,146 @@
+"""The dense path: the whole `(T, S)` logits at once, with a hand-written gradient.
+
+Tensors are in the grouped layout of `keras_sdpa._masking`: `q (B, K, G, T, H)`,
+`k (B, K, S, H)`, `v (B, K, S, Hv)`.
+"""
+
+import tensorflow as tf
+
+from keras_sdpa import _masking as M
+
+
+def softmax_parts(scores, allowed):
+    """The stable softmax of the logits, left unnormalized.
+
+    Returns `exp`, `(…, T, S)`, with `exp(scores - row_max)` where allowed and
+    0 where masked, its reciprocal row sum `inv_total`, `(…, T, 1)`, and the
+    row log-sum-exp `lse`, so that `weights = exp * inv_total = exp(scores - lse)`.
+    A fully masked row has `exp == 0`: its weights and its output are zero.
+    """
+    if allowed is not None:
+        scores = tf.where(allowed, scores, M.MASKED_SCORE)
+    row_max = tf.reduce_max(scores, axis=-1, keepdims=True)  # (…, T, 1)
+    exp = tf.exp(scores - row_max)  # (…, T, S)
+    if allowed is not None:
+        exp = tf.where(allowed, exp, 0.0)
+    total = tf.reduce_sum(exp, axis=-1, keepdims=True)  # (…, T, 1)
+    total = tf.where(total > 0.0, total, 1.0)  # fully masked rows: 0 / 1 = 0
+    return exp, 1.0 / total, row_max + tf.math.log(total)
+
+
+def attend(
+    q,
+    k,
+    v,
+    mask,
+    bias,
+    keep,
+    dropout_rate,
+    *,
+    bias_pattern,
+    is_causal,
+    window,
+    cap,
+    return_weights,
+):
+    """softmax(logits) v on grouped tensors, with a hand-written gradient.
+
+    Three choices make this faster than the softmax and gradient XLA derives
+    on its own, on a CPU where every pass over the `(T, S)` matrix is the cost:
+
+    - the forward pass never normalizes the `(T, S)` weights; it divides the
+      `(T, Hv)` output by the row sums instead (`weights` are only formed when
+      they are returned);
+    - the gradient is FlashAttention's (Dao et al., 2022):
+      `dS = P * (dP - rowsum(dO * O))`, so the softmax is not replayed;
+    - XLA's CPU matmul is slow when the `(T, S)` matrix must be read transposed
+      (`P^T dO`, `dS^T Q`), so the gradient recomputes `P^T` from `K Q^T` and
+      the saved log-sum-exp, in the layout those two products want.
+
+    Returns the output `(B, K, G, T, Hv)` and the weights `(B, K, G, T, S)` or None.
+    """
+    groups = q.shape[2]
+    t, s = tf.shape(q)[3], tf.shape(k)[2]
+    constraint = M.band(tf.range(t), tf.range(s), is_causal, window)  # (T, S) or None
+    if constraint is not None:
+        constraint = constraint[None, None, None]  # (1, 1, 1, T, S)
+    allowed = M.combine(mask, constraint)  # broadcasts to (B, K, G, T, S)
+    allowed_t = M.keys_first(allowed)  # (…, S, G, T)
+    keep_t = M.keys_first(keep)
+    bias_t = M.keys_first(bias)
+    scale_keep = None if keep is None else 1.0 / (1.0 - dropout_rate)
+
+    def forward(q, k, v, bias):
+        raw = M.from_rows(tf.matmul(M.to_rows(q), k, transpose_b=True), groups)  # (B, K, G, T, S)
+        scores = M.logits(raw, bias, cap)
+        exp, inv_total, lse = softmax_parts(scores, allowed)
+        applied = exp if keep is None else tf.where(keep, exp * scale_keep, 0.0)
+        out = M.from_rows(tf.matmul(M.to_rows(applied), v), groups) * inv_total  # (B, K, G, T, Hv)
+        weights = exp * inv_total if return_weights else None  # (B, K, G, T, S)
+
+        def grad(d_out, d_weights=None):
+            # rowsum(P * dP) == rowsum(dO * O), a (T, Hv) product, not a (T, S) one.
+            row_dot = tf.reduce_sum(d_out * out, axis=-1, keepdims=True)  # (B, K, G, T, 1)
+            rows_d_out = M.to_rows(d_out)  # (B, K, G * T, Hv)
+            d_probs = M.from_rows(tf.matmul(rows_d_out, v, transpose_b=True), groups)
+            if keep is not None:
+                d_probs = tf.where(keep, d_probs * scale_keep, 0.0)
+            probs = exp * inv_total  # (B, K, G, T, S)
+            if d_weights is not None:
+                d_probs = d_probs + d_weights
+                row_dot = row_dot + tf.reduce_sum(d_weights * probs, axis=-1, keepdims=True)
+            d_scores = probs * (d_probs - row_dot)  # (B, K, G, T, S)
+            if cap is not None:
+                d_scores = d_scores * M.cap_derivative(scores, cap)
+            d_q = M.from_rows(tf.matmul(M.to_rows(d_scores), k), groups)  # (B, K, G, T, H)
+
+            # The same in the (S, G, T) layout, for d_k and d_v.
+            raw_t = tf.matmul(k, M.to_rows(q), transpose_b=True)  # (B, K, S, G * T)
+            raw_t = tf.reshape(raw_t, tf.stack([tf.shape(k)[0], tf.shape(k)[1], s, groups, t]))
+            scores_t = M.logits(raw_t, bias_t, cap)  # (B, K, S, G, T)
+            probs_t = tf.exp(scores_t - M.keys_first(lse))
+            if allowed_t is not None:
+                probs_t = tf.where(allowed_t, probs_t, 0.0)
+            applied_t = probs_t if keep_t is None else tf.where(keep_t, probs_t * scale_keep, 0.0)
+            d_v = tf.matmul(_keys_rows(applied_t), rows_d_out)  # (B, K, S, Hv)
+            d_probs_t = tf.reshape(
+                tf.matmul(v, rows_d_out, transpose_b=True), tf.shape(probs_t)
+            )  # (B, K, S, G, T)
+            if keep_t is not None:
+                d_probs_t = tf.where(keep_t, d_probs_t * scale_keep, 0.0)
+            if d_weights is not None:
+                d_probs_t = d_probs_t + M.keys_first(d_weights)
+            d_scores_t = probs_t * (d_probs_t - M.keys_first(row_dot))
+            if cap is not None:
+                d_scores_t = d_scores_t * M.cap_derivative(scores_t, cap)
+            d_k = tf.matmul(_keys_rows(d_scores_t), M.to_rows(q))  # (B, K, S, H)
+            grads = [d_q, d_k, d_v]
+            if bias is not None:
+                grads.append(M.sum_to_bias(d_scores, tf.shape(bias), bias_pattern))
+            return grads
+
+        if return_weights:
+            return (out, weights), grad
+        return out, lambda d_out: grad(d_out)
+
+    if bias is None:
+
+        @tf.custom_gradient
+        def attend_inputs(q, k, v):
+            return forward(q, k, v, None)
+
+        result = attend_inputs(q, k, v)
+    else:
+
+        @tf.custom_gradient
+        def attend_inputs(q, k, v, bias):
+            return forward(q, k, v, bias)
+
+        result = attend_inputs(q, k, v, bias)
+    return result if return_weights else (result, None)
+
+
+def _keys_rows(x):
+    """`(B, K, S, G, T)` as `(B, K, S, G * T)`."""
+    shape = tf.shape(x)
+    return tf.reshape(x, tf.stack([shape[0], shape[1], shape[2], shape[3] * shape[4]]))

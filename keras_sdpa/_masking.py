@@ -1,0 +1,115 @@
+"""What the dense and the chunked paths share: the grouped layout, the masks, the logits.
+
+Both paths work on grouped tensors. With `N` query heads and `K = N_kv` key/value
+heads (`G = N // K` query heads per key head, `G = 1` without grouping):
+
+    q  (B, K, G, T, H)     k  (B, K, S, H)     v  (B, K, S, Hv)
+
+Query head `n` reads key head `n // G`, as in `keras.layers.GroupQueryAttention`.
+Keys and values are never repeated to `N` heads: a product `q k^T` runs on
+`(B, K, G * T, H)` by `(B, K, S, H)`, the `G` heads of a group being extra rows.
+
+Masks and biases are 5-D too, `(B|1, K|1, G|1, T|1, S|1)`: a size-1 axis
+broadcasts. Which axes are full is static (a `pattern` of four bools over
+`(B, N, T, S)`), so both paths know it at trace time.
+
+The logits of a row are, in this order:
+
+    1. s = scale * q k^T + bias
+    2. s = cap * tanh(s / cap)                    (the soft cap of Gemma 2)
+    3. masked: boolean mask, causal, window       (a masked key gets weight 0)
+"""
+
+import tensorflow as tf
+
+# Stands in for -inf on masked logits: finite, so `logits - max` never makes a NaN.
+MASKED_SCORE = -3.0e38
+
+
+def grouped(x, pattern, num_kv_heads, groups):
+    """A `(B|1, N|1, T|1, S|1)` mask or bias as `(B|1, K|1, G|1, T|1, S|1)`.
+
+    `pattern[1]` says whether the head axis is full (`N`) or broadcast (1).
+    """
+    if x is None:
+        return None
+    if not pattern[1]:
+        return x[:, :, None]  # (B|1, 1, 1, T|1, S|1)
+    shape = tf.shape(x)
+    return tf.reshape(x, tf.stack([shape[0], num_kv_heads, groups, shape[2], shape[3]]))
+
+
+def sum_to_bias(d_logits, bias_shape, pattern):
+    """Sums `(B, K, G, T, S)` logit gradients over the axes the bias broadcasts on."""
+    axes = []
+    if not pattern[0]:
+        axes.append(0)
+    if not pattern[1]:
+        axes += [1, 2]
+    if not pattern[2]:
+        axes.append(3)
+    if not pattern[3]:
+        axes.append(4)
+    if axes:
+        d_logits = tf.reduce_sum(d_logits, axis=axes, keepdims=True)
+    return tf.reshape(d_logits, bias_shape)
+
+
+def band(queries, keys, is_causal, window):
+    """The causal and window constraints, `(len(queries), len(keys))`, or None.
+
+    Causal: key `s` is allowed for query `t` when `s <= t` (aligned at the top
+    left when `T != S`, as in Keras). Window: when `|t - s| < window`, the
+    symmetric band of `keras.layers.MultiHeadAttention(sliding_window=...)`;
+    with causal, the causal band of Mistral.
+    """
+    if not is_causal and window is None:
+        return None
+    offset = queries[:, None] - keys[None, :]  # (Tq, Sk)
+    allowed = None
+    if is_causal:
+        allowed = offset >= 0
+    if window is not None:
+        near = tf.abs(offset) < window
+        allowed = near if allowed is None else tf.logical_and(allowed, near)
+    return allowed
+
+
+def combine(a, b):
+    if a is None:
+        return b
+    if b is None:
+        return a
+    return tf.logical_and(a, b)
+
+
+def logits(raw, bias, cap):
+    """Steps 1 and 2: `raw = scale * q k^T` plus the bias, then the soft cap."""
+    if bias is not None:
+        raw = raw + bias
+    if cap is not None:
+        raw = cap * tf.tanh(raw / cap)
+    return raw
+
+
+def cap_derivative(capped, cap):
+    """d(cap * tanh(x / cap)) / dx = 1 - tanh^2, from the capped logits themselves."""
+    ratio = capped / cap
+    return 1.0 - ratio * ratio
+
+
+def to_rows(x):
+    """`(B, K, G, T, D)` as `(B, K, G * T, D)`: a group's heads become rows of one product."""
+    shape = tf.shape(x)
+    return tf.reshape(x, tf.stack([shape[0], shape[1], shape[2] * shape[3], shape[4]]))
+
+
+def from_rows(x, groups):
+    """`(B, K, G * T, D)` back to `(B, K, G, T, D)`."""
+    shape = tf.shape(x)
+    return tf.reshape(x, tf.stack([shape[0], shape[1], groups, shape[2] // groups, shape[3]]))
+
+
+def keys_first(x):
+    """`(…, G, T, S)` as `(…, S, G, T)`: the layout of the key-side gradient products."""
+    return None if x is None else tf.transpose(x, [0, 1, 4, 2, 3])
