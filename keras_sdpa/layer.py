@@ -1,5 +1,7 @@
 """`ScaledDotProductAttention`: the Keras layer that owns W_Q, W_K, W_V (and W_O)."""
 
+import string
+
 import keras
 import tensorflow as tf
 
@@ -17,9 +19,12 @@ class ScaledDotProductAttention(keras.layers.Layer):
     `num_heads > 1` each head attends on its own `key_dim`-wide slice and the
     heads are concatenated and projected by `W_O`, exactly as in
     `keras.layers.MultiHeadAttention`. This layer is a drop-in replacement for
-    it: the same argument names, the same call signature, and the same weights
-    in the same order, so `layer.set_weights(mha.get_weights())` copies a Keras
-    layer into this one.
+    it and for `keras.layers.GroupQueryAttention`: the same arguments in the
+    same order, the same call signature, and the same weights in the same
+    order, so `layer.set_weights(mha.get_weights())` copies a Keras layer into
+    this one. The projections are `keras.layers.EinsumDense` sublayers named as
+    in Keras, so `enable_lora`, `quantize("int8")` and dtype-policy maps reach
+    them.
 
     The attention itself runs in `keras_sdpa.ops.scaled_dot_product_attention`,
     one XLA-compiled program (`tf.function(jit_compile=True)`) for the forward
@@ -27,42 +32,66 @@ class ScaledDotProductAttention(keras.layers.Layer):
     also under mixed precision. A query that may attend to no key (all of its
     keys masked) gets zero weights and a zero attention output, never NaN.
 
+    Beyond Keras's layers: an additive `attention_bias` (ALiBi, T5 relative
+    positions) with its gradient, `attn_logits_soft_cap`, a `scale` of your
+    choice, the `O(T)`-memory chunked path (`flash_attention=True`) with
+    dropout, window and grouped heads on it, and inputs of any rank on every
+    path.
+
     Args:
-        num_heads: number of attention heads `N`. Defaults to 1, the single
-            head of the derivation.
+        num_heads: number of query heads `N`. Defaults to 1, the single head
+            of the derivation.
         key_dim: size `H` of each head for query and key. Defaults to the
             query width divided by `num_heads`.
         value_dim: size `Hv` of each head for value. Defaults to `key_dim`.
         dropout: dropout rate on the attention weights, in `[0, 1)`.
         use_bias: whether the projections have biases.
-        output_shape: width of the output. Defaults to the query width.
-        output_projection: whether to apply `W_O`. Defaults to `True` when
-            `num_heads > 1` or `output_shape` is set, as in
-            `keras.layers.MultiHeadAttention`. A single head without it returns
-            `softmax(Q K^T / sqrt(d_k)) V` itself, of width `value_dim`.
+        output_shape: the output's trailing shape, an int or a tuple (for
+            example `(8, 8)`). Defaults to the query width.
+        attention_axes: the axes of the inputs `(B, *dims, E)` that attention
+            runs over, as in `keras.layers.MultiHeadAttention`; the others are
+            batch axes. Defaults to all of `dims`.
+        sliding_window: optional positive int `W`: query `t` sees keys with
+            `|t - s| < W`; with `use_causal_mask`, the causal band (Mistral).
+        flash_attention: `True` runs the chunked `O(T)`-memory path, `False`
+            the dense path, `None` (default) lets `implementation` decide.
         kernel_initializer, bias_initializer, kernel_regularizer,
         bias_regularizer, activity_regularizer, kernel_constraint,
-        bias_constraint: as for `keras.layers.Dense`, applied to every
+        bias_constraint: as for `keras.layers.EinsumDense`, applied to every
             projection.
+        use_gate: gated attention (Qiu et al., 2025): each head's output is
+            multiplied by a sigmoid of its own projection of the query before
+            `W_O`, as in `keras.layers.MultiHeadAttention(use_gate=True)`.
         seed: seed for the attention dropout. Under a `tf.distribute` strategy
             each replica draws its own masks from it.
-        implementation: `"auto"` (default), `"dense"` or `"chunked"`: the path of
-            `keras_sdpa.ops.scaled_dot_product_attention`. Chunked runs in
-            `O(T + S)` memory; `"auto"` picks it when the float32 scores would
-            exceed 256 MiB. Dropout while training and `return_attention_scores`
-            always run dense. Results agree to float32 round-off.
+        num_key_value_heads: number `K` of key/value heads, dividing
+            `num_heads` (grouped-query attention; 1 is multi-query). Defaults
+            to `num_heads`. Keys and values are never repeated to `N` heads.
+        output_projection: whether to apply `W_O`. Defaults to `True` when
+            `num_heads > 1` or `output_shape` is set. A single head without it
+            returns `softmax(Q K^T / sqrt(d_k)) V` itself, of width `value_dim`.
+        implementation: `"auto"` (default), `"dense"` or `"chunked"`: the path
+            of `keras_sdpa.ops.scaled_dot_product_attention`. `"auto"` picks
+            chunked when the float32 scores would exceed 256 MiB, from the
+            actual sizes, also when the lengths are unknown until run time.
+            `return_attention_scores` always runs dense.
         chunk_size: block size of the chunked path (default 2048).
-        scale: multiplies the scores `Q K^T`. Defaults to `1 / sqrt(key_dim)`,
-            the derivation's scaling; `scale=1.0` turns it off (see "The math,
-            verified" in the README for what that costs).
+        scale: multiplies the scores `Q K^T`. Defaults to `1 / sqrt(key_dim)`.
+        attn_logits_soft_cap: optional positive float `cap`: the logits become
+            `cap * tanh(logits / cap)` before the softmax (Gemma 2).
 
     Call arguments:
-        query: `(B, T, E_q)` query input.
-        value: `(B, S, E_v)` value input.
-        key: optional `(B, S, E_k)` key input; defaults to `value`.
-        attention_mask: optional boolean `(B, T, S)` mask; `True` may attend.
+        query: `(B, *dims_q, E_q)` query input; rank 3 is `(B, T, E_q)`.
+        value: `(B, *dims_v, E_v)` value input.
+        key: optional `(B, *dims_v, E_k)` key input; defaults to `value`.
+        attention_mask: optional boolean mask, `True` may attend:
+            `(T, S)`, `(B, T, S)`, `(B, 1, T, S)` or per head `(B, N, T, S)`
+            (for higher ranks, MHA's layout without or with the head axis).
+        attention_bias: optional float tensor broadcastable to the scores
+            `(B, N, T, S)` (for rank 3), added to the scaled logits before the
+            soft cap and the masks. Gradients flow into it.
         return_attention_scores: if `True`, also return the attention weights
-            `(B, N, T, S)` (before dropout).
+            (before dropout), `(B, N, T, S)` for rank-3 inputs.
         training: whether dropout is active.
         use_causal_mask: if `True`, query `t` attends only to keys `s <= t`.
         query_mask, value_mask, key_mask: `(B, T)` / `(B, S)` padding masks.
@@ -70,16 +99,16 @@ class ScaledDotProductAttention(keras.layers.Layer):
             `keras.layers.Embedding(mask_zero=True)`.
 
     Returns:
-        `(B, T, output_shape)`, and the weights `(B, N, T, S)` if
+        `(B, *dims_q, *output_shape)`, and the weights if
         `return_attention_scores`.
 
     Example:
 
-    >>> layer = ScaledDotProductAttention(num_heads=2, key_dim=8)
+    >>> layer = ScaledDotProductAttention(num_heads=4, key_dim=8, num_key_value_heads=2)
     >>> x = tf.random.normal((4, 10, 16))  # (B, T, E)
-    >>> y, weights = layer(x, x, return_attention_scores=True)
+    >>> y, weights = layer(x, x, return_attention_scores=True, use_causal_mask=True)
     >>> y.shape, weights.shape
-    (TensorShape([4, 10, 16]), TensorShape([4, 2, 10, 10]))
+    (TensorShape([4, 10, 16]), TensorShape([4, 4, 10, 10]))
     """
 
     def __init__(
@@ -90,7 +119,9 @@ class ScaledDotProductAttention(keras.layers.Layer):
         dropout=0.0,
         use_bias=True,
         output_shape=None,
-        output_projection=None,
+        attention_axes=None,
+        sliding_window=None,
+        flash_attention=None,
         kernel_initializer="glorot_uniform",
         bias_initializer="zeros",
         kernel_regularizer=None,
@@ -98,66 +129,91 @@ class ScaledDotProductAttention(keras.layers.Layer):
         activity_regularizer=None,
         kernel_constraint=None,
         bias_constraint=None,
+        use_gate=False,
         seed=None,
+        num_key_value_heads=None,
+        output_projection=None,
         implementation="auto",
         chunk_size=None,
         scale=None,
+        attn_logits_soft_cap=None,
         **kwargs,
     ):
         super().__init__(activity_regularizer=activity_regularizer, **kwargs)
-        if not isinstance(num_heads, int) or num_heads <= 0:
+        ops._check_backend()
+        _check_positive_int("num_heads", num_heads)
+        for name, size in (
+            ("key_dim", key_dim),
+            ("value_dim", value_dim),
+            ("num_key_value_heads", num_key_value_heads),
+        ):
+            if size is not None:
+                _check_positive_int(name, size, or_none=True)
+        if num_key_value_heads is not None and num_heads % num_key_value_heads:
             raise ValueError(
-                f"`num_heads` must be a positive integer. Received: num_heads={num_heads}"
+                "`num_key_value_heads` must divide `num_heads`. Received: "
+                f"num_heads={num_heads}, num_key_value_heads={num_key_value_heads}"
             )
-        for name, size in (("key_dim", key_dim), ("value_dim", value_dim)):
-            if size is not None and (not isinstance(size, int) or size <= 0):
-                raise ValueError(
-                    f"`{name}` must be a positive integer or None. Received: {name}={size}"
-                )
+        if isinstance(dropout, bool) or not isinstance(dropout, (int, float)):
+            raise ValueError(f"`dropout` must be a float in [0, 1). Received: dropout={dropout!r}")
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"`dropout` must be in [0, 1). Received: dropout={dropout}")
-        if isinstance(output_shape, (tuple, list)):
-            if len(output_shape) != 1:
+        self.output_shape = _output_shape(output_shape)
+        if isinstance(attention_axes, int):
+            attention_axes = (attention_axes,)
+        elif attention_axes is not None:
+            if not isinstance(attention_axes, (list, tuple)) or not all(
+                isinstance(axis, int) and not isinstance(axis, bool) for axis in attention_axes
+            ):
                 raise ValueError(
-                    "`output_shape` must be an int or a 1-tuple. "
-                    f"Received: output_shape={output_shape}"
+                    "`attention_axes` must be None, an int, or a tuple of ints. "
+                    f"Received: attention_axes={attention_axes!r}"
                 )
-            output_shape = output_shape[0]
-        if output_shape is not None and (not isinstance(output_shape, int) or output_shape <= 0):
+            attention_axes = tuple(attention_axes)
+        ops.check_sliding_window(sliding_window)
+        if flash_attention not in (None, True, False):
             raise ValueError(
-                "`output_shape` must be a positive integer or None. "
-                f"Received: output_shape={output_shape}"
+                "`flash_attention` must be None, True or False. "
+                f"Received: flash_attention={flash_attention!r}"
             )
+        if implementation not in ("auto", "dense", "chunked"):
+            raise ValueError(
+                '`implementation` must be "auto", "dense" or "chunked". '
+                f"Received: implementation={implementation!r}"
+            )
+        if chunk_size is not None and (
+            not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size <= 0
+        ):
+            raise ValueError(
+                "`chunk_size` must be a positive integer or None. "
+                f"Received: chunk_size={chunk_size!r}"
+            )
+        if scale is not None:
+            ops._check_scale(scale)
+            scale = float(scale)
+        ops.check_soft_cap(attn_logits_soft_cap)
         self.num_heads = num_heads
         self.key_dim = key_dim
         self.value_dim = value_dim
         self.dropout = dropout
         self.use_bias = use_bias
-        self.output_shape = output_shape
-        self.output_projection = output_projection
+        self.attention_axes = attention_axes
+        self.sliding_window = sliding_window
+        self.flash_attention = flash_attention
         self.kernel_initializer = keras.initializers.get(kernel_initializer)
         self.bias_initializer = keras.initializers.get(bias_initializer)
         self.kernel_regularizer = keras.regularizers.get(kernel_regularizer)
         self.bias_regularizer = keras.regularizers.get(bias_regularizer)
         self.kernel_constraint = keras.constraints.get(kernel_constraint)
         self.bias_constraint = keras.constraints.get(bias_constraint)
-        if implementation not in ("auto", "dense", "chunked"):
-            raise ValueError(
-                '`implementation` must be "auto", "dense" or "chunked". '
-                f"Received: implementation={implementation!r}"
-            )
-        if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size <= 0):
-            raise ValueError(
-                "`chunk_size` must be a positive integer or None. "
-                f"Received: chunk_size={chunk_size}"
-            )
-        if scale is not None:
-            ops._check_scale(scale)
-            scale = float(scale)
-        self.scale = scale
+        self.use_gate = use_gate
         self.seed = seed
+        self.num_key_value_heads = num_key_value_heads
+        self.output_projection = output_projection
         self.implementation = implementation
         self.chunk_size = chunk_size
+        self.scale = scale
+        self.attn_logits_soft_cap = attn_logits_soft_cap
         self.seed_generator = keras.random.SeedGenerator(seed) if dropout > 0 else None
         self.supports_masking = True
 
@@ -167,12 +223,20 @@ class ScaledDotProductAttention(keras.layers.Layer):
             return bool(self.output_projection)
         return self.num_heads > 1 or self.output_shape is not None
 
+    @property
+    def path(self):
+        """The core's `implementation`, after `flash_attention`."""
+        if self.flash_attention is None:
+            return self.implementation
+        return "chunked" if self.flash_attention else "dense"
+
     def build(self, query_shape, value_shape, key_shape=None):
         key_shape = value_shape if key_shape is None else key_shape
-        shapes = {"query": query_shape, "value": value_shape, "key": key_shape}
-        for name, shape in shapes.items():
-            _check_rank(name, shape)
-        query_width, value_width, key_width = (shapes[n][-1] for n in ("query", "value", "key"))
+        query_shape, value_shape, key_shape = (
+            tuple(shape) for shape in (query_shape, value_shape, key_shape)
+        )
+        self._check_shapes(query_shape, value_shape, key_shape)
+        query_width = query_shape[-1]
         if self.key_dim is None and query_width % self.num_heads:
             raise ValueError(
                 "With `key_dim=None` the query width must divide by `num_heads`. "
@@ -180,37 +244,83 @@ class ScaledDotProductAttention(keras.layers.Layer):
             )
         self._key_dim = self.key_dim or query_width // self.num_heads
         self._value_dim = self.value_dim or self._key_dim
-        heads = self.num_heads
+        self._kv_heads = self.num_key_value_heads or self.num_heads
+        rank = len(query_shape)
+        self._attention_axes_normalized = _normalize_axes(self.attention_axes, rank)
 
-        self.query_kernel, self.query_bias = self._projection(
-            "query", query_width, heads, self._key_dim
-        )
-        self.key_kernel, self.key_bias = self._projection("key", key_width, heads, self._key_dim)
-        self.value_kernel, self.value_bias = self._projection(
-            "value", value_width, heads, self._value_dim
-        )
+        heads, kv_heads = self.num_heads, self._kv_heads
+        # Built in MultiHeadAttention's order: query, key, gate, value, output.
+        self._query_dense = self._projection("query", query_shape, (heads, self._key_dim))
+        self._key_dense = self._projection("key", key_shape, (kv_heads, self._key_dim))
+        if self.use_gate:
+            self._gate_dense = self._projection(
+                "gate", query_shape, (heads, self._value_dim), activation="sigmoid"
+            )
+        self._value_dense = self._projection("value", value_shape, (kv_heads, self._value_dim))
+        self._output_dense = None
         if self.uses_output_projection:
-            out_width = self.output_shape or query_width
-            self.output_kernel = self._weight(
-                "output_kernel", (heads, self._value_dim, out_width), kernel=True
+            out_shape = self.output_shape or (query_width,)
+            equation, bias_axes = _projection_equation(rank - 1, 2, len(out_shape))
+            self._output_dense = keras.layers.EinsumDense(
+                equation,
+                output_shape=(None,) * (rank - 2) + tuple(out_shape),
+                bias_axes=bias_axes if self.use_bias else None,
+                name="attention_output",
+                **self._sublayer_kwargs(),
             )
-            self.output_bias = (
-                self._weight("output_bias", (out_width,), kernel=False) if self.use_bias else None
-            )
+            self._output_dense.build(query_shape[:-1] + (heads, self._value_dim))
 
-    def _projection(self, name, width, heads, size):
-        kernel = self._weight(f"{name}_kernel", (width, heads, size), kernel=True)
-        bias = self._weight(f"{name}_bias", (heads, size), kernel=False) if self.use_bias else None
-        return kernel, bias
-
-    def _weight(self, name, shape, kernel):
-        return self.add_weight(
+    def _projection(self, name, input_shape, heads_and_size, activation=None):
+        rank = len(input_shape)
+        equation, bias_axes = _projection_equation(rank - 1, 1, 2)
+        dense = keras.layers.EinsumDense(
+            equation,
+            output_shape=(None,) * (rank - 2) + tuple(heads_and_size),
+            bias_axes=bias_axes if self.use_bias else None,
+            activation=activation,
             name=name,
-            shape=shape,
-            initializer=self.kernel_initializer if kernel else self.bias_initializer,
-            regularizer=self.kernel_regularizer if kernel else self.bias_regularizer,
-            constraint=self.kernel_constraint if kernel else self.bias_constraint,
+            **self._sublayer_kwargs(),
         )
+        dense.build(input_shape)
+        return dense
+
+    def _sublayer_kwargs(self):
+        # A fresh initializer per projection, so that seeded initializers do not
+        # give every projection the same kernel.
+        def fresh(initializer):
+            return initializer.__class__.from_config(initializer.get_config())
+
+        return dict(
+            kernel_initializer=fresh(self.kernel_initializer),
+            bias_initializer=fresh(self.bias_initializer),
+            kernel_regularizer=self.kernel_regularizer,
+            bias_regularizer=self.bias_regularizer,
+            kernel_constraint=self.kernel_constraint,
+            bias_constraint=self.bias_constraint,
+            dtype=self.dtype_policy,
+        )
+
+    @property
+    def query_dense(self):
+        return self._query_dense
+
+    @property
+    def key_dense(self):
+        return self._key_dense
+
+    @property
+    def value_dense(self):
+        return self._value_dense
+
+    @property
+    def output_dense(self):
+        return self._output_dense
+
+    # W_Q, W_K, W_V, W_O by the names of the derivation.
+    query_kernel = property(lambda self: self._query_dense.kernel)
+    key_kernel = property(lambda self: self._key_dense.kernel)
+    value_kernel = property(lambda self: self._value_dense.kernel)
+    output_kernel = property(lambda self: self._output_dense.kernel)
 
     def call(
         self,
@@ -221,22 +331,38 @@ class ScaledDotProductAttention(keras.layers.Layer):
         value_mask=None,
         key_mask=None,
         attention_mask=None,
+        attention_bias=None,
         return_attention_scores=False,
         training=None,
         use_causal_mask=False,
     ):
         key = value if key is None else key
         self._check_call_inputs(query, value, key)
-        # Also checks that key and value have the same length S.
-        out_width = self.compute_output_shape(query.shape, value.shape, key.shape)[-1]
+        if return_attention_scores and self.flash_attention:
+            raise ValueError(
+                "`return_attention_scores=True` needs the whole (T, S) matrix, which "
+                "`flash_attention=True` never forms. Received: flash_attention=True, "
+                "return_attention_scores=True"
+            )
+        rank = query.shape.rank
+        axes = self._attention_axes_normalized
 
-        q = _project(query, self.query_kernel, self.query_bias)  # (B, T, N, H)
-        k = _project(key, self.key_kernel, self.key_bias)  # (B, S, N, H)
-        v = _project(value, self.value_kernel, self.value_bias)  # (B, S, N, Hv)
+        q = self._query_dense(query)  # (B, *dims_q, N, H)
+        k = self._key_dense(key)  # (B, *dims_v, K, H)
+        v = self._value_dense(value)  # (B, *dims_v, K, Hv)
+        # The core sees (B', T, N, H): non-attention axes join the batch.
+        flat = _Flattener(rank, axes, tf.shape(query), tf.shape(value))
+        q, k, v = flat.inputs(q, "query"), flat.inputs(k, "value"), flat.inputs(v, "value")
 
-        mask = _combine_masks(query_mask, value_mask, key_mask, attention_mask)
+        mask = _combine_masks(query_mask, value_mask, key_mask, attention_mask, rank)
         if mask is not None:
-            mask = tf.expand_dims(mask, 1)  # (B, 1, T, S)
+            mask = flat.scores(mask, self.num_heads, "attention_mask")  # (B', N|1, T, S)
+        bias = None
+        if attention_bias is not None:
+            attention_bias = tf.convert_to_tensor(attention_bias)
+            if attention_bias.dtype.is_floating:
+                attention_bias = tf.cast(attention_bias, self.compute_dtype)
+            bias = flat.scores(attention_bias, self.num_heads, "attention_bias")
         seed = None
         if training and self.dropout > 0:
             seed = _per_replica(self.seed_generator.next())
@@ -245,47 +371,79 @@ class ScaledDotProductAttention(keras.layers.Layer):
             k,
             v,
             mask,
+            bias=bias,
             is_causal=use_causal_mask,
+            sliding_window=self.sliding_window,
+            attn_logits_soft_cap=self.attn_logits_soft_cap,
             scale=self.scale,
             dropout_rate=self.dropout,
             training=bool(training),
             seed=seed,
             return_weights=return_attention_scores,
-            implementation=self.implementation,
+            implementation=self.path,
             chunk_size=self.chunk_size,
         )
         out, weights = result if return_attention_scores else (result, None)
+        out = flat.outputs(out)  # (B, *dims_q, N, Hv)
 
-        shape = tf.shape(out)
-        width = self.num_heads * self._value_dim
-        out = tf.reshape(out, (-1, width))  # (B * T, N * Hv): the heads, concatenated
-        if self.uses_output_projection:
-            kernel = tf.reshape(self.output_kernel, (width, -1))  # (N * Hv, E_out)
-            out = tf.matmul(out, kernel)  # (B * T, E_out)
-            if self.output_bias is not None:
-                out = out + self.output_bias
-        out = tf.reshape(out, tf.concat([shape[:2], [-1]], 0))  # (B, T, E_out or N * Hv)
-        out.set_shape([None, None, out_width])
+        if self.use_gate:
+            out = out * self._gate_dense(query)
+        if self._output_dense is not None:
+            out = self._output_dense(out)  # (B, *dims_q, *output_shape)
+        else:
+            shape = tf.shape(out)
+            out = tf.reshape(out, tf.concat([shape[:-2], [shape[-2] * shape[-1]]], 0))
         if return_attention_scores:
-            return out, weights
+            return out, flat.weights(weights)
         return out
 
     def _check_call_inputs(self, query, value, key):
-        for name, tensor, kernel in (
-            ("query", query, self.query_kernel),
-            ("value", value, self.value_kernel),
-            ("key", key, self.key_kernel),
+        for name, tensor, dense in (
+            ("query", query, self._query_dense),
+            ("value", value, self._value_dense),
+            ("key", key, self._key_dense),
         ):
             if not tensor.dtype.is_floating:
                 raise ValueError(
                     f"`{name}` must be a floating tensor. "
                     f"Received: {name}.dtype={tensor.dtype.name}"
                 )
-            _check_rank(name, tensor.shape)
-            if tensor.shape[-1] is not None and tensor.shape[-1] != kernel.shape[0]:
+            width = dense.kernel.shape[0]
+            if tensor.shape[-1] is not None and tensor.shape[-1] != width:
                 raise ValueError(
-                    f"The last axis of `{name}` must be {kernel.shape[0]}, the width "
+                    f"The last axis of `{name}` must be {width}, the width "
                     f"this layer was built with. Received: {name}.shape={tuple(tensor.shape)}"
+                )
+        self._check_shapes(tuple(query.shape), tuple(value.shape), tuple(key.shape))
+
+    def _check_shapes(self, query_shape, value_shape, key_shape):
+        for name, shape in (("query", query_shape), ("value", value_shape), ("key", key_shape)):
+            if len(shape) < 3:
+                raise ValueError(
+                    f"`{name}` must have rank 3 or more, (batch, *positions, width). "
+                    f"Received: {name}.shape={shape}"
+                )
+        if value_shape[1:-1] != key_shape[1:-1]:
+            raise ValueError(
+                "All dimensions of `value` and `key`, except the last one, must be equal. "
+                f"Received: value_shape={value_shape}, key_shape={key_shape}"
+            )
+        if len(value_shape) != len(query_shape):
+            raise ValueError(
+                "`query` and `value` must have the same rank. "
+                f"Received: query_shape={query_shape}, value_shape={value_shape}"
+            )
+        axes = _normalize_axes(self.attention_axes, len(query_shape))
+        batch_axes = [a for a in range(1, len(query_shape) - 1) if a not in axes]
+        for axis in [0] + batch_axes:
+            if None not in (query_shape[axis], value_shape[axis]) and (
+                query_shape[axis] != value_shape[axis]
+                and 1 not in (query_shape[axis], value_shape[axis])
+            ):
+                raise ValueError(
+                    f"`query` and `value` must be equal along the batch axes {[0] + batch_axes} "
+                    f"(those outside `attention_axes`). Received: query_shape={query_shape}, "
+                    f"value_shape={value_shape}"
                 )
 
     def compute_mask(self, query, previous_mask=None):
@@ -297,19 +455,15 @@ class ScaledDotProductAttention(keras.layers.Layer):
         query_shape = tuple(query_shape)
         value_shape = tuple(value_shape)
         key_shape = value_shape if key_shape is None else tuple(key_shape)
-        for name, shape in (("query", query_shape), ("value", value_shape), ("key", key_shape)):
-            _check_rank(name, shape)
-        if None not in (key_shape[1], value_shape[1]) and key_shape[1] != value_shape[1]:
+        if value_shape[1:-1] != key_shape[1:-1]:
             raise ValueError(
-                "`key` and `value` must have the same length S (axis 1). "
-                f"Received: key_shape={key_shape}, value_shape={value_shape}"
+                "All dimensions of `value` and `key`, except the last one, must be equal. "
+                f"Received: value_shape={value_shape}, key_shape={key_shape}"
             )
         if self.uses_output_projection:
-            width = self.output_shape or query_shape[-1]
-        else:
-            key_dim = self.key_dim or query_shape[-1] // self.num_heads
-            width = self.num_heads * (self.value_dim or key_dim)
-        return query_shape[:-1] + (width,)
+            return query_shape[:-1] + (self.output_shape or (query_shape[-1],))
+        key_dim = self.key_dim or query_shape[-1] // self.num_heads
+        return query_shape[:-1] + (self.num_heads * (self.value_dim or key_dim),)
 
     def compute_output_spec(
         self,
@@ -320,6 +474,7 @@ class ScaledDotProductAttention(keras.layers.Layer):
         value_mask=None,
         key_mask=None,
         attention_mask=None,
+        attention_bias=None,
         return_attention_scores=False,
         training=None,
         use_causal_mask=False,
@@ -329,8 +484,15 @@ class ScaledDotProductAttention(keras.layers.Layer):
         out = keras.KerasTensor(shape, dtype=self.compute_dtype)
         if not return_attention_scores:
             return out
-        # (B, N, T, S): T from the query, S from the value, also in cross-attention.
-        scores_shape = (query.shape[0], self.num_heads, query.shape[1], value.shape[1])
+        # MHA's layout: (B, *batch dims, N, *query attention dims, *key attention dims).
+        rank = len(query.shape)
+        axes = _normalize_axes(self.attention_axes, rank)
+        batch = [query.shape[a] for a in range(1, rank - 1) if a not in axes]
+        scores_shape = (
+            (query.shape[0], *batch, self.num_heads)
+            + tuple(query.shape[a] for a in axes)
+            + tuple(value.shape[a] for a in axes)
+        )
         return out, keras.KerasTensor(scores_shape, dtype=self.compute_dtype)
 
     def get_config(self):
@@ -343,7 +505,9 @@ class ScaledDotProductAttention(keras.layers.Layer):
                 "dropout": self.dropout,
                 "use_bias": self.use_bias,
                 "output_shape": self.output_shape,
-                "output_projection": self.output_projection,
+                "attention_axes": self.attention_axes,
+                "sliding_window": self.sliding_window,
+                "flash_attention": self.flash_attention,
                 "kernel_initializer": keras.initializers.serialize(self.kernel_initializer),
                 "bias_initializer": keras.initializers.serialize(self.bias_initializer),
                 "kernel_regularizer": keras.regularizers.serialize(self.kernel_regularizer),
@@ -351,13 +515,107 @@ class ScaledDotProductAttention(keras.layers.Layer):
                 "activity_regularizer": keras.regularizers.serialize(self.activity_regularizer),
                 "kernel_constraint": keras.constraints.serialize(self.kernel_constraint),
                 "bias_constraint": keras.constraints.serialize(self.bias_constraint),
+                "use_gate": self.use_gate,
                 "seed": self.seed,
+                "num_key_value_heads": self.num_key_value_heads,
+                "output_projection": self.output_projection,
                 "implementation": self.implementation,
                 "chunk_size": self.chunk_size,
                 "scale": self.scale,
+                "attn_logits_soft_cap": self.attn_logits_soft_cap,
             }
         )
         return config
+
+
+class _Flattener:
+    """Moves between the layer's `(B, *dims, …)` tensors and the core's `(B', T, …)`.
+
+    The attention axes are flattened into `T` (and `S`), the other position axes
+    into the batch `B'`, as `keras.layers.MultiHeadAttention`'s einsums read them.
+    For rank-3 inputs every step is the identity.
+    """
+
+    def __init__(self, rank, axes, query_shape, value_shape):
+        self.rank = rank
+        self.axes = axes
+        self.batch_axes = [a for a in range(1, rank - 1) if a not in axes]
+        self.trivial = rank == 3
+        self.query_shape, self.value_shape = query_shape, value_shape
+        # Projected tensors have rank + 1 axes: (B, *dims, heads, size).
+        self.order = [0] + self.batch_axes + list(axes) + [rank - 1, rank]
+        self.inverse = [self.order.index(a) for a in range(rank + 1)]
+
+    def _sizes(self, shape, axes):
+        return tf.reduce_prod(tf.gather(shape, axes)) if axes else tf.constant(1)
+
+    def inputs(self, x, which):
+        """`(B, *dims, heads, size)` to `(B', L, heads, size)`."""
+        if self.trivial:
+            return x
+        shape = self.query_shape if which == "query" else self.value_shape
+        x = tf.transpose(x, self.order)
+        x_shape = tf.shape(x)
+        batch = shape[0] * self._sizes(shape, self.batch_axes)
+        length = self._sizes(shape, list(self.axes))
+        return tf.reshape(x, tf.stack([batch, length, x_shape[-2], x_shape[-1]]))
+
+    def outputs(self, out):
+        """`(B', T, N, Hv)` back to `(B, *dims_q, N, Hv)`."""
+        if self.trivial:
+            return out
+        shape = self.query_shape
+        out_shape = tf.shape(out)
+        sizes = [shape[0]] + [shape[a] for a in self.batch_axes] + [shape[a] for a in self.axes]
+        out = tf.reshape(out, tf.stack(sizes + [out_shape[-2], out_shape[-1]]))
+        return tf.transpose(out, self.inverse)
+
+    def scores(self, x, num_heads, name):
+        """A mask or bias in MHA's scores layout to the core's `(B'|1, N|1, T|1, S|1)`.
+
+        Rank 3: `(T, S)`, `(B, T, S)` gain a head axis; `(B, N|1, T, S)` passes.
+        Higher ranks: MHA's layout `(B, *batch dims, N, *query axes, *key axes)`,
+        with or without the head axis, broadcast and flattened.
+        """
+        full_rank = 1 + len(self.batch_axes) + 1 + 2 * len(self.axes)
+        if x.shape.rank is None or x.shape.rank > full_rank:
+            raise ValueError(
+                f"`{name}` must have rank {full_rank} or less (the scores' layout "
+                f"{'(B, N, T, S)' if self.trivial else '(B, *batch, N, *T, *S)'}). "
+                f"Received: {name}.shape={tuple(x.shape)}"
+            )
+        while x.shape.rank < full_rank:  # the head axis first, then the leading ones
+            x = tf.expand_dims(x, -2 * len(self.axes) - 1)
+        if self.trivial:
+            return x
+        heads = x.shape[1 + len(self.batch_axes)]
+        q, v = self.query_shape, self.value_shape
+        target = tf.stack(
+            [q[0]]
+            + [q[a] for a in self.batch_axes]
+            + [tf.constant(num_heads if heads != 1 else 1)]
+            + [q[a] for a in self.axes]
+            + [v[a] for a in self.axes]
+        )
+        x = tf.broadcast_to(x, target)
+        batch = q[0] * self._sizes(q, self.batch_axes)
+        t, s = self._sizes(q, list(self.axes)), self._sizes(v, list(self.axes))
+        return tf.reshape(x, tf.stack([batch, target[len(self.batch_axes) + 1], t, s]))
+
+    def weights(self, weights):
+        """`(B', N, T, S)` to MHA's `(B, *batch dims, N, *query axes, *key axes)`."""
+        if self.trivial:
+            return weights
+        q, v = self.query_shape, self.value_shape
+        w_shape = tf.shape(weights)
+        sizes = (
+            [q[0]]
+            + [q[a] for a in self.batch_axes]
+            + [w_shape[1]]
+            + [q[a] for a in self.axes]
+            + [v[a] for a in self.axes]
+        )
+        return tf.reshape(weights, tf.stack(sizes))
 
 
 def _per_replica(seed):
@@ -374,13 +632,8 @@ def _per_replica(seed):
     return seed + tf.stack([replica * 1_000_003, tf.zeros_like(replica)])
 
 
-def _project(x, kernel, bias):
-    y = tf.einsum("bte,enh->btnh", x, kernel)  # (B, T, N, H)
-    return y if bias is None else y + bias
-
-
-def _combine_masks(query_mask, value_mask, key_mask, attention_mask):
-    """The `(B, T, S)` boolean mask of `keras.layers.MultiHeadAttention`, or None."""
+def _combine_masks(query_mask, value_mask, key_mask, attention_mask, rank):
+    """The boolean mask of `keras.layers.MultiHeadAttention`, in its layout, or None."""
     mask = None
     if query_mask is not None:
         mask = tf.expand_dims(tf.cast(query_mask, tf.bool), -1)  # (B, T, 1)
@@ -389,19 +642,69 @@ def _combine_masks(query_mask, value_mask, key_mask, attention_mask):
             padding = tf.expand_dims(tf.cast(padding, tf.bool), -2)  # (B, 1, S)
             mask = padding if mask is None else tf.logical_and(mask, padding)
     if attention_mask is not None:
-        attention_mask = tf.cast(attention_mask, tf.bool)
-        if attention_mask.shape.rank != 3:
-            raise ValueError(
-                "`attention_mask` must have rank 3, (B, T, S). "
-                f"Received: attention_mask.shape={tuple(attention_mask.shape)}"
-            )
+        attention_mask = tf.convert_to_tensor(attention_mask)
+        if attention_mask.dtype != tf.bool:
+            attention_mask = tf.not_equal(attention_mask, tf.zeros((), attention_mask.dtype))
+        if mask is not None and attention_mask.shape.rank == rank + 1:
+            # A per-head attention mask: the padding masks gain the head axis.
+            mask = tf.expand_dims(mask, -3)
         mask = attention_mask if mask is None else tf.logical_and(mask, attention_mask)
     return mask
 
 
-def _check_rank(name, shape):
-    if len(shape) != 3:
+def _normalize_axes(attention_axes, rank):
+    """Attention axes of an input of `rank`, as positive ints (MHA's negative-axis rule)."""
+    if attention_axes is None:
+        return tuple(range(1, rank - 1))
+    axes = tuple(axis if axis >= 0 else rank + axis for axis in attention_axes)
+    for axis in axes:
+        if not 1 <= axis <= rank - 2:
+            raise ValueError(
+                f"`attention_axes` must name position axes of the inputs, 1 to {rank - 2} "
+                f"(or negative ones) for inputs of rank {rank}. "
+                f"Received: attention_axes={attention_axes}"
+            )
+    if len(set(axes)) != len(axes):
         raise ValueError(
-            f"`{name}` must have rank 3, (batch, length, width). "
-            f"Received: {name}.shape={tuple(shape)}"
+            f"`attention_axes` must not repeat an axis. Received: attention_axes={attention_axes}"
         )
+    return axes
+
+
+def _projection_equation(free_dims, bound_dims, output_dims):
+    """An EinsumDense equation `(free…, bound…) x (bound…, out…) -> (free…, out…)`.
+
+    Returns the equation and the bias axes (the output axes).
+    """
+    letters = iter(string.ascii_lowercase)
+    free = "".join(next(letters) for _ in range(free_dims))
+    bound = "".join(next(letters) for _ in range(bound_dims))
+    out = "".join(next(letters) for _ in range(output_dims))
+    return f"{free}{bound},{bound}{out}->{free}{out}", out
+
+
+def _output_shape(output_shape):
+    """`output_shape` as None or a tuple of positive ints."""
+    if output_shape is None:
+        return None
+    shape = (output_shape,) if isinstance(output_shape, int) else output_shape
+    if (
+        not isinstance(shape, (tuple, list))
+        or not shape
+        or not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape)
+    ):
+        raise ValueError(
+            "Invalid `output_shape`: it must be a positive int or a tuple of positive ints. "
+            f"Received: output_shape={output_shape!r}"
+        )
+    return tuple(shape)
+
+
+def _check_positive_int(name, value, or_none=False):
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        expected = "a positive integer or None" if or_none else "a positive integer"
+        raise ValueError(
+            f"Received an invalid value for argument `{name}`, expected {expected}. "
+            f"Received: {name}={value!r}"
+        )
+
