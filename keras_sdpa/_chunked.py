@@ -218,6 +218,9 @@ def attend(
                 return j + 1, d_ks.write(j, d_k), d_vs.write(j, d_v)
 
             array = lambda size: tf.TensorArray(q_blocks.dtype, size=size)  # noqa: E731
+            # Block counts from the shapes this function sees, not the forward's tensors:
+            # under an outer XLA program a TensorArray's size must be a compile-time constant.
+            num_q, num_k = tf.shape(d_out_blocks)[0], tf.shape(k_blocks)[0]
             # Without a bias, a scalar stands in for its gradient in the loop state.
             d_bias = tf.zeros(()) if bias_grid is None else tf.zeros_like(bias_grid)
             _, d_qs, d_bias = tf.while_loop(

@@ -4,6 +4,7 @@ import string
 
 import keras
 import tensorflow as tf
+from keras.src import backend as keras_backend  # set_keras_mask has no public name
 
 from keras_sdpa import ops
 
@@ -338,6 +339,10 @@ class ScaledDotProductAttention(keras.layers.Layer):
     ):
         key = value if key is None else key
         self._check_call_inputs(query, value, key)
+        # The padding masks arrive as arguments; as MultiHeadAttention does, take
+        # them off the inputs so the projections do not warn that they drop them.
+        for tensor in (query, value, key):
+            keras_backend.set_keras_mask(tensor, None)
         if return_attention_scores and self.flash_attention:
             raise ValueError(
                 "`return_attention_scores=True` needs the whole (T, S) matrix, which "
@@ -707,4 +712,3 @@ def _check_positive_int(name, value, or_none=False):
             f"Received an invalid value for argument `{name}`, expected {expected}. "
             f"Received: {name}={value!r}"
         )
-

@@ -162,13 +162,7 @@ def scaled_dot_product_attention(
     empty = _empty_result(query, key, value, return_weights)
     if empty is not None:
         return empty if return_weights else empty[0]
-    outputs = _attention_xla(
-        query,
-        key,
-        value,
-        mask,
-        bias,
-        seed,
+    static = dict(
         mask_pattern=mask_pattern,
         bias_pattern=bias_pattern,
         is_causal=bool(is_causal),
@@ -177,9 +171,22 @@ def scaled_dot_product_attention(
         scale=float(scale),
         dropout_rate=dropout_rate,
         return_weights=bool(return_weights),
-        path=path,
         chunk_size=chunk_size,
     )
+    inputs = (query, key, value, mask, bias, seed)
+    if path == "auto":
+        # Lengths unknown while tracing (a Keras model's `Input((None, E))`): the
+        # actual sizes choose between the two compiled programs, at run time.
+        b, t, s = tf.shape(query)[0], tf.shape(query)[1], tf.shape(key)[1]
+        size = tf.cast(b, tf.int64) * query.shape[2] * tf.cast(t, tf.int64) * tf.cast(s, tf.int64)
+        out = tf.cond(
+            size * 4 > _AUTO_CHUNKED_BYTES,
+            lambda: _attention_xla(*inputs, path="chunked", **static)[0],
+            lambda: _attention_xla(*inputs, path="dense", **static)[0],
+        )
+        outputs = (out, None)  # "auto" never returns weights: they force dense
+    else:
+        outputs = _attention_xla(*inputs, path=path, **static)
     return outputs if return_weights else outputs[0]
 
 
@@ -191,7 +198,12 @@ def _choose_path(implementation, query, key, return_weights):
         return "chunked"
     sizes = [query.shape[0], query.shape[2], query.shape[1], key.shape[1]]  # B, N, T, S
     if any(size is None for size in sizes):
-        return "auto"  # decided inside the compiled program, from the actual sizes
+        if _inside_xla():
+            # Inside a caller's XLA program (`model.compile(jit_compile=True)`) the
+            # chunked branch of a run-time choice cannot compile: its gradient needs
+            # sizes that XLA only sees as parameters there. Dense, as before.
+            return "dense"
+        return "auto"  # decided at run time, from the actual sizes
     return "chunked" if math.prod(sizes) * 4 > _AUTO_CHUNKED_BYTES else "dense"
 
 
@@ -231,8 +243,7 @@ def _attention(
 ):
     """The whole computation, traced once per static configuration.
 
-    `path` is `"dense"`, `"chunked"`, or `"auto"`: a `tf.cond` on the actual
-    sizes, which XLA resolves when it compiles for them.
+    `path` is `"dense"` or `"chunked"`.
     """
     dtype = query.dtype
     compute = tf.float64 if dtype == tf.float64 else tf.float32  # never below float32
@@ -291,16 +302,7 @@ def _attention(
         )
         return out, None
 
-    if path == "dense":
-        out, weights = dense()
-    elif path == "chunked":
-        out, weights = chunked()
-    else:
-        b, t, s = tf.shape(q)[0], tf.shape(q)[3], tf.shape(k)[2]
-        size = tf.cast(b, tf.int64) * num_heads * tf.cast(t, tf.int64) * tf.cast(s, tf.int64)
-        out = tf.cond(size * 4 > _AUTO_CHUNKED_BYTES, lambda: chunked()[0], lambda: dense()[0])
-        weights = None
-
+    out, weights = dense() if path == "dense" else chunked()
     shape = tf.shape(out)  # (B, K, G, T, Hv)
     out = tf.reshape(out, tf.stack([shape[0], num_heads, shape[3], shape[4]]))  # (B, N, T, Hv)
     out = tf.cast(tf.transpose(out, [0, 2, 1, 3]), dtype)  # (B, T, N, Hv)
@@ -312,6 +314,16 @@ def _attention(
 
 
 _attention_xla = tf.function(_attention, jit_compile=True, reduce_retracing=True)
+
+
+def _inside_xla():
+    """Whether we are tracing inside a caller's `jit_compile=True` function."""
+    try:
+        from tensorflow.python.framework import ops as tf_ops
+        from tensorflow.python.ops import control_flow_util
+    except ImportError:  # TensorFlow moved its internals: assume not
+        return False
+    return control_flow_util.GraphOrParentsInXlaContext(tf_ops.get_default_graph())
 
 
 def check_sliding_window(sliding_window):

@@ -171,7 +171,7 @@ def test_get_config_round_trip():
     config = layer.get_config()
     clone = ScaledDotProductAttention.from_config(config)
     assert clone.get_config() == config
-    assert config["num_heads"] == 3 and config["value_dim"] == 2 and config["output_shape"] == 6
+    assert config["num_heads"] == 3 and config["value_dim"] == 2 and config["output_shape"] == (6,)
     assert config["scale"] == 0.5
     restored = keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(layer))
     assert isinstance(restored, ScaledDotProductAttention)
@@ -335,13 +335,24 @@ def test_mixed_precision(policy):
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(num_heads=0), r"`num_heads` must be a positive integer. Received: num_heads=0"),
+        (
+            dict(num_heads=0),
+            r"argument `num_heads`, expected a positive integer. Received: num_heads=0",
+        ),
         (dict(num_heads=-2), r"num_heads=-2"),
         (dict(dropout=1.0), r"`dropout` must be in \[0, 1\). Received: dropout=1.0"),
         (dict(dropout=-0.5), r"dropout=-0.5"),
-        (dict(key_dim=0), r"`key_dim` must be a positive integer or None. Received: key_dim=0"),
-        (dict(output_shape=(2, 3)), r"`output_shape` must be an int or a 1-tuple"),
-        (dict(output_shape=0), r"`output_shape` must be a positive integer.*output_shape=0"),
+        (dict(key_dim=0), r"argument `key_dim`, expected a positive integer or None.*key_dim=0"),
+        (dict(output_shape=(2, 0)), r"Invalid `output_shape`.*output_shape=\(2, 0\)"),
+        (dict(output_shape=0), r"Invalid `output_shape`.*output_shape=0"),
+        (dict(output_shape=8.0), r"output_shape=8.0"),
+        (dict(num_heads=4, num_key_value_heads=3), r"`num_key_value_heads` must divide.*=3"),
+        (dict(num_key_value_heads=0), r"num_key_value_heads=0"),
+        (dict(sliding_window=0), r"`sliding_window` must be None or a positive int.*=0"),
+        (dict(attn_logits_soft_cap=-2.0), r"`attn_logits_soft_cap` must be.*=-2.0"),
+        (dict(flash_attention="yes"), r"`flash_attention` must be None, True or False.*'yes'"),
+        (dict(attention_axes="1"), r"`attention_axes` must be None, an int.*'1'"),
+        (dict(implementation="flash"), r"`implementation` must be.*'flash'"),
         (dict(scale=0.0), r"`scale` must be a positive finite number or None. Received: scale=0.0"),
         (dict(scale=float("nan")), r"scale=nan"),
         (dict(scale="1"), r"scale='1'"),
@@ -362,15 +373,21 @@ def test_bad_call_inputs():
     query, value, key = inputs()
     layer = ScaledDotProductAttention(N, H)
     layer(query, value, key)
-    with pytest.raises(ValueError, match=r"`query` must have rank 3.*\(2, 3, 9, 1\)"):
-        layer(query[..., None], value, key)
+    with pytest.raises(ValueError, match=r"`query` and `value` must have the same rank"):
+        layer(query[..., None, :], value, key)
     with pytest.raises(ValueError, match=r"last axis of `query` must be 9.*\(2, 3, 4\)"):
         layer(query[..., :4], value, key)
-    with pytest.raises(ValueError, match=r"same length S.*key.shape=\(2, 4, 10\)"):
+    with pytest.raises(ValueError, match=r"`value` and `key`, except the last.*\(2, 4, 10\)"):
         layer(query, value, key[:, :4])
     with pytest.raises(ValueError, match=r"`query` must be a floating tensor.*int32"):
         layer(tf.cast(query, "int32"), value, key)
     with pytest.raises(ValueError, match=r"`mask` must broadcast.*\(2, 1, 3, 4\)"):
         layer(query, value, key, attention_mask=np.ones((B, T, S - 1), bool))
-    with pytest.raises(ValueError, match=r"`attention_mask` must have rank 3.*\(3, 5\)"):
-        layer(query, value, key, attention_mask=np.ones((T, S), bool))
+    with pytest.raises(ValueError, match=r"`attention_mask` must have rank 4 or less.*\(1, 2,"):
+        layer(query, value, key, attention_mask=np.ones((1, B, N, T, S), bool))
+    with pytest.raises(ValueError, match=r"`attention_axes` must name position axes.*\(2,\)"):
+        ScaledDotProductAttention(N, H, attention_axes=2)(query, value, key)
+    with pytest.raises(ValueError, match=r"flash_attention=True, return_attention_scores=True"):
+        ScaledDotProductAttention(N, H, flash_attention=True)(
+            query, value, key, return_attention_scores=True
+        )
