@@ -1,10 +1,11 @@
 """`ScaledDotProductAttention`: the Keras layer that owns W_Q, W_K, W_V (and W_O)."""
 
+import contextlib
 import string
 
 import keras
 import tensorflow as tf
-from keras.src import backend as keras_backend  # set_keras_mask has no public name
+from keras.src import backend as keras_backend  # the mask accessors have no public name
 
 from keras_sdpa import ops
 
@@ -247,7 +248,6 @@ class ScaledDotProductAttention(keras.layers.Layer):
         self._value_dim = self.value_dim or self._key_dim
         self._kv_heads = self.num_key_value_heads or self.num_heads
         rank = len(query_shape)
-        self._attention_axes_normalized = _normalize_axes(self.attention_axes, rank)
 
         heads, kv_heads = self.num_heads, self._kv_heads
         # Built in MultiHeadAttention's order: query, key, gate, value, output.
@@ -339,10 +339,6 @@ class ScaledDotProductAttention(keras.layers.Layer):
     ):
         key = value if key is None else key
         self._check_call_inputs(query, value, key)
-        # The padding masks arrive as arguments; as MultiHeadAttention does, take
-        # them off the inputs so the projections do not warn that they drop them.
-        for tensor in (query, value, key):
-            keras_backend.set_keras_mask(tensor, None)
         if return_attention_scores and self.flash_attention:
             raise ValueError(
                 "`return_attention_scores=True` needs the whole (T, S) matrix, which "
@@ -350,17 +346,90 @@ class ScaledDotProductAttention(keras.layers.Layer):
                 "return_attention_scores=True"
             )
         rank = query.shape.rank
-        axes = self._attention_axes_normalized
-
-        q = self._query_dense(query)  # (B, *dims_q, N, H)
-        k = self._key_dense(key)  # (B, *dims_v, K, H)
-        v = self._value_dense(value)  # (B, *dims_v, K, Hv)
-        # The core sees (B', T, N, H): non-attention axes join the batch.
-        flat = _Flattener(rank, axes, tf.shape(query), tf.shape(value))
-        q, k, v = flat.inputs(q, "query"), flat.inputs(k, "value"), flat.inputs(v, "value")
-
+        with _masks_set_aside(query, value, key):
+            q = self._query_dense(query)  # (B, *dims_q, N, H)
+            k = self._key_dense(key)  # (B, *dims_v, K, H)
+            v = self._value_dense(value)  # (B, *dims_v, K, Hv)
+            gate = self._gate_dense(query) if self.use_gate else None  # (B, *dims_q, N, Hv)
         mask = _combine_masks(query_mask, value_mask, key_mask, attention_mask, rank)
-        if mask is not None:
+        if type(self)._compute_attention is ScaledDotProductAttention._compute_attention:
+            out, weights = self._compute_attention(
+                q,
+                k,
+                v,
+                mask,
+                training,
+                return_attention_scores,
+                use_causal_mask=use_causal_mask,
+                attention_bias=attention_bias,
+            )
+        else:
+            # A subclass that overrides MultiHeadAttention's `_compute_attention`
+            # gets MHA's contract: the causal mask folded into `attention_mask`.
+            if attention_bias is not None:
+                raise ValueError(
+                    "`attention_bias` reaches only this layer's own `_compute_attention`; "
+                    f"{type(self).__name__} overrides it. Received: attention_bias with shape "
+                    f"{tuple(attention_bias.shape)}"
+                )
+            if use_causal_mask:
+                causal = _causal_mask(tf.shape(query)[1], tf.shape(value)[1])  # (1, T, S)
+                mask = causal if mask is None else tf.logical_and(mask, causal)
+            out, weights = self._compute_attention(q, k, v, mask, training, return_attention_scores)
+
+        if gate is not None:
+            out = out * gate
+        if self._output_dense is not None:
+            out = self._output_dense(out)  # (B, *dims_q, *output_shape)
+        else:
+            shape = tf.shape(out)
+            out = tf.reshape(out, tf.concat([shape[:-2], [shape[-2] * shape[-1]]], 0))
+        if return_attention_scores:
+            return out, weights
+        return out
+
+    def _compute_attention(
+        self,
+        query,
+        key,
+        value,
+        attention_mask=None,
+        training=None,
+        return_attention_scores=False,
+        use_causal_mask=False,
+        attention_bias=None,
+    ):
+        """Attention on projected tensors, MultiHeadAttention's override point.
+
+        Args:
+            query: `(B, *dims_q, N, H)` projected queries.
+            key: `(B, *dims_v, K, H)` projected keys.
+            value: `(B, *dims_v, K, Hv)` projected values.
+            attention_mask: boolean mask in MHA's layout, or None.
+            training: whether dropout is active.
+            return_attention_scores: whether to return the weights.
+            use_causal_mask: the causal constraint, applied inside the core.
+            attention_bias: additive bias in the scores' layout, or None.
+
+        Returns:
+            `(B, *dims_q, N, Hv)` and the weights in MHA's layout (or None).
+        """
+        query, key, value = (tf.convert_to_tensor(x) for x in (query, key, value))
+        rank = query.shape.rank - 1  # the inputs' rank
+        axes = _normalize_axes(self.attention_axes, rank)
+        query_shape, value_shape = tf.shape(query), tf.shape(value)
+        # The core sees (B', T, N, H): non-attention axes join the batch.
+        flat = _Flattener(rank, axes, query_shape, value_shape)
+        q, k, v = (
+            flat.inputs(query, "query"),
+            flat.inputs(key, "value"),
+            flat.inputs(value, "value"),
+        )
+        mask = None
+        if attention_mask is not None:
+            mask = tf.convert_to_tensor(attention_mask)
+            if mask.dtype != tf.bool:
+                mask = tf.not_equal(mask, tf.zeros((), mask.dtype))
             mask = flat.scores(mask, self.num_heads, "attention_mask")  # (B', N|1, T, S)
         bias = None
         if attention_bias is not None:
@@ -390,17 +459,9 @@ class ScaledDotProductAttention(keras.layers.Layer):
         )
         out, weights = result if return_attention_scores else (result, None)
         out = flat.outputs(out)  # (B, *dims_q, N, Hv)
-
-        if self.use_gate:
-            out = out * self._gate_dense(query)
-        if self._output_dense is not None:
-            out = self._output_dense(out)  # (B, *dims_q, *output_shape)
-        else:
-            shape = tf.shape(out)
-            out = tf.reshape(out, tf.concat([shape[:-2], [shape[-2] * shape[-1]]], 0))
-        if return_attention_scores:
-            return out, flat.weights(weights)
-        return out
+        if weights is not None:
+            weights = flat.weights(weights)
+        return out, weights
 
     def _check_call_inputs(self, query, value, key):
         for name, tensor, dense in (
@@ -422,17 +483,17 @@ class ScaledDotProductAttention(keras.layers.Layer):
         self._check_shapes(tuple(query.shape), tuple(value.shape), tuple(key.shape))
 
     def _check_shapes(self, query_shape, value_shape, key_shape):
+        if value_shape[1:-1] != key_shape[1:-1]:
+            raise ValueError(
+                "All dimensions of `value` and `key`, except the last one, must be equal. "
+                f"Received: value_shape={value_shape}, key_shape={key_shape}"
+            )
         for name, shape in (("query", query_shape), ("value", value_shape), ("key", key_shape)):
             if len(shape) < 3:
                 raise ValueError(
                     f"`{name}` must have rank 3 or more, (batch, *positions, width). "
                     f"Received: {name}.shape={shape}"
                 )
-        if value_shape[1:-1] != key_shape[1:-1]:
-            raise ValueError(
-                "All dimensions of `value` and `key`, except the last one, must be equal. "
-                f"Received: value_shape={value_shape}, key_shape={key_shape}"
-            )
         if len(value_shape) != len(query_shape):
             raise ValueError(
                 "`query` and `value` must have the same rank. "
@@ -623,6 +684,25 @@ class _Flattener:
         return tf.reshape(weights, tf.stack(sizes))
 
 
+@contextlib.contextmanager
+def _masks_set_aside(*tensors):
+    """Takes the Keras masks off the inputs while the projections run, then puts them back.
+
+    The padding masks reach `call` as arguments; without this the projections,
+    which do not support masking, would warn that they drop them. Unlike
+    MultiHeadAttention, the caller's tensors keep their masks afterwards.
+    """
+    masks = [keras_backend.get_keras_mask(tensor) for tensor in tensors]
+    for tensor in tensors:
+        keras_backend.set_keras_mask(tensor, None)
+    try:
+        yield
+    finally:
+        for tensor, mask in zip(tensors, masks):
+            if mask is not None:
+                keras_backend.set_keras_mask(tensor, mask)
+
+
 def _per_replica(seed):
     """A `(2,)` seed made distinct for each replica of a `tf.distribute` strategy.
 
@@ -655,6 +735,11 @@ def _combine_masks(query_mask, value_mask, key_mask, attention_mask, rank):
             mask = tf.expand_dims(mask, -3)
         mask = attention_mask if mask is None else tf.logical_and(mask, attention_mask)
     return mask
+
+
+def _causal_mask(t, s):
+    """MultiHeadAttention's causal mask: `(1, T, S)`, True where `s <= t`."""
+    return (tf.range(t)[:, None] >= tf.range(s)[None, :])[None]
 
 
 def _normalize_axes(attention_axes, rank):

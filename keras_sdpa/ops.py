@@ -163,6 +163,10 @@ def scaled_dot_product_attention(
     if empty is not None:
         return empty if return_weights else empty[0]
     static = dict(
+        # Head counts travel as static arguments: once `reduce_retracing` relaxes
+        # the traced shapes, `query.shape[2]` inside the program may be None.
+        num_heads=query.shape[2],
+        num_kv_heads=key.shape[2],
         mask_pattern=mask_pattern,
         bias_pattern=bias_pattern,
         is_causal=bool(is_causal),
@@ -230,6 +234,8 @@ def _attention(
     bias,
     seed,
     *,
+    num_heads,
+    num_kv_heads,
     mask_pattern,
     bias_pattern,
     is_causal,
@@ -247,7 +253,6 @@ def _attention(
     """
     dtype = query.dtype
     compute = tf.float64 if dtype == tf.float64 else tf.float32  # never below float32
-    num_heads, num_kv_heads = query.shape[2], key.shape[2]
     groups = num_heads // num_kv_heads
     # (Q K^T) * scale == (Q * scale) K^T: scaling the (T, H) queries is cheaper
     # than scaling the (T, S) logits, and is the same number.

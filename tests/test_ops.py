@@ -123,6 +123,8 @@ def test_matches_keras_dot_product_attention(mask_kind, is_causal):
 def core_kwargs(**overrides):
     """The static arguments of the private compiled core, `ops._attention_xla`."""
     kwargs = dict(
+        num_heads=N,
+        num_kv_heads=N,
         mask_pattern=None,
         bias_pattern=None,
         is_causal=False,
