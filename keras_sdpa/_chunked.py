@@ -74,24 +74,10 @@ def attend(
         return tf.random.stateless_uniform(shape, block_seed, alg="philox") >= dropout_rate
 
     def key_range(i):
-        """Key blocks `[lo, hi)` that some query of block i may see."""
-        lo, hi = tf.constant(0), num_k
-        if is_causal:
-            hi = tf.minimum(hi, i + 1)
-        if window is not None:
-            lo = tf.maximum(0, i * c - window + 1) // c
-            hi = tf.minimum(hi, (i * c + c - 1 + window - 1) // c + 1)
-        return lo, hi
+        return key_block_range(i, num_k, c, is_causal, window)
 
     def query_range(j):
-        """Query blocks `[lo, hi)` of which some query may see key block j."""
-        lo, hi = tf.constant(0), num_q
-        if is_causal:
-            lo = j
-        if window is not None:
-            lo = tf.maximum(lo, tf.maximum(0, j * c - window + 1) // c)
-            hi = tf.minimum(hi, (j * c + c - 1 + window - 1) // c + 1)
-        return lo, hi
+        return query_block_range(j, num_q, c, is_causal, window)
 
     def forward(q_blocks, k_blocks, v_blocks, bias_grid):
         def block_logits(i, j, q_i):
@@ -252,6 +238,34 @@ def attend(
         bias_grid = _grid(bias, bias_pattern, num_q, num_k, c)
         out_blocks = attend_blocks(q_blocks, k_blocks, v_blocks, bias_grid)
     return _from_blocks(out_blocks, t)  # (B, K, G, T, Hv)
+
+
+def key_block_range(i, num_k, chunk_size, is_causal, window):
+    """Key blocks `[lo, hi)` that some query of query block `i` may see.
+
+    Causal: keys `s <= t` end at block `i`. Window: keys with `|t - s| < W` for the
+    block's queries `t` in `[i C, i C + C - 1]` lie in `[i C - W + 1, i C + C + W - 2]`.
+    """
+    c = chunk_size
+    lo, hi = tf.constant(0), tf.convert_to_tensor(num_k)
+    if is_causal:
+        hi = tf.minimum(hi, i + 1)
+    if window is not None:
+        lo = tf.maximum(0, i * c - window + 1) // c
+        hi = tf.minimum(hi, (i * c + c - 1 + window - 1) // c + 1)
+    return lo, hi
+
+
+def query_block_range(j, num_q, chunk_size, is_causal, window):
+    """Query blocks `[lo, hi)` of which some query may see key block `j`."""
+    c = chunk_size
+    lo, hi = tf.constant(0), tf.convert_to_tensor(num_q)
+    if is_causal:
+        lo = tf.convert_to_tensor(j)
+    if window is not None:
+        lo = tf.maximum(lo, tf.maximum(0, j * c - window + 1) // c)
+        hi = tf.minimum(hi, (j * c + c - 1 + window - 1) // c + 1)
+    return lo, hi
 
 
 def _to_blocks(x, num, chunk_size, axis):

@@ -1,0 +1,241 @@
+"""Bias, grouped heads, sliding window, soft cap, chunked dropout and edge sizes of the core.
+
+Every feature is checked on both paths, forward and gradient, against references
+that share no code with the core: a float64 NumPy forward pass, and the gradient
+TensorFlow's autodiff derives from a plain float64 TensorFlow formula (the core's
+gradients are hand-written, so this compares two independent derivations).
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from test_ops import assert_gradients_match_finite_differences
+
+from keras_sdpa import _chunked
+from keras_sdpa.ops import scaled_dot_product_attention
+
+# Pairwise-distinct sizes: batch, query/key length, query heads, key heads, head sizes.
+B, T, S, N, K, H, HV = 2, 7, 9, 6, 2, 5, 3
+CHUNK = 3  # small, so every chunked test crosses several blocks and ragged last ones
+PATHS = ["dense", "chunked"]
+
+
+def reference(q, k, v, mask=None, bias=None, is_causal=False, window=None, cap=None):
+    """The documented order, in float64 NumPy: logits + bias, cap, masks, softmax, sum."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    groups = q.shape[2] // k.shape[2]
+    k, v = np.repeat(k, groups, axis=2), np.repeat(v, groups, axis=2)  # head n reads n // G
+    logits = np.einsum("btnh,bsnh->bnts", q, k) / np.sqrt(q.shape[-1])  # (B, N, T, S)
+    if bias is not None:
+        logits = logits + np.asarray(bias, np.float64)
+    if cap is not None:
+        logits = cap * np.tanh(logits / cap)
+    allowed = np.ones(logits.shape, bool)
+    if mask is not None:
+        allowed &= np.broadcast_to(np.asarray(mask, bool), logits.shape)
+    offset = np.arange(logits.shape[2])[:, None] - np.arange(logits.shape[3])[None, :]
+    if is_causal:
+        allowed &= offset >= 0
+    if window is not None:
+        allowed &= np.abs(offset) < window
+    logits = np.where(allowed, logits, -np.inf)
+    row_max = logits.max(-1, keepdims=True)
+    row_max = np.where(np.isfinite(row_max), row_max, 0.0)
+    exp = np.where(allowed, np.exp(logits - row_max), 0.0)
+    total = exp.sum(-1, keepdims=True)
+    weights = exp / np.where(total > 0, total, 1.0)
+    return np.einsum("bnts,bsnh->btnh", weights, v), weights
+
+
+def autodiff_reference(q, k, v, mask=None, bias=None, is_causal=False, window=None, cap=None):
+    """The same formula as plain float64 TensorFlow, for the gradient autodiff derives."""
+    groups = q.shape[2] // k.shape[2]
+    k, v = tf.repeat(k, groups, axis=2), tf.repeat(v, groups, axis=2)
+    logits = tf.einsum("btnh,bsnh->bnts", q, k) / np.sqrt(q.shape[-1])
+    if bias is not None:
+        logits = logits + bias
+    if cap is not None:
+        logits = cap * tf.tanh(logits / cap)
+    allowed = np.ones(logits.shape, bool)
+    if mask is not None:
+        allowed &= np.broadcast_to(mask, logits.shape)
+    offset = np.arange(logits.shape[2])[:, None] - np.arange(logits.shape[3])[None, :]
+    if is_causal:
+        allowed &= offset >= 0
+    if window is not None:
+        allowed &= np.abs(offset) < window
+    weights = tf.nn.softmax(tf.where(allowed, logits, -1e30), axis=-1)
+    weights = tf.where(allowed.any(-1, keepdims=True), weights, 0.0)  # fully masked rows
+    return tf.einsum("bnts,bsnh->btnh", weights, v)
+
+
+def inputs(seed=0, t=T, s=S, n=N, k=K, dtype="float64"):
+    rng = np.random.default_rng(seed)
+    shapes = [(B, t, n, H), (B, s, k, H), (B, s, k, HV)]
+    return [tf.constant(rng.normal(size=shape), dtype) for shape in shapes]
+
+
+def padding_and_holes(t=T, s=S, seed=1):
+    """`(B, 1, T, S)`: random holes, and query 2 of example 0 sees no key at all."""
+    mask = np.random.default_rng(seed).random((B, 1, t, s)) > 0.3
+    mask[0, 0, 2] = False
+    return mask
+
+
+FEATURES = {
+    "bias_per_head": dict(bias=(1, N, T, S)),
+    "bias_per_key": dict(bias=(B, 1, 1, S)),
+    "bias_2d": dict(bias=(T, S)),
+    "bias_per_head_scalar": dict(bias=(N, 1, 1)),
+    "window": dict(window=3),
+    "causal_window": dict(window=2, is_causal=True),
+    "cap": dict(cap=1.5),
+    "mask_causal": dict(mask=True, is_causal=True),
+    "everything": dict(bias=(1, N, T, S), mask=True, is_causal=True, window=4, cap=2.0),
+}
+
+
+def feature_args(spec, seed=3):
+    spec = dict(spec)
+    rng = np.random.default_rng(seed)
+    if "bias" in spec:
+        spec["bias"] = tf.constant(rng.normal(size=spec["bias"]) * 2.0)
+    if spec.get("mask"):
+        spec["mask"] = padding_and_holes()
+    return spec
+
+
+def core_call(q, k, v, path, spec):
+    return scaled_dot_product_attention(
+        q,
+        k,
+        v,
+        spec.get("mask"),
+        bias=spec.get("bias"),
+        is_causal=spec.get("is_causal", False),
+        sliding_window=spec.get("window"),
+        attn_logits_soft_cap=spec.get("cap"),
+        implementation=path,
+        chunk_size=CHUNK,
+    )
+
+
+@pytest.mark.parametrize("feature", list(FEATURES), ids=list(FEATURES))
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("kv_heads", [N, K, 1], ids=["mha", "gqa", "mqa"])
+def test_forward_matches_numpy_reference(feature, path, kv_heads):
+    q, k, v = inputs(k=kv_heads)
+    spec = feature_args(FEATURES[feature])
+    out = core_call(q, k, v, path, spec)
+    want, _ = reference(q, k, v, **spec)
+    np.testing.assert_allclose(out, want, atol=1e-10)
+
+
+@pytest.mark.parametrize("feature", list(FEATURES), ids=list(FEATURES))
+@pytest.mark.parametrize("path", PATHS)
+def test_gradients_match_autodiff_of_the_formula(feature, path):
+    q, k, v = inputs(k=K)
+    spec = feature_args(FEATURES[feature])
+    c = tf.constant(np.random.default_rng(9).normal(size=(B, T, N, HV)))
+    watched = [q, k, v] + ([spec["bias"]] if "bias" in spec else [])
+    with tf.GradientTape() as tape:
+        tape.watch(watched)
+        ours = tf.reduce_sum(core_call(q, k, v, path, spec) * c)
+    got = tape.gradient(ours, watched)
+    with tf.GradientTape() as tape:
+        tape.watch(watched)
+        theirs = tf.reduce_sum(autodiff_reference(q, k, v, **spec) * c)
+    want = tape.gradient(theirs, watched)
+    for name, a, b in zip(["d_query", "d_key", "d_value", "d_bias"], got, want):
+        assert a.shape == b.shape, name
+        np.testing.assert_allclose(a, b, atol=1e-10, err_msg=name)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("shape", [(1, N, T, S), (B, 1, 1, S)], ids=["per_head", "per_key"])
+def test_bias_gradient_matches_finite_differences(path, shape):
+    """`d bias` is summed over the axes the bias broadcasts on, on both paths."""
+    q, k, v = inputs(4, k=K)
+    bias = tf.constant(np.random.default_rng(5).normal(size=shape))
+    mask = padding_and_holes()
+    c = tf.constant(np.random.default_rng(6).normal(size=(B, T, N, HV)))
+
+    def loss(bias):
+        out = scaled_dot_product_attention(
+            q, k, v, mask, bias=bias, is_causal=True, sliding_window=5,
+            attn_logits_soft_cap=3.0, implementation=path, chunk_size=CHUNK,
+        )  # fmt: skip
+        return tf.reduce_sum(out * c)
+
+    assert_gradients_match_finite_differences(loss, [bias])
+
+
+def test_alibi_bias_matches_reference_in_float32():
+    """ALiBi (Press et al., 2022) as the README writes it: a per-head slope times distance."""
+    q, k, v = inputs(8, t=T, s=T, dtype="float32")
+    slopes = 2.0 ** (-8.0 * np.arange(1, N + 1) / N)  # (N,)
+    distance = np.arange(T)[None, :] - np.arange(T)[:, None]  # (T, S): s - t
+    alibi = tf.constant((slopes[:, None, None] * distance)[None], "float32")  # (1, N, T, S)
+    for path in PATHS:
+        out = scaled_dot_product_attention(
+            q, k, v, bias=alibi, is_causal=True, implementation=path, chunk_size=CHUNK
+        )
+        want, _ = reference(q, k, v, bias=alibi, is_causal=True)
+        np.testing.assert_allclose(out, want, atol=1e-5)
+
+
+def test_soft_cap_bounds_the_logits():
+    """With a cap, no logit passes it: scaling the queries up cannot sharpen past cap."""
+    q, k, v = inputs(10, k=N)
+    _, weights = scaled_dot_product_attention(
+        q * 1000.0, k, v, attn_logits_soft_cap=1.0, return_weights=True
+    )
+    # Logits within [-1, 1] bound any weight ratio in a row by e^2.
+    ratio = tf.reduce_max(weights, -1) / tf.reduce_min(weights, -1)
+    assert float(tf.reduce_max(ratio)) <= np.exp(2.0) + 1e-9
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_grouped_keys_are_not_repeated_in_memory(path):
+    """The compiled program never materializes N-head keys: no tensor has N * S * H keys."""
+    q, k, v = inputs(k=1, t=64, s=80, dtype="float32")
+    compiled = tf.function(
+        lambda q, k, v: scaled_dot_product_attention(q, k, v, implementation=path, chunk_size=32),
+        jit_compile=True,
+    )
+    hlo = compiled.experimental_get_compiler_ir(q, k, v)(stage="optimized_hlo")
+    repeated = f"f32[{B},{N},80,{H}]"  # keys broadcast to N heads, in the core's layout
+    assert repeated not in hlo
+    assert f"f32[{B},1,80,{H}]" in hlo or f"f32[{B},80,1,{H}]" in hlo
+
+
+@pytest.mark.parametrize("window", [None, 1, 5, 8, 13], ids=lambda w: f"window_{w}")
+@pytest.mark.parametrize("is_causal", [False, True], ids=["both_sides", "causal"])
+@pytest.mark.parametrize("t, s", [(64, 64), (40, 72), (72, 40)], ids=["square", "wide", "tall"])
+def test_chunked_loops_visit_exactly_the_blocks_that_meet_the_band(t, s, is_causal, window):
+    """The block ranges the chunked loops run over, against brute force over positions.
+
+    A block pair is needed when some query of the one may see some key of the other.
+    The loops must visit every needed pair (or results would be wrong) and no other
+    (or a window would cost O(T * S), not O(T * W)).
+    """
+    c = 8
+    num_q, num_k = -(-t // c), -(-s // c)
+    tq, sk = np.arange(t)[:, None], np.arange(s)[None, :]
+    allowed = np.ones((t, s), bool)
+    if is_causal:
+        allowed &= sk <= tq
+    if window is not None:
+        allowed &= np.abs(tq - sk) < window
+    for i in range(num_q):
+        lo, hi = (int(x) for x in _chunked.key_block_range(i, num_k, c, is_causal, window))
+        needed = [
+            j for j in range(num_k) if allowed[i * c : (i + 1) * c, j * c : (j + 1) * c].any()
+        ]
+        assert list(range(lo, hi)) == needed, (i, lo, hi, needed)
+    for j in range(num_k):
+        lo, hi = (int(x) for x in _chunked.query_block_range(j, num_q, c, is_causal, window))
+        needed = [
+            i for i in range(num_q) if allowed[i * c : (i + 1) * c, j * c : (j + 1) * c].any()
+        ]
+        assert list(range(lo, hi)) == needed, (j, lo, hi, needed)
