@@ -383,7 +383,9 @@ class ScaledDotProductAttention(keras.layers.Layer):
             out = self._output_dense(out)  # (B, *dims_q, *output_shape)
         else:
             shape = tf.shape(out)
-            out = tf.reshape(out, tf.concat([shape[:-2], [shape[-2] * shape[-1]]], 0))
+            width = self.num_heads * self._value_dim
+            out = tf.reshape(out, tf.concat([shape[:-2], [width]], 0))  # heads concatenated
+            out.set_shape(query.shape[:-1].concatenate([width]))
         if return_attention_scores:
             return out, weights
         return out
@@ -459,6 +461,7 @@ class ScaledDotProductAttention(keras.layers.Layer):
         )
         out, weights = result if return_attention_scores else (result, None)
         out = flat.outputs(out)  # (B, *dims_q, N, Hv)
+        out.set_shape(query.shape[:-1].concatenate(value.shape[-1:]))
         if weights is not None:
             weights = flat.weights(weights)
         return out, weights

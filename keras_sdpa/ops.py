@@ -191,7 +191,13 @@ def scaled_dot_product_attention(
         outputs = (out, None)  # "auto" never returns weights: they force dense
     else:
         outputs = _attention_xla(*inputs, path=path, **static)
-    return outputs if return_weights else outputs[0]
+    out, weights = outputs
+    # What the reshapes inside the program hide from the static shape, it states again.
+    out.set_shape(query.shape[:3].concatenate(value.shape[-1:]))  # (B, T, N, Hv)
+    if not return_weights:
+        return out
+    weights.set_shape([query.shape[0], query.shape[2], query.shape[1], key.shape[1]])
+    return out, weights
 
 
 def _choose_path(implementation, query, key, return_weights):

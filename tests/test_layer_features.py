@@ -1,0 +1,298 @@
+"""The layer's drop-in arguments against Keras's layers with the same weights, and its own.
+
+Parity: `keras.layers.MultiHeadAttention` for `attention_axes` (ranks 4 and 5, with
+masks), `sliding_window`, `use_gate`, `flash_attention`, every mask shape and a tuple
+`output_shape`; `keras.layers.GroupQueryAttention` for `num_key_value_heads`. Outputs
+and scores agree to 1e-5. Then what Keras's layers do not have: `attention_bias`
+(checked against NumPy, and trained), the soft cap, round trips with every argument
+set, empty batches, and the run-time choice of path under unknown lengths.
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from test_core_features import reference
+
+from keras_sdpa import ScaledDotProductAttention, ops
+
+B, E = 2, 8
+
+
+def random(shape, seed):
+    return np.random.default_rng(seed).normal(size=shape).astype("float32")
+
+
+def twins(peer_cls, query, value, peer_kwargs, our_kwargs):
+    """A Keras layer and ours with the same (perturbed, so biases count) weights."""
+    peer = peer_cls(**peer_kwargs)
+    ours = ScaledDotProductAttention(**our_kwargs)
+    peer(query, value)
+    ours(query, value)
+    weights = peer.get_weights()
+    assert [w.shape for w in weights] == [w.shape for w in ours.get_weights()]
+    rng = np.random.default_rng(0)
+    weights = [w + rng.normal(size=w.shape).astype(w.dtype) * 0.1 for w in weights]
+    peer.set_weights(weights)
+    ours.set_weights(weights)
+    return peer, ours
+
+
+def assert_same(peer, ours, query, value, **call):
+    want, want_scores = peer(query, value, return_attention_scores=True, **call)
+    got, scores = ours(query, value, return_attention_scores=True, **call)
+    assert got.shape == want.shape and scores.shape == want_scores.shape
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    np.testing.assert_allclose(scores, want_scores, atol=1e-5)
+    # Without scores the layer may take another path: the same output still.
+    np.testing.assert_allclose(ours(query, value, **call), want, atol=1e-5)
+
+
+MHA_CASES = {
+    # name: (query shape, value shape, layer kwargs, mask shape or None)
+    "rank4_axis2": ((B, 3, 4, E), (B, 3, 5, E), dict(attention_axes=(2,)), (B, 3, 4, 5)),
+    "rank4_axes12": ((B, 3, 4, E), (B, 2, 5, E), dict(attention_axes=(1, 2)), (B, 3, 4, 2, 5)),
+    "rank4_negative": ((B, 3, 4, E), (B, 3, 5, E), dict(attention_axes=-2), None),
+    "rank5_axes23": ((B, 3, 4, 6, E), (B, 3, 2, 5, E), dict(attention_axes=(2, 3)), None),
+    "rank5_axes23_mask": (
+        (B, 3, 4, 6, E),
+        (B, 3, 2, 5, E),
+        dict(attention_axes=(2, 3)),
+        (B, 3, 4, 6, 2, 5),
+    ),
+    "output_shape_tuple": ((B, 5, E), (B, 6, E), dict(output_shape=(3, 2)), None),
+    "gate": ((B, 5, E), (B, 6, E), dict(use_gate=True), (B, 5, 6)),
+    "gate_rank4": ((B, 3, 4, E), (B, 3, 5, E), dict(use_gate=True, attention_axes=2), None),
+}
+
+
+@pytest.mark.parametrize("case", list(MHA_CASES), ids=list(MHA_CASES))
+def test_matches_multi_head_attention(case):
+    query_shape, value_shape, kwargs, mask_shape = MHA_CASES[case]
+    query, value = random(query_shape, 1), random(value_shape, 2)
+    kwargs = dict(num_heads=2, key_dim=4, **kwargs)
+    peer, ours = twins(keras.layers.MultiHeadAttention, query, value, kwargs, kwargs)
+    mask = None
+    if mask_shape is not None:
+        mask = np.random.default_rng(3).random(mask_shape) > 0.3
+        mask[..., 0] = True  # no fully masked rows: there Keras spreads weight uniformly
+    assert_same(peer, ours, query, value, attention_mask=mask)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["band", "causal_band"])
+@pytest.mark.parametrize("window", [1, 3, 6])
+def test_sliding_window_matches_multi_head_attention(window, causal):
+    x = random((B, 7, E), 4)
+    kwargs = dict(num_heads=2, key_dim=4, sliding_window=window)
+    peer, ours = twins(keras.layers.MultiHeadAttention, x, x, kwargs, kwargs)
+    assert_same(peer, ours, x, x, use_causal_mask=causal)
+
+
+@pytest.mark.parametrize(
+    "mask_shape", [(7, 9), (B, 7, 9), (B, 1, 7, 9), (B, 2, 7, 9)], ids=lambda s: f"{len(s)}d"
+)
+def test_every_mask_shape_matches_multi_head_attention(mask_shape):
+    query, value = random((B, 7, E), 5), random((B, 9, E), 6)
+    kwargs = dict(num_heads=2, key_dim=4)
+    peer, ours = twins(keras.layers.MultiHeadAttention, query, value, kwargs, kwargs)
+    mask = np.random.default_rng(7).random(mask_shape) > 0.4
+    mask[..., 0] = True
+    assert_same(peer, ours, query, value, attention_mask=mask, use_causal_mask=False)
+
+
+def test_flash_attention_runs_the_chunked_path_and_matches(monkeypatch):
+    x = random((B, 7, E), 8)
+    kwargs = dict(num_heads=2, key_dim=4)
+    peer, ours = twins(
+        keras.layers.MultiHeadAttention, x, x, kwargs, dict(kwargs, flash_attention=True)
+    )
+    paths = spy_on_paths(monkeypatch)
+    got = ours(x, x, use_causal_mask=True)
+    np.testing.assert_allclose(got, peer(x, x, use_causal_mask=True), atol=1e-5)
+    assert paths == ["chunked"]
+    ours.flash_attention = False
+    ours(x, x)
+    assert paths == ["chunked", "dense"]
+
+
+def spy_on_paths(monkeypatch):
+    """Records the path of every call into the compiled core."""
+    paths = []
+    compiled = ops._attention_xla
+
+    def spy(*args, path, **kwargs):
+        paths.append(path)
+        return compiled(*args, path=path, **kwargs)
+
+    monkeypatch.setattr(ops, "_attention_xla", spy)
+    return paths
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("kv_heads", [2, 1], ids=["gqa", "mqa"])
+@pytest.mark.parametrize("path", ["dense", "chunked"])
+def test_matches_group_query_attention(kv_heads, causal, path):
+    query, value = random((B, 7, E), 9), random((B, 9, E), 10)  # cross-attention, T != S
+    peer_kwargs = dict(head_dim=3, num_query_heads=4, num_key_value_heads=kv_heads)
+    our_kwargs = dict(num_heads=4, key_dim=3, num_key_value_heads=kv_heads)
+    peer, ours = twins(keras.layers.GroupQueryAttention, query, value, peer_kwargs, our_kwargs)
+    ours.implementation = path
+    want = peer(query, value, use_causal_mask=causal)
+    np.testing.assert_allclose(ours(query, value, use_causal_mask=causal), want, atol=1e-5)
+    _, want_scores = peer(query, value, use_causal_mask=causal, return_attention_scores=True)
+    _, scores = ours(query, value, use_causal_mask=causal, return_attention_scores=True)
+    np.testing.assert_allclose(scores, want_scores, atol=1e-5)
+
+
+def single_head_numpy(layer, query, value, bias=None, cap=None):
+    """The layer's own weights, the formula in float64 NumPy (one head, no W_O)."""
+    w_q, b_q, w_k, b_k, w_v, b_v = (w.numpy().astype(np.float64) for w in layer.weights)
+    q = np.einsum("bte,enh->btnh", query, w_q) + b_q
+    k = np.einsum("bse,enh->bsnh", value, w_k) + b_k
+    v = np.einsum("bse,enh->bsnh", value, w_v) + b_v
+    out, _ = reference(q, k, v, bias=bias, cap=cap)
+    return out.reshape(out.shape[0], out.shape[1], -1)
+
+
+def test_attention_bias_and_soft_cap_follow_the_formula():
+    query, value = random((B, 5, E), 11), random((B, 6, E), 12)
+    bias = random((1, 1, 5, 6), 13) * 3.0
+    layer = ScaledDotProductAttention(key_dim=4, attn_logits_soft_cap=2.0, dtype="float64")
+    got = layer(query, value, attention_bias=bias)
+    np.testing.assert_allclose(got, single_head_numpy(layer, query, value, bias, 2.0), atol=1e-10)
+
+
+@keras.saving.register_keras_serializable(package="keras_sdpa_tests")
+class RelativePositionAttention(keras.layers.Layer):
+    """A T5-style learned bias: one trainable scalar per head and relative distance."""
+
+    def __init__(self, length, **kwargs):
+        super().__init__(**kwargs)
+        self.length = length
+        self.attention = ScaledDotProductAttention(num_heads=2, key_dim=4)
+
+    def build(self, shape):
+        self.table = self.add_weight(shape=(2, 2 * self.length - 1), initializer="zeros")
+        self.attention.build(shape, shape)
+
+    def call(self, x):
+        offsets = np.arange(self.length)[None, :] - np.arange(self.length)[:, None]
+        bias = tf.gather(self.table, offsets + self.length - 1, axis=1)  # (N, T, S)
+        return self.attention(x, x, attention_bias=bias[None])
+
+
+def test_learned_relative_position_bias_trains():
+    """Gradients reach the bias through the core: the table moves under fit."""
+    x = random((16, 6, E), 14)
+    y = random((16, 6, E), 15)
+    inputs = keras.Input((6, E))
+    model = keras.Model(inputs, RelativePositionAttention(6)(inputs))
+    model.compile(keras.optimizers.Adam(0.05), "mse")
+    table = model.layers[1].table
+    model.fit(x, y, epochs=3, verbose=0)
+    assert np.abs(table.numpy()).max() > 1e-3
+
+
+ALL_ARGUMENTS = dict(
+    num_heads=4,
+    key_dim=3,
+    value_dim=5,
+    dropout=0.1,
+    use_bias=True,
+    output_shape=(2, 3),
+    attention_axes=(2,),
+    sliding_window=3,
+    flash_attention=False,
+    kernel_regularizer="l2",
+    use_gate=True,
+    seed=7,
+    num_key_value_heads=2,
+    implementation="chunked",
+    chunk_size=4,
+    scale=0.3,
+    attn_logits_soft_cap=5.0,
+)
+
+
+def test_config_round_trips_every_argument():
+    layer = ScaledDotProductAttention(**ALL_ARGUMENTS)
+    config = layer.get_config()
+    for name, value in ALL_ARGUMENTS.items():
+        if name != "kernel_regularizer":
+            assert config[name] == value, name
+    assert ScaledDotProductAttention.from_config(config).get_config() == config
+
+
+def all_arguments_model():
+    inputs = keras.Input((3, 4, E))
+    x = ScaledDotProductAttention(**ALL_ARGUMENTS)(inputs, inputs, use_causal_mask=True)
+    return keras.Model(inputs, x)
+
+
+def test_keras_file_round_trips_every_argument(tmp_path):
+    model = all_arguments_model()
+    x = random((B, 3, 4, E), 16)
+    path = tmp_path / "model.keras"
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    np.testing.assert_allclose(loaded(x), model(x), atol=1e-6)
+    assert loaded.layers[1].get_config() == model.layers[1].get_config()
+
+
+def test_saved_model_round_trips_every_argument(tmp_path):
+    model = all_arguments_model()
+    x = random((B, 3, 4, E), 17)
+    model.export(str(tmp_path / "exported"), verbose=False)
+    reloaded = tf.saved_model.load(str(tmp_path / "exported"))
+    np.testing.assert_allclose(reloaded.serve(x), model(x), atol=1e-6)
+
+
+@pytest.mark.parametrize("path", ["dense", "chunked", "auto"])
+@pytest.mark.parametrize(
+    "query_shape, value_shape",
+    [((0, 5, E), (0, 6, E)), ((2, 5, E), (2, 0, E)), ((2, 0, E), (2, 6, E))],
+    ids=["empty_batch", "no_keys", "no_queries"],
+)
+def test_empty_sizes_give_empty_or_zero_outputs(query_shape, value_shape, path):
+    layer = ScaledDotProductAttention(num_heads=2, key_dim=4, implementation=path)
+    mha = keras.layers.MultiHeadAttention(num_heads=2, key_dim=4)
+    query, value = random(query_shape, 18), random(value_shape, 19)
+    out = layer(query, value)
+    assert out.shape == query_shape
+    if value_shape[1] == 0:
+        # No key to attend to: a zero attention output, then W_O's bias.
+        bias = layer.output_dense.bias.numpy()
+        np.testing.assert_allclose(out, np.broadcast_to(bias, query_shape), atol=1e-7)
+    else:
+        assert mha(query, value).shape == query_shape
+    # Inside a graph with unknown sizes too, as a serving signature runs it.
+    spec = [tf.TensorSpec((None, None, E)), tf.TensorSpec((None, None, E))]
+    graph_out = tf.function(lambda q, v: layer(q, v), input_signature=spec)(query, value)
+    np.testing.assert_allclose(graph_out, out, atol=1e-7)
+
+
+def test_auto_decides_at_run_time_for_unknown_lengths(monkeypatch):
+    """Traced with unknown lengths, `"auto"` still takes the chunked program for long inputs.
+
+    Dropout shows which program ran: the dense and the chunked path draw their
+    keep-masks differently, so with the same seed each path has its own output.
+    """
+    monkeypatch.setattr(ops, "_AUTO_CHUNKED_BYTES", 4 * B * 2 * 32 * 32)  # chunked past T=32
+    spec = [tf.TensorSpec((B, None, 2, 4))] * 3
+
+    def call(implementation):
+        def f(q, k, v):
+            return ops.scaled_dot_product_attention(
+                q, k, v, dropout_rate=0.5, training=True, seed=3,
+                implementation=implementation, chunk_size=16,
+            )  # fmt: skip
+
+        return tf.function(f, input_signature=spec)
+
+    auto, dense, chunked = call("auto"), call("dense"), call("chunked")
+    for length, expected in ((24, dense), (40, chunked)):
+        q, k, v = (random((B, length, 2, 4), seed) for seed in (20, 21, 22))
+        got = auto(q, k, v)
+        np.testing.assert_array_equal(got, expected(q, k, v))
+        other = chunked if expected is dense else dense
+        assert not np.allclose(got, other(q, k, v))
