@@ -6,6 +6,8 @@ TensorFlow's autodiff derives from a plain float64 TensorFlow formula (the core'
 gradients are hand-written, so this compares two independent derivations).
 """
 
+import hypothesis
+import hypothesis.strategies as st
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -239,3 +241,99 @@ def test_chunked_loops_visit_exactly_the_blocks_that_meet_the_band(t, s, is_caus
             i for i in range(num_q) if allowed[i * c : (i + 1) * c, j * c : (j + 1) * c].any()
         ]
         assert list(range(lo, hi)) == needed, (j, lo, hi, needed)
+
+
+def test_chunked_dropout_gradient_redraws_the_same_mask():
+    """Finite differences through seeded chunked dropout: the gradient's mask is the forward's."""
+    q, k, v = inputs(23, t=5, s=7, k=K)
+    c = tf.constant(np.random.default_rng(24).normal(size=(B, 5, N, HV)))
+
+    def loss(q, k, v):
+        out = scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_rate=0.4, training=True, seed=11,
+            implementation="chunked", chunk_size=CHUNK,
+        )  # fmt: skip
+        return tf.reduce_sum(out * c)
+
+    assert_gradients_match_finite_differences(loss, [q, k, v])
+
+
+def dropout_keep_mask(seed, t=40, s=48, rate=0.3, path="chunked"):
+    """The keep-mask, read off the output: uniform weights (q = 0) and one-hot values."""
+    q = tf.zeros((1, t, 1, 4), "float64")
+    k = tf.zeros((1, s, 1, 4), "float64")
+    v = tf.constant(np.eye(s)[None, :, None, :])  # (1, S, 1, S): value s is e_s
+    out = scaled_dot_product_attention(
+        q, k, v, dropout_rate=rate, training=True, seed=seed, implementation=path, chunk_size=16
+    )
+    scaled = out.numpy()[0, :, 0, :] * (1.0 - rate) * s  # 1 where kept, 0 where dropped
+    np.testing.assert_allclose(scaled, np.round(scaled), atol=1e-9)
+    return np.round(scaled).astype(bool)  # (T, S)
+
+
+def test_chunked_dropout_masks_are_seeded_and_independent_per_block():
+    rate = 0.3
+    keep = dropout_keep_mask(5, rate=rate)
+    np.testing.assert_array_equal(keep, dropout_keep_mask(5, rate=rate))  # reproducible
+    assert (keep != dropout_keep_mask(6, rate=rate)).mean() > 0.2  # another seed, another mask
+    # The kept fraction is 1 - rate, within 4 standard errors over T * S = 1920 draws.
+    assert abs(keep.mean() - (1 - rate)) < 4 * np.sqrt(rate * (1 - rate) / keep.size)
+    # Blocks draw their own masks: no two 16 x 16 blocks are equal.
+    blocks = [keep[i : i + 16, j : j + 16] for i in (0, 16) for j in (0, 16, 32)]
+    for a in range(len(blocks)):
+        for b in range(a + 1, len(blocks)):
+            assert (blocks[a] != blocks[b]).mean() > 0.2
+
+
+@hypothesis.settings(max_examples=30, deadline=None, derandomize=True)
+@hypothesis.given(
+    sizes=st.tuples(
+        st.integers(1, 2),  # B
+        st.integers(1, 9),  # T
+        st.integers(1, 9),  # S
+        st.integers(1, 3),  # K
+        st.integers(1, 3),  # G
+        st.integers(1, 4),  # H
+        st.integers(1, 3),  # Hv
+    ),
+    options=st.fixed_dictionaries(
+        {
+            "mask": st.booleans(),
+            "bias": st.sampled_from([None, "full", "per_head", "per_key"]),
+            "window": st.one_of(st.none(), st.integers(1, 6)),
+            "cap": st.one_of(st.none(), st.floats(0.5, 5.0)),
+            "is_causal": st.booleans(),
+            "path": st.sampled_from(PATHS),
+            "chunk_size": st.integers(1, 5),
+        }
+    ),
+    seed=st.integers(0, 2**16),
+)
+def test_property_every_combination_matches_the_reference(sizes, options, seed):
+    b, t, s, k_heads, groups, h, hv = sizes
+    n = k_heads * groups
+    rng = np.random.default_rng(seed)
+    q = rng.normal(size=(b, t, n, h))
+    k = rng.normal(size=(b, s, k_heads, h))
+    v = rng.normal(size=(b, s, k_heads, hv))
+    mask = None
+    if options["mask"]:
+        mask = rng.random((b, 1, t, s)) > 0.4  # fully masked rows included, by chance
+    bias = {
+        None: None,
+        "full": (b, n, t, s),
+        "per_head": (n, 1, 1),
+        "per_key": (b, 1, 1, s),
+    }[options["bias"]]
+    if bias is not None:
+        bias = rng.normal(size=bias) * 2.0
+    out = scaled_dot_product_attention(
+        q, k, v, mask, bias=bias, is_causal=options["is_causal"],
+        sliding_window=options["window"], attn_logits_soft_cap=options["cap"],
+        implementation=options["path"], chunk_size=options["chunk_size"],
+    )  # fmt: skip
+    want, _ = reference(
+        q, k, v, mask=mask, bias=bias, is_causal=options["is_causal"],
+        window=options["window"], cap=options["cap"],
+    )  # fmt: skip
+    np.testing.assert_allclose(out, want, atol=1e-10)
