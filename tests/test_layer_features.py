@@ -296,3 +296,38 @@ def test_auto_decides_at_run_time_for_unknown_lengths(monkeypatch):
         np.testing.assert_array_equal(got, expected(q, k, v))
         other = chunked if expected is dense else dense
         assert not np.allclose(got, other(q, k, v))
+
+
+def test_auto_under_fit_with_unknown_lengths(monkeypatch):
+    """A functional model with `Input((None, E))` trains; "auto" is left to run time there.
+
+    Inside a caller's XLA step (`jit_compile=True`) the choice falls back to dense,
+    since the chunked branch of a run-time choice cannot compile inside it.
+    """
+    chosen = []
+    choose = ops._choose_path
+    monkeypatch.setattr(ops, "_choose_path", lambda *a: chosen.append(choose(*a)) or chosen[-1])
+    monkeypatch.setattr(ops, "_AUTO_CHUNKED_BYTES", 4 * 4 * 2 * 24 * 24)  # chunked past T=24
+
+    for jit_compile, want in ((False, "auto"), (True, "dense")):
+        chosen.clear()
+        inputs = keras.Input((None, E))
+        x = ScaledDotProductAttention(num_heads=2, key_dim=4, chunk_size=8)(inputs, inputs)
+        model = keras.Model(inputs, keras.layers.GlobalAveragePooling1D()(x))
+        model.compile("adam", "mse", jit_compile=jit_compile)
+        for length in (12, 40):  # one below the threshold, one above: the same trace
+            x = random((4, length, E), length)
+            history = model.fit(x, x.mean(1), batch_size=4, epochs=2, verbose=0)
+            assert np.isfinite(history.history["loss"]).all()
+        assert want in chosen, (jit_compile, chosen)
+
+
+def test_other_backends_are_refused_with_the_variable_to_set(monkeypatch):
+    """On a Keras backend other than TensorFlow, the layer and the core say what to set."""
+    monkeypatch.setattr(keras.backend, "backend", lambda: "jax")
+    match = r"KERAS_BACKEND=tensorflow.*Received: KERAS_BACKEND='jax'"
+    with pytest.raises(ValueError, match=match):
+        ScaledDotProductAttention(num_heads=2, key_dim=4)
+    q = random((1, 3, 2, 4), 30)
+    with pytest.raises(ValueError, match=match):
+        ops.scaled_dot_product_attention(q, q, q)
