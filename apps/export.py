@@ -177,7 +177,11 @@ def write_attention_html(records, path, title="keras-sdpa attention"):
             }
         )
     payload = json.dumps({"title": title, "examples": examples}, ensure_ascii=False)
-    payload = payload.replace("</", "<\\/")  # safe inside <script>
+    # Reviews are user text. Inside <script>, "<!--<script>" would keep the HTML parser in the
+    # data block past its end tag, and "</script>" would end it early: escape <, > and & as
+    # JSON \u escapes (as Django's json_script does), and the two JavaScript line separators.
+    for char in "<>&\u2028\u2029":
+        payload = payload.replace(char, f"\\u{ord(char):04x}")
     document = viewer.TEMPLATE.replace("__TITLE__", html.escape(title)).replace("__DATA__", payload)
     return write_text_atomic(path, document)
 

@@ -206,6 +206,42 @@ def test_phone_width_and_a_512_token_review(tmp_path, browser):
     browser.save_screenshot(str(tmp_path / "phone.png"))
 
 
+HOSTILE_REVIEWS = [
+    "a review with <!--<script> in it",
+    'an image <img src=x onerror="window.pwned=1"> that must stay text',
+    "it ends </script><script>window.pwned=2</script> here & there",
+]
+
+
+def test_hostile_reviews_render_as_text(tmp_path, browser):
+    """Reviews are user text: markup in them is shown, never parsed, and the page keeps working.
+
+    Before the fix, `<!--<script>` left the whole page blank: the HTML parser stayed in
+    the data block past its end tag and swallowed the page's own script.
+    """
+    records = []
+    for index, text in enumerate(HOSTILE_REVIEWS):
+        tokens = text.split()
+        n = len(tokens)
+        records.append(
+            {
+                "index": index, "text": text, "tokens": tokens, "label": 1, "prediction": 1,
+                "probability": 0.75, "pooling": np.full((1, n), 1 / n).tolist(),
+                "attention": np.full((1, 1, n, n), 1 / n).tolist(),
+            }
+        )  # fmt: skip
+    html = export.write_attention_html(records, str(tmp_path / "attention.html"))
+    browser.set_window_size(1200, 900)
+    browser.get("file://" + os.path.abspath(html))
+    for index, record in enumerate(records):
+        if index:
+            browser.find_element(By.ID, "next").click()
+        shown = [token["text"] for token in _tokens(browser)]
+        assert shown == record["tokens"], index
+    assert browser.execute_script("return window.pwned === undefined"), "markup ran"
+    assert not browser.find_elements(By.CSS_SELECTOR, "#tokens img")
+
+
 def test_page_is_self_contained(page):
     html, _ = page
     text = html.read_text(encoding="utf-8")
