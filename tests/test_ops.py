@@ -351,3 +351,97 @@ def test_bad_seed_raises_value_error():
     q, k, v = random_inputs()
     with pytest.raises(ValueError, match=r"`seed` must be an int, None, or a \(2,\) integer"):
         scaled_dot_product_attention(q, k, v, dropout_rate=0.5, training=True, seed=[1, 2, 3])
+
+
+@pytest.mark.parametrize("path", ["dense", "chunked"])
+def test_bfloat16_keeps_float32_scores_and_softmax(path):
+    """The promise: float32 scores and softmax for half inputs, so the output is within
+    one bfloat16 ulp of the float64 reference rounded to bfloat16, even with large logits.
+
+    Logits of a few hundred make a bfloat16 softmax drift by many ulps: `exp` of a
+    logit rounded to 8 bits of mantissa is off by up to `exp(1)`.
+    """
+    rng = np.random.default_rng(21)
+    q = tf.constant(rng.normal(size=(B, 16, N, H)) * 12.0, "bfloat16")
+    k = tf.constant(rng.normal(size=(B, 24, N, H)) * 12.0, "bfloat16")
+    v = tf.constant(rng.normal(size=(B, 24, N, HV)), "bfloat16")
+    out = scaled_dot_product_attention(q, k, v, implementation=path, chunk_size=8)
+    assert out.dtype == tf.bfloat16
+    want, _ = reference(*(tf.cast(x, "float64") for x in (q, k, v)))
+    want_bf16 = tf.cast(tf.cast(want, "bfloat16"), "float64").numpy()
+    magnitude = np.maximum(np.abs(want_bf16), 2.0**-20)
+    ulp = 2.0 ** (np.floor(np.log2(magnitude)) - 7)  # bfloat16 keeps 8 significant bits
+    error = np.abs(tf.cast(out, "float64").numpy() - want_bf16)
+    assert (error <= ulp).all(), f"{(error / ulp).max():.1f} ulps"
+
+
+def test_dropout_applies_one_mask_to_the_weights_before_the_values():
+    """out == (weights * keep / (1 - rate)) @ V for a random V, with the same seed.
+
+    The keep-mask is read from a second call with V = identity (same seed, same mask),
+    so dropping outputs instead of weights, or rescaling wrongly, cannot pass.
+    """
+    rate = 0.4
+    q, k, v = random_inputs(s=32, seed=5)
+    kwargs = dict(dropout_rate=rate, training=True, seed=11, implementation="dense")
+    out = scaled_dot_product_attention(q, k, v, **kwargs)
+    _, weights = scaled_dot_product_attention(q, k, v, return_weights=True)
+    eye = tf.tile(tf.eye(32)[None, :, None, :], [B, 1, N, 1])  # (B, S, N, S)
+    applied = np.transpose(scaled_dot_product_attention(q, k, eye, **kwargs), (0, 2, 1, 3))
+    keep = applied != 0  # (B, N, T, S)
+    want = np.einsum("bnts,bsnh->btnh", weights.numpy() * keep / (1 - rate), v.numpy())
+    np.testing.assert_allclose(out, want, atol=1e-5)
+    assert 0.3 < 1 - keep.mean() < 0.5
+
+
+def spy_on_paths(monkeypatch):
+    """Records the path of every call into the compiled core, `ops._attention_xla`."""
+    paths = []
+    compiled = ops._attention_xla
+
+    def spy(*args, path, **kwargs):
+        paths.append(path)
+        return compiled(*args, path=path, **kwargs)
+
+    monkeypatch.setattr(ops, "_attention_xla", spy)
+    return paths
+
+
+def test_public_call_runs_the_xla_compiled_program(monkeypatch):
+    """The public function reaches `_attention_xla`, a `tf.function(jit_compile=True)`.
+
+    That this function is one XLA program is `test_core_is_compiled_by_xla`.
+    """
+    compiled = ops._attention_xla
+    assert isinstance(compiled, tf.types.experimental.PolymorphicFunction)
+    assert compiled._jit_compile is True
+    paths = spy_on_paths(monkeypatch)
+    q, k, v = random_inputs()
+    scaled_dot_product_attention(q, k, v)
+    assert paths == ["dense"]
+
+
+@pytest.mark.parametrize(
+    "kwargs, want",
+    [
+        (dict(implementation="chunked"), "chunked"),
+        (dict(implementation="chunked", dropout_rate=0.2, training=True), "chunked"),
+        (dict(implementation="chunked", return_weights=True), "dense"),
+        (dict(implementation="auto"), "dense"),
+        (dict(implementation="dense"), "dense"),
+    ],
+    ids=["chunked", "chunked_dropout", "weights_force_dense", "auto_small", "dense"],
+)
+def test_which_path_the_public_call_takes(kwargs, want, monkeypatch):
+    paths = spy_on_paths(monkeypatch)
+    q, k, v = random_inputs()
+    scaled_dot_product_attention(q, k, v, **kwargs)
+    assert paths == [want]
+
+
+def test_auto_takes_the_chunked_path_for_large_scores(monkeypatch):
+    paths = spy_on_paths(monkeypatch)
+    monkeypatch.setattr(ops, "_AUTO_CHUNKED_BYTES", B * N * T * S * 4 - 1)
+    q, k, v = random_inputs()
+    scaled_dot_product_attention(q, k, v)
+    assert paths == ["chunked"]
