@@ -77,7 +77,8 @@ class ScaledDotProductAttention(keras.layers.Layer):
             chunked when the float32 scores would exceed 256 MiB, from the
             actual sizes, also when the lengths are unknown until run time.
             `return_attention_scores` always runs dense.
-        chunk_size: block size of the chunked path (default 2048).
+        chunk_size: block size of the chunked path (default 2048; with a
+            `sliding_window` of `W`, the power of two at or above `W / 2`).
         scale: multiplies the scores `Q K^T`. Defaults to `1 / sqrt(key_dim)`.
         attn_logits_soft_cap: optional positive float `cap`: the logits become
             `cap * tanh(logits / cap)` before the softmax (Gemma 2).

@@ -114,7 +114,9 @@ def scaled_dot_product_attention(
             float32 logits would exceed 256 MiB, decided in the compiled
             program from the actual sizes, so it holds for unknown lengths
             too. `return_weights` needs the whole matrix and always runs dense.
-        chunk_size: block size of the chunked path. Defaults to 2048.
+        chunk_size: block size of the chunked path. Defaults to 2048, or with a
+            `sliding_window` of `W` to the power of two at or above `W / 2`
+            (at least 128), so that the skipped blocks are most of them.
 
     Returns:
         The output, `(B, T, N, Hv)`, and if `return_weights`, the weights,
@@ -151,7 +153,7 @@ def scaled_dot_product_attention(
             f"Received: implementation={implementation!r}"
         )
     if chunk_size is None:
-        chunk_size = _DEFAULT_CHUNK_SIZE
+        chunk_size = _default_chunk_size(sliding_window)
     if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size <= 0:
         raise ValueError(
             f"`chunk_size` must be a positive int. Received: chunk_size={chunk_size!r}"
@@ -198,6 +200,19 @@ def scaled_dot_product_attention(
         return out
     weights.set_shape([query.shape[0], query.shape[2], query.shape[1], key.shape[1]])
     return out, weights
+
+
+def _default_chunk_size(sliding_window):
+    """2048, or with a window `W` the power of two nearest above `W / 2` (128 at least).
+
+    Small blocks let the loops skip more of what lies outside the band: at T=16,384,
+    W=512 on 2 CPU cores, forward plus backward took 0.75 s in blocks of 256, 1.12 s
+    in 128, 1.2 s in 512 and 4.0-5.8 s in 2048.
+    """
+    if sliding_window is None:
+        return _DEFAULT_CHUNK_SIZE
+    size = 1 << max(0, math.ceil(math.log2(sliding_window / 2)))
+    return min(_DEFAULT_CHUNK_SIZE, max(128, size))
 
 
 def _choose_path(implementation, query, key, return_weights):
