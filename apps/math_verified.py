@@ -198,8 +198,9 @@ def measure_saturation(key_dims, sequence_length, rows, seed):
     """Claims 3 and 4, with `scale=1` and with `1 / sqrt(d_k)`.
 
     The weights come from `scaled_dot_product_attention(..., return_weights=True)`.
-    The gradient is the Jacobian of the softmax with respect to its scores, taken by
-    `tf.GradientTape`, as its Frobenius norm per row: `||diag(p) - p p^T||_F`.
+    The gradient is this package's own: `softmax_jacobian_norms` differentiates the
+    core's weights through its hand-written backward pass, one row of the Jacobian
+    `diag(p) - p p^T` at a time, and gives its Frobenius norm per row.
     """
     out = []
     for d_k in key_dims:
@@ -210,12 +211,7 @@ def measure_saturation(key_dims, sequence_length, rows, seed):
             p = weights.numpy()[:, 0].astype(np.float64)  # (B, T, S)
             entropy = -np.sum(np.where(p > 0, p * np.log(np.where(p > 0, p, 1.0)), 0.0), -1)
             scores = tf.einsum("btnh,bsnh->bts", q, k) * scale  # (B, T, S)
-            scores = tf.reshape(scores, (-1, sequence_length))  # (B * T, S)
-            with tf.GradientTape() as tape:
-                tape.watch(scores)
-                probabilities = tf.nn.softmax(scores, axis=-1)
-            jacobian = tape.batch_jacobian(probabilities, scores)  # (B * T, S, S)
-            norms = tf.norm(jacobian, axis=(-2, -1)).numpy()  # (B * T,)
+            norms = softmax_jacobian_norms(scores)  # (B * T,)
             row[name] = {
                 "entropy": float(entropy.mean()),
                 "max_weight": float(p.max(-1).mean()),
@@ -224,6 +220,32 @@ def measure_saturation(key_dims, sequence_length, rows, seed):
             }
         out.append(row)
     return out
+
+
+def softmax_jacobian_norms(scores):
+    """`||d weights / d scores||_F` per row, through `keras_sdpa`'s own gradient.
+
+    The scores `(B, T, S)` enter the core as its additive `bias` (with zero queries
+    and keys, the logits are the bias itself), and the weights it returns are
+    differentiated by `tf.GradientTape`, which runs the core's hand-written backward
+    pass (the `d_weights` path of its custom gradient). Upstream gradient `e_j` gives
+    row `j` of each row's Jacobian; the squares of all `S` rows sum to `||J||_F^2`.
+    """
+    batch, t, s = scores.shape
+    bias = tf.cast(scores, tf.float32)[:, None]  # (B, 1, T, S)
+    zeros_q = tf.zeros((batch, t, 1, 1))
+    zeros_k = tf.zeros((batch, s, 1, 1))
+    squares = np.zeros((batch, t))
+    for j in range(s):
+        with tf.GradientTape() as tape:
+            tape.watch(bias)
+            _, weights = scaled_dot_product_attention(
+                zeros_q, zeros_k, zeros_k, bias=bias, return_weights=True
+            )  # (B, 1, T, S)
+            picked = weights[..., j]  # (B, 1, T): weight j of every row
+        row_j = tape.gradient(picked, bias).numpy()[:, 0].astype(np.float64)  # (B, T, S)
+        squares += np.sum(row_j**2, -1)
+    return np.sqrt(squares).reshape(-1)
 
 
 def check_saturation(rows, sequence_length):
@@ -391,8 +413,10 @@ def check_training(result):
 def measure_weighted_sum(seed):
     """On the real layer, two heads with W_O, a padding mask and one fully masked row.
 
-    `V = X_v W_V + b_V` and `out = concat_h(A_h V_h) W_O + b_O` are recomputed in
-    NumPy float64 from the layer's own weights and the weights it returned.
+    The derivation's `A = softmax(mask(Q K^T / sqrt(d_k)))` is recomputed in NumPy
+    float64 from the inputs and the layer's own `W_Q`, `W_K` (not from the weights
+    the layer returns), and `out = concat_h(A_h V_h) W_O + b_O` with
+    `V = X_v W_V + b_V`. The weights the layer returns are compared with `A` too.
     """
     rng = np.random.default_rng(seed)
     batch, t, s, width, heads, key_dim, value_dim = 2, 5, 7, 12, 2, 8, 6
@@ -402,18 +426,27 @@ def measure_weighted_sum(seed):
     mask[0, :, 5:] = False  # padding: the last two keys of example 0
     mask[1, 3, :] = False  # a query that may attend to nothing
     layer = ScaledDotProductAttention(heads, key_dim, value_dim=value_dim)
-    out, weights = layer(query, value, attention_mask=mask, return_attention_scores=True)
-    out, a = out.numpy().astype(np.float64), weights.numpy().astype(np.float64)  # a: (B, N, T, S)
+    out, returned = layer(query, value, attention_mask=mask, return_attention_scores=True)
+    out, returned = out.numpy().astype(np.float64), returned.numpy().astype(np.float64)
     w_q, b_q, w_k, b_k, w_v, b_v, w_o, b_o = (w.numpy().astype(np.float64) for w in layer.weights)
+    q = np.einsum("bte,enh->bnth", query, w_q) + b_q[:, None]  # (B, N, T, H)
+    k = np.einsum("bse,enh->bnsh", value, w_k) + b_k[:, None]  # (B, N, S, H)
     v = np.einsum("bse,enh->bnsh", value, w_v) + b_v[:, None]  # (B, N, S, Hv)
+    allowed = mask[:, None]  # (B, 1, T, S)
+    scores = np.where(allowed, q @ k.transpose(0, 1, 3, 2) / math.sqrt(key_dim), -np.inf)
+    row_max = scores.max(-1, keepdims=True)
+    exp = np.where(allowed, np.exp(scores - np.where(np.isfinite(row_max), row_max, 0.0)), 0.0)
+    total = exp.sum(-1, keepdims=True)
+    a = exp / np.where(total > 0, total, 1.0)  # (B, N, T, S); a fully masked row is 0
     heads_out = np.einsum("bnts,bnsh->btnh", a, v)  # (B, T, N, Hv): sum_j A_ij V_j
     want = np.einsum("btnh,nho->bto", heads_out, w_o) + b_o  # (B, T, E)
     open_rows = mask.any(-1)[:, None, :].repeat(heads, 1)  # (B, N, T)
     return {
-        "min_weight": float(a.min()),
-        "max_row_sum_error": float(np.abs(a.sum(-1)[open_rows] - 1).max()),
-        "max_masked_weight": float(np.abs(a[~mask[:, None].repeat(heads, 1)]).max()),
-        "fully_masked_row_sum": float(np.abs(a[1, :, 3]).sum()),
+        "min_weight": float(returned.min()),
+        "max_row_sum_error": float(np.abs(returned.sum(-1)[open_rows] - 1).max()),
+        "max_masked_weight": float(np.abs(returned[~mask[:, None].repeat(heads, 1)]).max()),
+        "fully_masked_row_sum": float(np.abs(returned[1, :, 3]).sum()),
+        "max_weight_error": float(np.abs(returned - a).max()),
         "max_output_error": float(np.abs(out - want).max()),
         "output_scale": float(np.abs(want).max()),
     }
@@ -421,12 +454,14 @@ def measure_weighted_sum(seed):
 
 def check_weighted_sum(result, tolerance=1e-5):
     """Claim 6, to float32 round-off: weights >= 0, rows sum to 1 (fully masked rows to 0),
-    masked keys get exactly 0, and the output is the weighted sum of the values."""
+    masked keys get exactly 0, the weights are the derivation's `A`, and the output is
+    the weighted sum of the values."""
     return (
         result["min_weight"] >= 0.0
         and result["max_row_sum_error"] <= tolerance
         and result["max_masked_weight"] == 0.0
         and result["fully_masked_row_sum"] == 0.0
+        and result["max_weight_error"] <= tolerance
         and result["max_output_error"] <= tolerance * max(1.0, result["output_scale"])
     )
 
@@ -532,6 +567,7 @@ def _results_table(metrics):
     rows = [
         (
             "1. Var(q . k) = d_k",
+            f"the derivation's premise, on NumPy's random numbers (not this package): "
             f"Var(q . k) over {n:,} pairs of N(0, I) vectors, d_k = {dims}",
             f"{variances}; fitted slope {variance['slope']:.4f} "
             f"+/- {variance['slope_standard_error']:.4f}",
@@ -541,8 +577,8 @@ def _results_table(metrics):
         ),
         (
             "2. Var(q . k / sqrt(d_k)) = 1",
-            "the same pairs, scaled; and the spread of log A over keys in the core's own "
-            "output (default scale)",
+            "the premise again, the same NumPy pairs scaled; and, measuring this package, "
+            "the spread of log A over keys in the core's own output (default scale)",
             f"{scaled_variances}; core: {core_variances}",
             f"each within {_SIGMAS:g} SE of 1",
             holds("2_scaled_variance"),
@@ -561,8 +597,9 @@ def _results_table(metrics):
         ),
         (
             "4. Unscaled, the gradients vanish",
-            "median over rows of the Frobenius norm of d softmax / d scores "
-            "(tf.GradientTape Jacobian), unscaled vs scaled; the mean in brackets",
+            "median over rows of the Frobenius norm of d A / d scores, through the core's "
+            "hand-written backward pass (scores fed as its bias), unscaled vs scaled; the mean "
+            "in brackets",
             f"d_k = {d_first}: {first['unscaled']['jacobian_norm_median']:.3g} vs "
             f"{first['scaled']['jacobian_norm_median']:.3g}; d_k = {d_last}: "
             f"{last['unscaled']['jacobian_norm_median']:.2g} vs "
@@ -589,14 +626,16 @@ def _results_table(metrics):
         ),
         (
             "6. Rows of A are distributions; out_i = sum_j A_ij V_j",
-            "the real layer (2 heads, W_O, padding, a fully masked row) against NumPy float64 "
-            "from its own weights",
+            "the real layer (2 heads, W_O, padding, a fully masked row) against NumPy float64: "
+            "A recomputed from the inputs and the layer's W_Q, W_K; out from A, W_V, W_O",
             f"min A {weighted['min_weight']:.2g}; max |row sum - 1| "
             f"{weighted['max_row_sum_error']:.2g}; masked weights "
             f"{weighted['max_masked_weight']:g}; "
-            f"fully masked row sum {weighted['fully_masked_row_sum']:g}; max |out - A V W_O| "
+            f"fully masked row sum {weighted['fully_masked_row_sum']:g}; max |A - returned| "
+            f"{weighted['max_weight_error']:.2g}; max |out - A V W_O| "
             f"{weighted['max_output_error']:.2g}",
-            "A >= 0; row sums within 1e-5 of 1; masked exactly 0; output within 1e-5 (relative)",
+            "A >= 0; row sums within 1e-5 of 1; masked exactly 0; returned weights and output "
+            "within 1e-5 (relative)",
             holds("6_weighted_sum"),
         ),
     ]

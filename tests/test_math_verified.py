@@ -78,6 +78,26 @@ def test_claim_4_unscaled_gradients_vanish(run):
     assert mv.check_gradients(rows)
 
 
+def test_claim_4_differentiates_the_packages_own_attention(monkeypatch):
+    """Claim 4's Jacobian comes from keras_sdpa's core and its backward pass, not tf.nn.softmax."""
+    calls = []
+    core = mv.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("bias") is not None)
+        return core(*args, **kwargs)
+
+    monkeypatch.setattr(mv, "scaled_dot_product_attention", spy)
+    monkeypatch.setattr(mv.tf.nn, "softmax", None)  # any use of it would fail
+    scores = np.random.default_rng(0).normal(size=(2, 3, 5)).astype(np.float32)
+    norms = mv.softmax_jacobian_norms(mv.tf.constant(scores))
+    assert calls == [True] * 5  # one pass through the core per Jacobian row
+    p = np.exp(scores - scores.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    want = [np.linalg.norm(np.diag(r) - np.outer(r, r)) for r in p.reshape(-1, 5)]
+    np.testing.assert_allclose(norms, want, atol=1e-6)
+
+
 def test_claim_4_jacobian_norm_matches_closed_form():
     """The autodiff Jacobian norm against ||diag(p) - p p^T||_F from NumPy softmax."""
     d_k, length, rows = 64, 16, 32
@@ -111,6 +131,7 @@ def test_claim_6_rows_are_distributions_and_output_is_weighted_sum(run):
     weighted = run[1]["claims"]["6_weighted_sum"]
     assert weighted["min_weight"] >= 0
     assert weighted["max_row_sum_error"] <= 1e-5
+    assert weighted["max_weight_error"] <= 1e-5  # A from W_Q, W_K against what it returned
     assert weighted["max_masked_weight"] == 0 and weighted["fully_masked_row_sum"] == 0
     assert weighted["max_output_error"] <= 1e-5 * max(1.0, weighted["output_scale"])
     assert mv.check_weighted_sum(weighted)
@@ -144,6 +165,8 @@ def test_checks_fail_when_a_claim_breaks(run):
     weighted = dict(claims["6_weighted_sum"], max_row_sum_error=1e-3)
     assert not mv.check_weighted_sum(weighted)
     weighted = dict(claims["6_weighted_sum"], max_masked_weight=1e-9)
+    assert not mv.check_weighted_sum(weighted)
+    weighted = dict(claims["6_weighted_sum"], max_weight_error=1e-3)
     assert not mv.check_weighted_sum(weighted)
 
 
