@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from keras_sdpa import ScaledDotProductAttention
+from keras_sdpa import ScaledDotProductAttention, ops
 
 # Pairwise-distinct sizes: batch, query length, key length, heads, head size, widths.
 B, T, S, N, H, HV = 2, 3, 5, 4, 6, 7
@@ -139,12 +139,18 @@ TOKENS = np.array([[1, 2, 3, 0], [4, 5, 0, 0], [6, 7, 8, 9], [2, 2, 0, 0]], np.i
 LABELS = np.array([1.0, 0.0, 1.0, 0.0], np.float32)
 
 
-def test_fit_step_with_jit_compile():
+def test_fit_step_with_jit_compile(monkeypatch):
+    # Whether the layer was traced inside an XLA program: the step Keras compiled.
+    contexts = []
+    inside_xla = ops._inside_xla
+    monkeypatch.setattr(ops, "_inside_xla", lambda: contexts.append(inside_xla()) or contexts[-1])
     model = small_model()
     model.compile(keras.optimizers.Adam(0.05), "binary_crossentropy", jit_compile=True)
     before = [w.numpy() for w in model.trainable_weights]
     first = model.evaluate(TOKENS, LABELS, verbose=0)
+    contexts.clear()
     model.fit(TOKENS, LABELS, epochs=5, verbose=0)
+    assert contexts and all(contexts), "the training step was not compiled by XLA"
     after = [w.numpy() for w in model.trainable_weights]
     names = [w.path for w in model.trainable_weights]
     for name, b, a in zip(names, before, after):
@@ -220,7 +226,7 @@ def test_mirrored_replicas_draw_their_own_dropout_masks():
         cpu = tf.config.list_physical_devices("CPU")[0]
         two = [tf.config.LogicalDeviceConfiguration()] * 2
         tf.config.set_logical_device_configuration(cpu, two)
-        from keras_sdpa import ScaledDotProductAttention
+        from keras_sdpa import ScaledDotProductAttention, ops
         strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
         x = tf.random.stateless_normal((2, 5, 8), seed=[1, 2])
         with strategy.scope():
