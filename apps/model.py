@@ -148,14 +148,17 @@ class TransformerBlock(keras.layers.Layer):
         self.ff_norm.build(x_shape)
 
     def call(self, x, mask=None, training=None, return_attention_scores=False):
-        attended, scores = self.attention(
+        # The (L, L) weights cost a pass over the matrix forward and one more backward:
+        # only the inspector asks for them, never the training step.
+        result = self.attention(
             x,
             x,
             query_mask=mask,
             value_mask=mask,
-            return_attention_scores=True,
+            return_attention_scores=return_attention_scores,
             training=training,
-        )  # (B, L, E), (B, N, L, L)
+        )  # (B, L, E), and (B, N, L, L) if asked
+        attended, scores = result if return_attention_scores else (result, None)
         x = self.attention_norm(x + self.dropout_layer(attended, training=training))
         inner = self.ff_inner(x)  # (B, L, ff_dim)
         x = self.ff_norm(x + self.dropout_layer(self.ff_outer(inner), training=training))
@@ -201,9 +204,10 @@ class AttentionPooling(keras.layers.Layer):
     def call(self, x, mask=None, return_attention_scores=False):
         batch = ops.shape(x)[0]
         query = ops.broadcast_to(self.query, (batch, 1, ops.shape(x)[-1]))  # (B, 1, E)
-        pooled, scores = self.attention(
-            query, x, value_mask=mask, return_attention_scores=True
-        )  # (B, 1, E), (B, N, 1, L)
+        result = self.attention(
+            query, x, value_mask=mask, return_attention_scores=return_attention_scores
+        )  # (B, 1, E), and (B, N, 1, L) if asked
+        pooled, scores = result if return_attention_scores else (result, None)
         pooled = ops.squeeze(pooled, 1)  # (B, E)
         return (pooled, scores) if return_attention_scores else pooled
 
@@ -234,25 +238,41 @@ def build_classifier(
     With `bigram_vocab_size > 0`, call `model.get_layer("embedding").adapt_bigrams(ids)`
     on the training ids before training.
     """
-    ids = keras.Input((sequence_length,), dtype="int32", name="token_ids")
-    x = TokenAndPositionEmbedding(
+    embedding = TokenAndPositionEmbedding(
         vocab_size, sequence_length, embed_dim, bigram_vocab_size, name="embedding"
-    )(ids)
-    x = keras.layers.Dropout(dropout, seed=seed, name="embedding_dropout")(x)
-    mask = ops.not_equal(ids, 0)  # (B, L), the Embedding's mask_zero mask
-    block_scores = []
-    for index in range(num_layers):
-        block = TransformerBlock(
+    )
+    embedding_dropout = keras.layers.Dropout(dropout, seed=seed, name="embedding_dropout")
+    blocks = [
+        TransformerBlock(
             num_heads, key_dim, ff_dim, dropout=dropout, seed=seed + index, name=f"block_{index}"
         )
-        x, scores = block(x, mask=mask, return_attention_scores=True)  # (B, L, E), (B, N, L, L)
-        block_scores.append(scores)
-    pooled, pool_scores = AttentionPooling(num_heads, key_dim, name="pooling")(
-        x, mask=mask, return_attention_scores=True
-    )  # (B, E), (B, N, 1, L)
-    pooled = keras.layers.Dropout(dropout, seed=seed)(pooled)
-    probability = keras.layers.Dense(1, activation="sigmoid", name="classifier")(pooled)
-    model = keras.Model(ids, probability, name="sdpa_sentiment")
+        for index in range(num_layers)
+    ]
+    pooling = AttentionPooling(num_heads, key_dim, name="pooling")
+    pooled_dropout = keras.layers.Dropout(dropout, seed=seed)
+    classifier = keras.layers.Dense(1, activation="sigmoid", name="classifier")
+
+    def forward(with_scores):
+        """The classifier over shared layers; with the attention weights for the inspector."""
+        ids = keras.Input((sequence_length,), dtype="int32", name="token_ids")
+        mask = ops.not_equal(ids, 0)  # (B, L), the Embedding's mask_zero mask
+        x = embedding_dropout(embedding(ids))
+        block_scores = []
+        for block in blocks:
+            x = block(x, mask=mask, return_attention_scores=with_scores)
+            if with_scores:
+                x, scores = x  # (B, L, E), (B, N, L, L)
+                block_scores.append(scores)
+        pooled = pooling(x, mask=mask, return_attention_scores=with_scores)
+        pool_scores = None
+        if with_scores:
+            pooled, pool_scores = pooled  # (B, E), (B, N, 1, L)
+        probability = classifier(pooled_dropout(pooled))
+        return ids, probability, block_scores, pool_scores
+
+    # The inspector's graph first: Keras (3.15) cannot connect the weights of a layer's
+    # second symbolic call that asks for them when its first call did not.
+    ids, probability, block_scores, pool_scores = forward(with_scores=True)
     inspector = keras.Model(
         ids,
         {
@@ -262,4 +282,6 @@ def build_classifier(
         },
         name="sdpa_sentiment_inspector",
     )
+    ids, probability, _, _ = forward(with_scores=False)
+    model = keras.Model(ids, probability, name="sdpa_sentiment")
     return model, inspector
