@@ -23,22 +23,21 @@ import sys
 import time
 
 START, END = "<!-- app-step:start -->", "<!-- app-step:end -->"
-CONFIG = dict(
-    vocab_size=10_000,
-    sequence_length=512,
-    embed_dim=64,
-    num_heads=2,
-    key_dim=32,
-    ff_dim=128,
-    num_layers=1,
-    dropout=0.1,
-    seed=0,
-    bigram_vocab_size=20_000,
-)
-BATCH = 64
+MODEL_ARGUMENTS = (
+    "vocab_size", "sequence_length", "embed_dim", "num_heads", "key_dim", "ff_dim",
+    "num_layers", "dropout", "seed", "bigram_vocab_size",
+)  # fmt: skip
 
 
-def build(kind, ids):
+def shipped_config():
+    """The model arguments and batch size of `apps.train_sentiment`'s defaults."""
+    from apps.train_sentiment import Config
+
+    config = Config()
+    return {name: getattr(config, name) for name in MODEL_ARGUMENTS}, config.batch_size
+
+
+def build(kind, ids, config):
     """The classifier as shipped (`"sdpa"`) or with Keras's MultiHeadAttention (`"keras_mha"`)."""
     import keras
 
@@ -49,7 +48,7 @@ def build(kind, ids):
         model_lib.ScaledDotProductAttention = keras.layers.MultiHeadAttention
     try:
         keras.utils.set_random_seed(0)
-        model, _ = model_lib.build_classifier(**CONFIG)
+        model, _ = model_lib.build_classifier(**config)
     finally:
         model_lib.ScaledDotProductAttention = original
     model.get_layer("embedding").adapt_bigrams(ids)  # the word-pair vocabulary
@@ -72,12 +71,13 @@ def main(argv=None):
     import numpy as np
 
     rng = np.random.default_rng(0)
-    lengths = rng.integers(90, CONFIG["sequence_length"] + 1, BATCH)  # real reviews vary
-    ids = rng.integers(2, CONFIG["vocab_size"], (BATCH, CONFIG["sequence_length"]))
-    ids[np.arange(CONFIG["sequence_length"])[None, :] >= lengths[:, None]] = 0  # padding
-    labels = rng.integers(0, 2, BATCH).astype("float32")
+    config, batch = shipped_config()
+    lengths = rng.integers(90, config["sequence_length"] + 1, batch)  # real reviews vary
+    ids = rng.integers(2, config["vocab_size"], (batch, config["sequence_length"]))
+    ids[np.arange(config["sequence_length"])[None, :] >= lengths[:, None]] = 0  # padding
+    labels = rng.integers(0, 2, batch).astype("float32")
 
-    models = {"sdpa": build("sdpa", ids), "keras_mha": build("keras_mha", ids)}
+    models = {kind: build(kind, ids, config) for kind in ("sdpa", "keras_mha")}
     models["keras_mha"].set_weights(models["sdpa"].get_weights())
     for model in models.values():
         model.train_on_batch(ids, labels)  # trace and compile
@@ -102,9 +102,9 @@ def main(argv=None):
             f"    python benchmarks/app_step.py --rounds {args.rounds} --output BENCHMARKS.md",
             "",
             "The shipped classifier (E=64, 2 heads of 32, one block plus attention pooling, "
-            f"L=512, batch {BATCH}, word pairs) against the same model with "
-            "`keras.layers.MultiHeadAttention` swapped in, same weights; `train_on_batch` as "
-            f"`fit` compiles it here; {args.rounds} alternating rounds of {args.steps} steps in "
+            f"L=512, batch {batch}, dropout {config['dropout']}, word pairs) against the same "
+            "model with `keras.layers.MultiHeadAttention` swapped in, same weights; "
+            f"`train_on_batch` as `fit` compiles it here; {args.rounds} alternating rounds of {args.steps} steps in "
             "one process; ratio = median of the per-round ratios (range in brackets).",
             "",
             "| model | ms per step (median) |",
@@ -118,16 +118,9 @@ def main(argv=None):
     )
     print(section)
     if args.output:
-        old = open(args.output).read() if os.path.exists(args.output) else ""
-        block = f"{START}\n{section}\n{END}"
-        if START in old and END in old:
-            new = old[: old.index(START)] + block + old[old.index(END) + len(END) :]
-        else:
-            new = old.rstrip("\n") + "\n\n" + block + "\n"
-        with open(args.output + ".tmp", "w") as f:
-            f.write(new)
-        os.replace(args.output + ".tmp", args.output)
-        print(f"wrote {args.output}", file=sys.stderr)
+        from features import replace_section
+
+        replace_section(args.output, START, END, section)
     return 0
 
 

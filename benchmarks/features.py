@@ -143,6 +143,20 @@ def table(rows, args):
     return "\n".join(lines) + "\n"
 
 
+def replace_section(path, start, end, section):
+    """Replaces the part of a Markdown file between two markers (or appends it), atomically."""
+    old = open(path).read() if os.path.exists(path) else ""
+    block = f"{start}\n{section}\n{end}"
+    if start in old and end in old:
+        new = old[: old.index(start)] + block + old[old.index(end) + len(end) :]
+    else:
+        new = old.rstrip("\n") + "\n\n" + block + "\n"
+    with open(path + ".tmp", "w") as f:
+        f.write(new)
+    os.replace(path + ".tmp", path)
+    print(f"wrote {path}", file=sys.stderr)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
@@ -166,16 +180,7 @@ def main(argv=None):
     section = table(rows, args)
     print(section)
     if args.output:
-        old = open(args.output).read() if os.path.exists(args.output) else ""
-        block = f"{START}\n{section}\n{END}"
-        if START in old and END in old:
-            new = old[: old.index(START)] + block + old[old.index(END) + len(END) :]
-        else:
-            new = old.rstrip("\n") + "\n\n" + block + "\n"
-        with open(args.output + ".tmp", "w") as f:
-            f.write(new)
-        os.replace(args.output + ".tmp", args.output)
-        print(f"wrote {args.output}", file=sys.stderr)
+        replace_section(args.output, START, END, section)
     return 0
 
 

@@ -315,16 +315,6 @@ def _block(grid, pattern, i, j):
 
 def _add_block(d_grid, pattern, i, j, d_scores):
     """Adds the `(B, K, G, C, C)` logit gradient of block (i, j) into the bias grid."""
-    axes = []
-    if not pattern[0]:
-        axes.append(0)
-    if not pattern[1]:
-        axes += [1, 2]
-    if not pattern[2]:
-        axes.append(3)
-    if not pattern[3]:
-        axes.append(4)
-    if axes:
-        d_scores = tf.reduce_sum(d_scores, axis=axes, keepdims=True)
+    d_scores = M.sum_over_broadcast(d_scores, pattern)
     index = tf.stack([i if pattern[2] else 0, j if pattern[3] else 0])[None]  # (1, 2)
     return tf.tensor_scatter_nd_add(d_grid, index, d_scores[None])

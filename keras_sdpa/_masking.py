@@ -39,20 +39,18 @@ def grouped(x, pattern, num_kv_heads, groups):
     return tf.reshape(x, tf.stack([shape[0], num_kv_heads, groups, shape[2], shape[3]]))
 
 
+def sum_over_broadcast(d_logits, pattern):
+    """Sums `(B, K, G, T, S)` logit gradients over the axes a bias of `pattern` broadcasts on."""
+    axes = [0] if not pattern[0] else []
+    axes += [1, 2] if not pattern[1] else []
+    axes += [3] if not pattern[2] else []
+    axes += [4] if not pattern[3] else []
+    return tf.reduce_sum(d_logits, axis=axes, keepdims=True) if axes else d_logits
+
+
 def sum_to_bias(d_logits, bias_shape, pattern):
-    """Sums `(B, K, G, T, S)` logit gradients over the axes the bias broadcasts on."""
-    axes = []
-    if not pattern[0]:
-        axes.append(0)
-    if not pattern[1]:
-        axes += [1, 2]
-    if not pattern[2]:
-        axes.append(3)
-    if not pattern[3]:
-        axes.append(4)
-    if axes:
-        d_logits = tf.reduce_sum(d_logits, axis=axes, keepdims=True)
-    return tf.reshape(d_logits, bias_shape)
+    """`d_logits` summed to the bias's own shape."""
+    return tf.reshape(sum_over_broadcast(d_logits, pattern), bias_shape)
 
 
 def band(queries, keys, is_causal, window):

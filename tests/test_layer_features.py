@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from test_core_features import reference
+from test_ops import spy_on_paths
 
 from keras_sdpa import ScaledDotProductAttention, ops
 
@@ -113,19 +114,6 @@ def test_flash_attention_runs_the_chunked_path_and_matches(monkeypatch):
     ours.flash_attention = False
     ours(x, x)
     assert paths == ["chunked", "dense"]
-
-
-def spy_on_paths(monkeypatch):
-    """Records the path of every call into the compiled core."""
-    paths = []
-    compiled = ops._attention_xla
-
-    def spy(*args, path, **kwargs):
-        paths.append(path)
-        return compiled(*args, path=path, **kwargs)
-
-    monkeypatch.setattr(ops, "_attention_xla", spy)
-    return paths
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
