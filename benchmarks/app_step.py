@@ -104,8 +104,9 @@ def main(argv=None):
             "The shipped classifier (E=64, 2 heads of 32, one block plus attention pooling, "
             f"L=512, batch {batch}, dropout {config['dropout']}, word pairs) against the same "
             "model with `keras.layers.MultiHeadAttention` swapped in, same weights; "
-            f"`train_on_batch` as `fit` compiles it here; {args.rounds} alternating rounds of {args.steps} steps in "
-            "one process; ratio = median of the per-round ratios (range in brackets).",
+            f"`train_on_batch` as `fit` compiles it here; {args.rounds} alternating rounds of "
+            f"{args.steps} steps in one process; ratio = median of the per-round ratios "
+            "(range in brackets).",
             "",
             "| model | ms per step (median) |",
             "|---|---|",
