@@ -53,26 +53,7 @@ def load_splits(dataset="imdb_reviews", data_dir=None, validation_fraction=0.1, 
         raise ValueError(
             f"`validation_fraction` must be in (0, 1). Received: {validation_fraction}"
         )
-    data_dir = resolve_data_dir(data_dir)
-    try:
-        builder = tfds.builder(dataset, data_dir=data_dir)
-    except Exception as error:  # tfds raises DatasetNotFoundError and friends
-        raise ValueError(
-            f"`dataset` is not a TFDS dataset this TFDS knows. Received: dataset={dataset!r} "
-            f"({type(error).__name__}: {error})"
-        ) from None
-    text_key, label_key = _text_and_label_keys(builder.info)
-    try:
-        builder.download_and_prepare()  # a no-op when the data is already in data_dir
-    except Exception as error:  # no network, a half-written folder, a failed manual step
-        raise ValueError(
-            f"could not load `dataset={dataset!r}`: tensorflow-datasets looked for it in "
-            f"{builder.data_dir} and then failed to download it ({type(error).__name__}: "
-            f"{str(error).splitlines()[0] if str(error) else ''}). Point --data_dir (or "
-            "TFDS_DATA_DIR) at a folder that holds it as TFDS prepares it (on the project's "
-            "machines: --data_dir ../shared/data/tensorflow_datasets), or prepare it on a "
-            f"machine with network (`tfds build {dataset}`) and copy that folder here."
-        ) from None
+    builder, text_key, label_key = _prepared_builder(dataset, data_dir)
 
     def as_numpy(split):
         ds = builder.as_dataset(split=split, batch_size=-1)
@@ -102,6 +83,48 @@ def load_splits(dataset="imdb_reviews", data_dir=None, validation_fraction=0.1, 
         test_split=test_split,
         num_classes=num_classes,
     )
+
+
+def load_test_split(dataset="imdb_reviews", data_dir=None):
+    """The labelled split a run reports on (`test`, else `validation`), as `load_splits` picks
+    it: `(texts, labels, split name)`, without reading train."""
+    import tensorflow_datasets as tfds
+
+    builder, text_key, label_key = _prepared_builder(dataset, data_dir)
+    split = "test" if "test" in builder.info.splits else "validation"
+    batch = tfds.as_numpy(builder.as_dataset(split=split, batch_size=-1))
+    if np.all(batch[label_key] < 0) and "validation" in builder.info.splits:
+        split = "validation"  # GLUE's test labels are hidden (-1)
+        batch = tfds.as_numpy(builder.as_dataset(split=split, batch_size=-1))
+    return batch[text_key], batch[label_key].astype("int64"), split
+
+
+def _prepared_builder(dataset, data_dir):
+    """The TFDS builder of `dataset`, prepared in `data_dir` (or downloaded), and its
+    (text, label) feature names; a `ValueError` a user can act on when that fails."""
+    import tensorflow_datasets as tfds
+
+    data_dir = resolve_data_dir(data_dir)
+    try:
+        builder = tfds.builder(dataset, data_dir=data_dir)
+    except Exception as error:  # tfds raises DatasetNotFoundError and friends
+        raise ValueError(
+            f"`dataset` is not a TFDS dataset this TFDS knows. Received: dataset={dataset!r} "
+            f"({type(error).__name__}: {error})"
+        ) from None
+    text_key, label_key = _text_and_label_keys(builder.info)
+    try:
+        builder.download_and_prepare()  # a no-op when the data is already in data_dir
+    except Exception as error:  # no network, a half-written folder, a failed manual step
+        raise ValueError(
+            f"could not load `dataset={dataset!r}`: tensorflow-datasets looked for it in "
+            f"{builder.data_dir} and then failed to download it ({type(error).__name__}: "
+            f"{str(error).splitlines()[0] if str(error) else ''}). Point --data_dir (or "
+            "TFDS_DATA_DIR) at a folder that holds it as TFDS prepares it (on the project's "
+            "machines: --data_dir ../shared/data/tensorflow_datasets), or prepare it on a "
+            f"machine with network (`tfds build {dataset}`) and copy that folder here."
+        ) from None
+    return builder, text_key, label_key
 
 
 def _text_and_label_keys(info):
@@ -151,3 +174,10 @@ def vectorize(vectorizer, texts, batch_size=1024):
     """Token ids `(len(texts), sequence_length)` int32 for an array of raw texts."""
     ds = tf.data.Dataset.from_tensor_slices(texts).batch(batch_size).map(vectorizer)
     return np.concatenate([batch.numpy() for batch in ds]).astype("int32")
+
+
+def read_bigrams(vectorizer, path):
+    """The word pairs of `bigrams.txt` ("not good" per line) as `(previous, word)` id pairs."""
+    index = {word: i for i, word in enumerate(vectorizer.get_vocabulary())}
+    with open(path, encoding="utf-8") as f:
+        return [tuple(index[word] for word in line.split(" ")) for line in f.read().splitlines()]

@@ -412,7 +412,7 @@ def train(config):
     if config.bigram_vocab_size:
         embedding = model.get_layer("embedding")
         if resuming and os.path.exists(bigrams_path):
-            pairs = _read_bigrams(vectorizer, bigrams_path)
+            pairs = data.read_bigrams(vectorizer, bigrams_path)
             embedding.set_bigrams(pairs)
         else:
             embedding.adapt_bigrams(train_ids)
@@ -631,12 +631,6 @@ def _write_bigrams(vectorizer, pairs, path):
     """One pair per line ("not good"), most frequent first: the lookup's own order."""
     words = vectorizer.get_vocabulary()
     export.write_text_atomic(path, (f"{words[a]} {words[b]}\n" for a, b in pairs))
-
-
-def _read_bigrams(vectorizer, path):
-    index = {word: i for i, word in enumerate(vectorizer.get_vocabulary())}
-    with open(path, encoding="utf-8") as f:
-        return [tuple(index[word] for word in line.split(" ")) for line in f.read().splitlines()]
 
 
 def _stopped_early(history, patience):

@@ -1,0 +1,193 @@
+"""Token rankings and the ERASER deletion tests: do the attention weights explain a prediction?
+
+A ranking orders a review's `n` real tokens from most to least important. Three kinds:
+
+- the **pooling attention**: the classifier's learned query attending over the review (mean
+  over heads, and each head alone);
+- **attention rollout** (Abnar & Zuidema, 2020): the pooling weights carried back through each
+  block's self-attention, mixed half and half with the residual (`0.5 A + 0.5 I`);
+- **gradient x input**: `sum_e dz/dx[t, e] * x[t, e]`, where `x` is the embedding layer's output
+  `(B, L, E)` (token + position + word pair) and `z` the log-odds of the predicted label, by
+  `tf.GradientTape` on the Keras model;
+- a seeded **random** ranking, the floor.
+
+The tests (DeYoung et al., ERASER, ACL 2020), for a fraction `k` of the `n` tokens
+(`ceil(k * n)` of them):
+
+- **comprehensiveness**: `P(predicted | review) - P(predicted | review without its top k)`;
+- **sufficiency**: `P(predicted | review) - P(predicted | only its top k)`;
+- **AOPC**: each averaged over the fractions.
+
+**Deleting a token** removes its id from the sequence the model sees: the later tokens move one
+position left, and the word pairs are formed again from the new neighbours, so the model sees
+what it would see if the word were not in the text. Deletion acts on the (at most
+`sequence_length`) tokens the model read: a long review's words past that length do not move in.
+"""
+
+import math
+
+import numpy as np
+import tensorflow as tf
+from keras import ops
+
+FRACTIONS = (0.01, 0.05, 0.10, 0.20, 0.50)  # of each review's tokens
+
+
+def top_count(fraction, n):
+    """Tokens in the top `fraction` of `n`: `ceil(fraction * n)`, at least 1 when `n > 0`."""
+    return min(n, max(1 if n else 0, math.ceil(fraction * n - 1e-9)))
+
+
+def order_of(scores):
+    """Token positions from the highest score to the lowest; ties keep reading order."""
+    return np.argsort(-np.asarray(scores, dtype=np.float64), kind="stable")
+
+
+def delete_positions(ids, positions):
+    """`ids` `(L,)` with the tokens at `positions` removed, the rest moved left, padded with 0."""
+    ids = np.asarray(ids)
+    keep = np.ones(len(ids), dtype=bool)
+    keep[np.asarray(positions, dtype=np.int64)] = False
+    kept = ids[keep]
+    return np.concatenate([kept, np.zeros(len(ids) - len(kept), dtype=ids.dtype)])
+
+
+def keep_positions(ids, positions, n):
+    """`ids` `(L,)` with only the tokens at `positions` (of the first `n`), in reading order."""
+    drop = np.setdiff1d(np.arange(n), np.asarray(positions, dtype=np.int64))
+    return delete_positions(ids, drop)
+
+
+def kendall_tau(a, b):
+    """Kendall's tau-b between two score vectors (ties counted as in tau-b); NaN below 2 items
+    or when either vector is constant."""
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    if len(a) < 2:
+        return float("nan")
+    i, j = np.triu_indices(len(a), 1)
+    sign_a, sign_b = np.sign(a[i] - a[j]), np.sign(b[i] - b[j])
+    pairs = len(i)
+    denominator = math.sqrt((pairs - np.sum(sign_a == 0)) * (pairs - np.sum(sign_b == 0)))
+    return float(np.sum(sign_a * sign_b) / denominator) if denominator else float("nan")
+
+
+def rollout(pooling, attention):
+    """Attention rollout: `pooling` `(N, n)` and the blocks' `attention` `(layers, N, n, n)`
+    -> `(n,)` relevance of each input token. Heads are averaged; each block's matrix is mixed
+    with the identity (the residual) and its rows renormalized."""
+    relevance = np.asarray(pooling, dtype=np.float64).mean(axis=0)  # (n,)
+    n = relevance.shape[0]
+    for layer in np.asarray(attention, dtype=np.float64)[::-1]:  # last block first
+        mixed = 0.5 * layer.mean(axis=0) + 0.5 * np.eye(n)  # (n, n)
+        mixed /= np.maximum(mixed.sum(axis=-1, keepdims=True), 1e-12)
+        relevance = relevance @ mixed  # (n,)
+    return relevance
+
+
+class ModelProbe:
+    """The Keras classifier, as the functions the rankings and the tests need.
+
+    `model` maps token ids `(B, L)` to `P(positive)` `(B, 1)`, as `apps.model.build_classifier`
+    builds it; its layers `embedding`, `block_*`, `pooling` and `classifier` are called
+    directly to start from the embeddings.
+    """
+
+    def __init__(self, model, batch_size=128):
+        self.model = model
+        self.batch_size = batch_size
+        self.blocks = [layer for layer in model.layers if layer.name.startswith("block_")]
+        self._probability = tf.function(
+            lambda ids: self.model(ids, training=False)[:, 0], reduce_retracing=True
+        )
+        self._gradient = tf.function(self._gradient_x_input, reduce_retracing=True)
+
+    def probability(self, ids):
+        """`P(positive)` `(B,)` float64 for token ids `(B, L)`, in batches."""
+        ids = np.asarray(ids, dtype=np.int32)
+        out = [
+            self._probability(tf.constant(ids[start : start + self.batch_size])).numpy()
+            for start in range(0, len(ids), self.batch_size)
+        ]
+        return np.concatenate(out).astype(np.float64) if out else np.zeros(0)
+
+    def log_odds_from_embeddings(self, x, mask):
+        """The classifier's log-odds `(B,)` from the embedding output `x` `(B, L, E)`."""
+        for block in self.blocks:
+            x = block(x, mask=mask, training=False)  # (B, L, E)
+        pooled = self.model.get_layer("pooling")(x, mask=mask)  # (B, E)
+        classifier = self.model.get_layer("classifier")
+        return (ops.matmul(pooled, classifier.kernel) + classifier.bias)[:, 0]  # (B,)
+
+    def _gradient_x_input(self, ids):
+        mask = ops.not_equal(ids, 0)  # (B, L)
+        x = self.model.get_layer("embedding")(ids)  # (B, L, E)
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            z = self.log_odds_from_embeddings(x, mask)  # (B,)
+            sign = tf.where(z >= 0, tf.ones_like(z), -tf.ones_like(z))  # the predicted label
+            target = tf.reduce_sum(sign * z)
+        gradient = tape.gradient(target, x)  # (B, L, E)
+        scores = tf.reduce_sum(gradient * x, axis=-1)  # (B, L)
+        return scores * tf.cast(mask, scores.dtype), tf.sigmoid(z)
+
+    def gradient_x_input(self, ids):
+        """Gradient x input `(B, L)` towards each review's predicted label (0 on padding),
+        and `P(positive)` `(B,)` from the same pass."""
+        ids = np.asarray(ids, dtype=np.int32)
+        scores, probabilities = [], []
+        for start in range(0, len(ids), self.batch_size):
+            s, p = self._gradient(tf.constant(ids[start : start + self.batch_size]))
+            scores.append(s.numpy())
+            probabilities.append(p.numpy())
+        return np.concatenate(scores), np.concatenate(probabilities).astype(np.float64)
+
+
+def deletion_variants(ids, n, order, fractions=FRACTIONS):
+    """For one review: `(comprehensiveness inputs, sufficiency inputs)`, one row per fraction."""
+    without, only = [], []
+    for fraction in fractions:
+        top = order[: top_count(fraction, n)]
+        without.append(delete_positions(ids, top))
+        only.append(keep_positions(ids, top, n))
+    return without, only
+
+
+def erase_scores(probability, ids, lengths, rankings, fractions=FRACTIONS):
+    """Comprehensiveness and sufficiency of each ranking, per review and fraction.
+
+    Args:
+        probability: a function, token ids `(B, L)` -> `P(positive)` `(B,)`.
+        ids: token ids `(R, L)`, 0 = padding after the `lengths[r]` real tokens.
+        lengths: real tokens per review `(R,)`.
+        rankings: `{name: [scores (n_r,) per review]}`; higher = more important.
+        fractions: the `k` values, fractions of each review's tokens.
+
+    Returns:
+        A dict: `full` `(R,)` P(positive); `predicted` `(R,)` the predicted label; and per
+        ranking `{"comprehensiveness": (R, K), "sufficiency": (R, K), "without": (R, K),
+        "only": (R, K)}`, the last two the P(predicted label) after deleting or keeping.
+    """
+    ids = np.asarray(ids)
+    full = probability(ids)  # (R,)
+    predicted = (full >= 0.5).astype(np.int64)
+    sign_full = np.where(predicted == 1, full, 1 - full)  # P(predicted label)
+    names = list(rankings)
+    rows = []
+    for r in range(len(ids)):
+        for name in names:
+            order = order_of(rankings[name][r])
+            without, only = deletion_variants(ids[r], int(lengths[r]), order, fractions)
+            rows.extend(without + only)
+    out = probability(np.stack(rows)) if rows else np.zeros(0)
+    out = out.reshape(len(ids), len(names), 2, len(fractions))  # (R, rankings, 2, K)
+    as_predicted = np.where(predicted[:, None, None, None] == 1, out, 1 - out)
+    results = {"full": full, "predicted": predicted}
+    for index, name in enumerate(names):
+        without, only = as_predicted[:, index, 0], as_predicted[:, index, 1]  # (R, K)
+        results[name] = {
+            "without": without,
+            "only": only,
+            "comprehensiveness": sign_full[:, None] - without,
+            "sufficiency": sign_full[:, None] - only,
+        }
+    return results

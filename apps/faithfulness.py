@@ -1,0 +1,431 @@
+"""Does the attention explain the prediction? ERASER's deletion tests on a trained classifier.
+
+Usage:
+    python -m apps.faithfulness --data_dir ../shared/data/tensorflow_datasets
+    python -m apps.faithfulness --run saved_models/imdb_sdpa --examples 1000
+    python -m apps.faithfulness --quick          # 200 reviews, about a minute
+
+For a seeded sample of test reviews it ranks each review's tokens by the pooling attention
+(mean over heads, and each head), by attention rollout, by gradient x input and at random, and
+measures what deleting the top tokens, or keeping only them, does to P(predicted label), for
+k = 1%, 5%, 10%, 20% and 50% of the tokens (`apps/explain.py` says exactly how). It also
+measures Kendall's tau between the attention and gradient rankings (Jain & Wallace, 2019).
+
+It writes into the run folder, and prints the paths:
+
+    faithfulness.json    every number, with standard errors and the sample
+    faithfulness.md      the table
+    faithfulness.png     drop in P(predicted label) against k, one line per ranking; tau
+
+The run folder is what `apps.train_sentiment` writes. The Keras model comes from its
+`model.keras`, or, where only the SavedModel was kept (the shipped run), from the SavedModel's
+variables, matched by name; either way it must give the SavedModel's probabilities (to 1e-4)
+on the sample before anything is measured.
+"""
+
+import dataclasses
+import json
+import math
+import os
+import re
+import sys
+
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+from apps import cli, data, explain, export  # noqa: E402
+from apps import model as model_lib  # noqa: E402
+
+QUICK_EXAMPLES = 200
+ATTENTION = "attention"  # the ranking the headline compares with random
+
+
+@dataclasses.dataclass
+class Config:
+    run: str = "saved_models/imdb_sdpa"  # a training run's folder
+    examples: int = 1000  # test reviews, a seeded sample
+    quick: bool = False  # 200 reviews
+    data_dir: str | None = None  # TFDS folder; else $TFDS_DATA_DIR; else TFDS's default
+    seed: int = 0  # the sample and the random ranking
+    batch_size: int = 128  # sequences per model call
+
+
+def _check(config):
+    if config.examples < 1:
+        raise ValueError(f"`--examples` must be >= 1. Received: examples={config.examples}")
+    if config.batch_size < 1:
+        raise ValueError(f"`--batch_size` must be >= 1. Received: batch_size={config.batch_size}")
+
+
+def parse_args(argv=None):
+    return cli.parse_config(
+        Config,
+        argv,
+        prog="python -m apps.faithfulness",
+        description="ERASER comprehensiveness and sufficiency of attention, gradient x input "
+        "and random token rankings on a trained classifier.",
+        check=_check,
+        presets=lambda args: {"examples": QUICK_EXAMPLES} if args.quick else None,
+    )
+
+
+@dataclasses.dataclass
+class Run:
+    model: keras.Model  # token ids -> P(positive)
+    inspector: keras.Model  # token ids -> probability, attention, pooling
+    vectorizer: keras.layers.TextVectorization
+    metrics: dict  # the run's metrics.json
+    weights_from: str  # the file the weights came from
+
+
+# The first layer kept its projections as `query_kernel`, ..., `output_kernel` variables.
+_LEGACY_NAME = re.compile(r"/attention/(query|key|value|output)_(kernel|bias)$")
+
+
+def _current_name(name):
+    def rename(match):
+        sublayer = "attention_output" if match[1] == "output" else match[1]
+        return f"/attention/{sublayer}/{match[2]}"
+
+    return _LEGACY_NAME.sub(rename, name.split(":")[0])
+
+
+def load_run(run):
+    """The classifier of a training run's folder as Keras models, checked against its SavedModel."""
+    metrics_path = os.path.join(run, "metrics.json")
+    saved_model = os.path.join(run, "saved_model")
+    if not os.path.isfile(metrics_path) or not os.path.isdir(saved_model):
+        raise ValueError(
+            "`--run` must be a folder written by `python -m apps.train_sentiment` (with "
+            f"metrics.json and saved_model/). Received: run={run!r}"
+        )
+    with open(metrics_path) as f:
+        metrics = json.load(f)
+    config = metrics["config"]
+    vectorizer = data.make_vectorizer(
+        config["vocab_size"],
+        config["sequence_length"],
+        vocabulary=os.path.join(run, "vocabulary.txt"),
+    )
+    model, inspector = model_lib.build_classifier(
+        vocab_size=vectorizer.vocabulary_size(),
+        sequence_length=config["sequence_length"],
+        embed_dim=config["embed_dim"],
+        num_heads=config["num_heads"],
+        key_dim=config["key_dim"],
+        ff_dim=config["ff_dim"],
+        num_layers=config["num_layers"],
+        dropout=0.0,
+        bigram_vocab_size=config["bigram_vocab_size"],
+    )
+    if config["bigram_vocab_size"]:
+        pairs = data.read_bigrams(vectorizer, os.path.join(run, "bigrams.txt"))
+        model.get_layer("embedding").set_bigrams(pairs)
+    keras_path = os.path.join(run, "model.keras")
+    if os.path.isfile(keras_path):
+        trained = keras.saving.load_model(keras_path, compile=False)
+        model.set_weights(trained.get_weights())
+        weights_from = keras_path
+    else:
+        loaded = tf.saved_model.load(saved_model)  # keeps the variables alive
+        stored = {
+            _current_name(v.name): v for v in loaded.signatures["serving_default"].variables
+        }
+        missing = [w.path for w in model.weights if w.path not in stored]
+        if missing:
+            raise ValueError(
+                f"the SavedModel in {saved_model} has no variable for {missing[:3]} (and "
+                f"{max(0, len(missing) - 3)} more); it was not written by this app's classifier"
+            )
+        for weight in model.weights:
+            weight.assign(stored[weight.path])
+        weights_from = saved_model
+    return Run(model, inspector, vectorizer, metrics, weights_from)
+
+
+def check_against_saved_model(run, saved_model, texts, tolerance=1e-4):
+    """The largest |P(positive)| difference between the Keras model and the SavedModel on
+    `texts`; a `ValueError` beyond `tolerance`."""
+    loaded = tf.saved_model.load(saved_model)
+    serve = loaded.signatures["serving_default"]
+    served = np.concatenate(
+        [serve(text=tf.constant(texts[i : i + 64]))["probability"].numpy()
+         for i in range(0, len(texts), 64)]
+    )  # fmt: skip
+    ids = data.vectorize(run.vectorizer, texts)
+    ours = explain.ModelProbe(run.model).probability(ids)
+    difference = float(np.max(np.abs(served - ours))) if len(texts) else 0.0
+    if difference > tolerance:
+        raise ValueError(
+            f"the Keras model rebuilt from {run.weights_from} differs from the SavedModel by "
+            f"{difference:.2g} in P(positive) (tolerance {tolerance}); not measuring it"
+        )
+    return difference
+
+
+def rankings_for(inspector, probe, ids, lengths, rng):
+    """`{name: [scores (n,) per review]}` for one batch of reviews, and the gradient scores
+    and the attention weights (for the viewer)."""
+    outputs = inspector.predict(ids, batch_size=probe.batch_size, verbose=0)
+    pooling, attention = outputs["pooling"], outputs["attention"]  # (R, N, L), (R, l, N, L, L)
+    gradient, _ = probe.gradient_x_input(ids)  # (R, L)
+    num_heads = pooling.shape[1]
+    names = [ATTENTION] + [f"attention head {h}" for h in range(num_heads)]
+    names += ["attention rollout", "gradient x input", "random"]
+    rankings = {name: [] for name in names}
+    for r, n in enumerate(lengths):
+        rankings[ATTENTION].append(pooling[r, :, :n].mean(axis=0))
+        for h in range(num_heads):
+            rankings[f"attention head {h}"].append(pooling[r, h, :n])
+        rankings["attention rollout"].append(
+            explain.rollout(pooling[r, :, :n], attention[r, :, :, :n, :n])
+        )
+        rankings["gradient x input"].append(gradient[r, :n])
+        rankings["random"].append(rng.permutation(n).astype(np.float64))
+    return rankings
+
+
+def _mean_and_error(values):
+    values = np.asarray(values, dtype=np.float64)
+    values = values[~np.isnan(values)]
+    if not len(values):
+        return {"mean": None, "standard_error": None}
+    error = float(values.std(ddof=1) / math.sqrt(len(values))) if len(values) > 1 else None
+    return {"mean": round(float(values.mean()), 6),
+            "standard_error": None if error is None else round(error, 6)}  # fmt: skip
+
+
+def evaluate(model, inspector, vectorizer, texts, labels, seed=0, batch_size=128,
+             fractions=explain.FRACTIONS, reviews_per_step=25):  # fmt: skip
+    """Runs the tests on `texts`; returns the `faithfulness.json` payload (without `source`)."""
+    ids = data.vectorize(vectorizer, np.asarray(texts))
+    lengths = (ids != 0).sum(axis=1)
+    usable = np.flatnonzero(lengths > 0)  # an empty review has nothing to rank
+    probe = explain.ModelProbe(model, batch_size=batch_size)
+    rng = np.random.default_rng(seed)
+    per_ranking, taus, full, predicted = {}, [], [], []
+    progress = keras.utils.Progbar(len(usable), unit_name="review")
+    for start in range(0, len(usable), reviews_per_step):
+        chosen = usable[start : start + reviews_per_step]
+        rankings = rankings_for(inspector, probe, ids[chosen], lengths[chosen], rng)
+        scores = explain.erase_scores(
+            probe.probability, ids[chosen], lengths[chosen], rankings, fractions
+        )
+        full.append(scores["full"])
+        predicted.append(scores["predicted"])
+        for name in rankings:
+            for key in ("comprehensiveness", "sufficiency", "without", "only"):
+                per_ranking.setdefault(name, {}).setdefault(key, []).append(scores[name][key])
+        taus.extend(
+            explain.kendall_tau(a, g)
+            for a, g in zip(rankings[ATTENTION], rankings["gradient x input"])
+        )
+        progress.add(len(chosen))
+    full = np.concatenate(full) if full else np.zeros(0)
+    predicted = np.concatenate(predicted) if predicted else np.zeros(0, dtype=np.int64)
+    labels = np.asarray(labels)[usable]
+    flip_column = fractions.index(0.10) if 0.10 in fractions else None
+    results = {}
+    comprehensiveness_aopc = {}
+    for name, arrays in per_ranking.items():
+        arrays = {key: np.concatenate(value) for key, value in arrays.items()}  # (R, K)
+        comprehensiveness_aopc[name] = arrays["comprehensiveness"].mean(axis=1)  # (R,)
+        row = {
+            "comprehensiveness": [_mean_and_error(c) for c in arrays["comprehensiveness"].T],
+            "sufficiency": [_mean_and_error(s) for s in arrays["sufficiency"].T],
+            "comprehensiveness_aopc": _mean_and_error(comprehensiveness_aopc[name]),
+            "sufficiency_aopc": _mean_and_error(arrays["sufficiency"].mean(axis=1)),
+        }
+        if flip_column is not None:
+            row["label_flips_top_10_percent"] = round(
+                float(np.mean(arrays["without"][:, flip_column] < 0.5)), 6
+            )
+        results[name] = row
+    taus = np.asarray(taus, dtype=np.float64)
+    finite = taus[~np.isnan(taus)]
+    baseline = comprehensiveness_aopc.get("random")
+    versus_random = {
+        name: _mean_and_error(aopc - baseline)
+        for name, aopc in comprehensiveness_aopc.items()
+        if name != "random" and baseline is not None
+    }
+    return {
+        "reviews": int(len(usable)),
+        "skipped_empty": int(len(texts) - len(usable)),
+        "tokens_median": float(np.median(lengths[usable])) if len(usable) else None,
+        "accuracy_on_sample": round(float(np.mean(predicted == labels)), 6) if len(usable) else None,
+        "p_predicted_mean": round(float(np.mean(np.maximum(full, 1 - full))), 6) if len(full) else None,
+        "fractions": list(fractions),
+        "rankings": results,
+        "comprehensiveness_aopc_minus_random": versus_random,
+        "kendall_tau_attention_vs_gradient": {
+            **_mean_and_error(finite),
+            "quantiles": {
+                q: round(float(np.quantile(finite, float(q))), 6) for q in ("0.1", "0.25", "0.5", "0.75", "0.9")
+            } if len(finite) else {},
+            "values": [round(float(t), 4) for t in finite],
+        },  # fmt: skip
+    }
+
+
+def _cell(stat):
+    if stat["mean"] is None:
+        return "-"
+    error = "" if stat["standard_error"] is None else f" ± {stat['standard_error']:.3f}"
+    return f"{stat['mean']:.3f}{error}"
+
+
+def markdown_table(payload):
+    """The Markdown report: comprehensiveness and sufficiency per ranking, and the verdict."""
+    fractions = payload["fractions"]
+    header = " | ".join(f"k={f:.0%}" for f in fractions)
+    lines = [
+        f"Comprehensiveness (drop in P(predicted label) when the top k tokens are deleted; "
+        f"higher = the ranking found what the model used), on {payload['reviews']} test reviews:",
+        "",
+        f"| ranking | {header} | AOPC | label flips at 10% |",
+        "|---|" + "---|" * (len(fractions) + 2),
+    ]
+    for name, row in payload["rankings"].items():
+        cells = " | ".join(_cell(c) for c in row["comprehensiveness"])
+        flips = row.get("label_flips_top_10_percent")
+        flips = "-" if flips is None else f"{flips:.1%}"
+        lines.append(f"| {name} | {cells} | {_cell(row['comprehensiveness_aopc'])} | {flips} |")
+    lines += [
+        "",
+        "Sufficiency (drop when only the top k tokens are kept; lower = the tokens suffice):",
+        "",
+        f"| ranking | {header} | AOPC |",
+        "|---|" + "---|" * (len(fractions) + 1),
+    ]
+    for name, row in payload["rankings"].items():
+        cells = " | ".join(_cell(s) for s in row["sufficiency"])
+        lines.append(f"| {name} | {cells} | {_cell(row['sufficiency_aopc'])} |")
+    tau = payload["kendall_tau_attention_vs_gradient"]
+    lines += ["", verdict(payload), ""]
+    if tau["mean"] is not None:
+        lines += [
+            f"Kendall's tau between the attention and gradient x input rankings, per review: "
+            f"mean {_cell(tau)}, median {tau['quantiles']['0.5']:.3f} "
+            f"(10th-90th percentile {tau['quantiles']['0.1']:.3f} to {tau['quantiles']['0.9']:.3f}).",
+            "",
+        ]
+    return "\n".join(lines)
+
+
+def verdict(payload):
+    """One honest sentence on what the comprehensiveness numbers say."""
+    gap = payload["comprehensiveness_aopc_minus_random"]
+    rankings = payload["rankings"]
+    if ATTENTION not in gap or gap[ATTENTION]["standard_error"] in (None, 0):
+        return "Too few reviews to compare the rankings."
+    attention = gap[ATTENTION]
+    z = attention["mean"] / attention["standard_error"]
+    best = max(rankings, key=lambda name: rankings[name]["comprehensiveness_aopc"]["mean"])
+    evidence = (
+        f"Deleting the most attended tokens lowers P(predicted label) by "
+        f"{rankings[ATTENTION]['comprehensiveness_aopc']['mean']:.3f} on average over k "
+        f"(random tokens: {rankings['random']['comprehensiveness_aopc']['mean']:.3f}), "
+        f"{attention['mean']:.3f} more, {z:.1f} standard errors"
+    )
+    if z <= 3:
+        return evidence + ": the attention does not explain the prediction better than chance here."
+    if best == ATTENTION:
+        return evidence + ": the pooling attention points at what the model used, and no other ranking here does better."
+    better = rankings[best]["comprehensiveness_aopc"]["mean"]
+    return (
+        evidence + f": the attention carries real signal, but {best} finds more of what the model "
+        f"used ({better:.3f}), so the attention is a partial explanation, not the whole one."
+    )
+
+
+def plot(payload, path):
+    """Drop in P(predicted label) against k per ranking (deleted, and kept only), and tau."""
+    plt = export.pyplot()
+    fractions = [100 * f for f in payload["fractions"]]
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))
+    for key, ax, title in (
+        ("comprehensiveness", axes[0], "top k deleted: drop in P(predicted) (higher = faithful)"),
+        ("sufficiency", axes[1], "only top k kept: drop in P(predicted) (lower = sufficient)"),
+    ):
+        for name, row in payload["rankings"].items():
+            means = [c["mean"] for c in row[key]]
+            errors = [c["standard_error"] or 0.0 for c in row[key]]
+            style = "k--" if name == "random" else "o-"
+            ax.errorbar(fractions, means, yerr=errors, fmt=style, capsize=3, label=name, alpha=0.9)
+        ax.set_xscale("log")
+        ax.set_xticks(fractions, [f"{f:g}%" for f in fractions])
+        ax.set_xlabel("k, % of the review's tokens")
+        ax.set_title(title, fontsize=10)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("P(predicted | review) - P(predicted | changed review)")
+    axes[0].legend(fontsize=8)
+    taus = payload["kendall_tau_attention_vs_gradient"]["values"]
+    axes[2].hist(taus, bins=30, range=(-1, 1), color="#0969da")
+    axes[2].set_xlabel("Kendall's tau, attention vs gradient x input")
+    axes[2].set_ylabel("reviews")
+    axes[2].set_title("agreement of the rankings, per review", fontsize=10)
+    fig.suptitle(f"Faithfulness on {payload['reviews']} test reviews (ERASER deletion tests)")
+    export.save_figure(fig, path)
+    return path
+
+
+def write_report(payload, folder):
+    """Writes faithfulness.json, .md and .png into `folder`; returns their paths."""
+    paths = {
+        "faithfulness_json": os.path.join(folder, "faithfulness.json"),
+        "faithfulness_md": os.path.join(folder, "faithfulness.md"),
+        "faithfulness_png": os.path.join(folder, "faithfulness.png"),
+    }
+    export.write_json_atomic(paths["faithfulness_json"], payload)
+    export.write_text_atomic(paths["faithfulness_md"], markdown_table(payload))
+    plot(payload, paths["faithfulness_png"])
+    return paths
+
+
+def main(argv=None):
+    config = parse_args(argv)
+    try:
+        run = load_run(config.run)
+        dataset = run.metrics["config"]["dataset"]
+        data_dir = data.resolve_data_dir(config.data_dir)
+        print(f"Loading the {dataset} test split with tensorflow-datasets (data_dir={data_dir or 'default'})")
+        texts, labels, split = data.load_test_split(dataset, data_dir)
+        chosen = export.inspection_sample(len(texts), config.examples, config.seed)
+        difference = check_against_saved_model(
+            run, os.path.join(config.run, "saved_model"), texts[chosen[:64]]
+        )
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print(
+        f"Weights from {run.weights_from}: P(positive) within {difference:.1g} of the SavedModel. "
+        f"Ranking and deleting tokens in {len(chosen)} {split} reviews"
+    )
+    payload = evaluate(
+        run.model, run.inspector, run.vectorizer, texts[chosen], labels[chosen],
+        seed=config.seed, batch_size=config.batch_size,
+    )  # fmt: skip
+    payload["source"] = {
+        "run": os.path.abspath(config.run),
+        "weights": os.path.abspath(run.weights_from),
+        "saved_model_max_abs_difference": difference,
+        "dataset": dataset,
+        "split": split,
+        "examples": len(chosen),
+        "seed": config.seed,
+    }
+    paths = write_report(payload, config.run)
+    print("\n" + verdict(payload))
+    print("Wrote:")
+    for name, path in paths.items():
+        print(f"  {name:18s} {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
