@@ -31,6 +31,8 @@ import tensorflow as tf
 from keras import ops
 
 FRACTIONS = (0.01, 0.05, 0.10, 0.20, 0.50)  # of each review's tokens
+ATTENTION = "attention"  # the ranking (pooling, mean over heads) compared with random
+DELETED_IN_VIEWER = 5  # tokens deleted for the viewer's one-line test
 
 
 def top_count(fraction, n):
@@ -191,3 +193,91 @@ def erase_scores(probability, ids, lengths, rankings, fractions=FRACTIONS):
             "sufficiency": sign_full[:, None] - only,
         }
     return results
+
+
+def _cell(stat):
+    if stat["mean"] is None:
+        return "-"
+    error = "" if stat["standard_error"] is None else f" ± {stat['standard_error']:.3f}"
+    return f"{stat['mean']:.3f}{error}"
+
+
+def markdown_table(payload):
+    """The Markdown report: comprehensiveness and sufficiency per ranking, and the verdict."""
+    fractions = payload["fractions"]
+    header = " | ".join(f"k={f:.0%}" for f in fractions)
+    lines = [
+        f"Comprehensiveness (drop in P(predicted label) when the top k tokens are deleted; "
+        f"higher = the ranking found what the model used), on {payload['reviews']} test reviews:",
+        "",
+        f"| ranking | {header} | AOPC | label flips at 10% |",
+        "|---|" + "---|" * (len(fractions) + 2),
+    ]
+    for name, row in payload["rankings"].items():
+        cells = " | ".join(_cell(c) for c in row["comprehensiveness"])
+        flips = row.get("label_flips_top_10_percent")
+        flips = "-" if flips is None else f"{flips:.1%}"
+        lines.append(f"| {name} | {cells} | {_cell(row['comprehensiveness_aopc'])} | {flips} |")
+    lines += [
+        "",
+        "Sufficiency (drop when only the top k tokens are kept; lower = the tokens suffice):",
+        "",
+        f"| ranking | {header} | AOPC |",
+        "|---|" + "---|" * (len(fractions) + 1),
+    ]
+    for name, row in payload["rankings"].items():
+        cells = " | ".join(_cell(s) for s in row["sufficiency"])
+        lines.append(f"| {name} | {cells} | {_cell(row['sufficiency_aopc'])} |")
+    tau = payload["kendall_tau_attention_vs_gradient"]
+    lines += ["", verdict(payload), ""]
+    if tau["mean"] is not None:
+        lines += [
+            f"Kendall's tau between the attention and gradient x input rankings, per review: "
+            f"mean {_cell(tau)}, median {tau['quantiles']['0.5']:.3f} "
+            f"(10th-90th percentile {tau['quantiles']['0.1']:.3f} to {tau['quantiles']['0.9']:.3f}).",
+            "",
+        ]
+    return "\n".join(lines)
+
+
+def verdict(payload):
+    """One honest sentence on what the comprehensiveness numbers say."""
+    gap = payload["comprehensiveness_aopc_minus_random"]
+    rankings = payload["rankings"]
+    if ATTENTION not in gap or gap[ATTENTION]["standard_error"] in (None, 0):
+        return "Too few reviews to compare the rankings."
+    attention = gap[ATTENTION]
+    z = attention["mean"] / attention["standard_error"]
+    best = max(rankings, key=lambda name: rankings[name]["comprehensiveness_aopc"]["mean"])
+    evidence = (
+        f"Deleting the most attended tokens lowers P(predicted label) by "
+        f"{rankings[ATTENTION]['comprehensiveness_aopc']['mean']:.3f} on average over k "
+        f"(random tokens: {rankings['random']['comprehensiveness_aopc']['mean']:.3f}), "
+        f"{attention['mean']:.3f} more, {z:.1f} standard errors"
+    )
+    if z <= 3:
+        return evidence + ": the attention does not explain the prediction better than chance here."
+    if best == ATTENTION:
+        return evidence + ": the pooling attention points at what the model used, and no other ranking here does better."
+    better = rankings[best]["comprehensiveness_aopc"]["mean"]
+    return (
+        evidence + f": the attention carries real signal, but {best} finds more of what the model "
+        f"used ({better:.3f}), so the attention is a partial explanation, not the whole one."
+    )
+
+
+def summary(payload):
+    """The headline numbers of a faithfulness payload, for `metrics.json` and the model card."""
+    rankings = payload["rankings"]
+    return {
+        "reviews": payload["reviews"],
+        "comprehensiveness_aopc": {
+            name: row["comprehensiveness_aopc"] for name, row in rankings.items()
+        },
+        "attention_minus_random": payload["comprehensiveness_aopc_minus_random"].get(ATTENTION),
+        "kendall_tau_attention_vs_gradient": {
+            key: payload["kendall_tau_attention_vs_gradient"][key]
+            for key in ("mean", "standard_error")
+        },
+        "verdict": verdict(payload),
+    }

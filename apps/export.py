@@ -15,7 +15,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from apps import viewer
+from apps import explain, viewer
 
 PAD = ""  # the vectorizer's padding token (id 0)
 
@@ -91,13 +91,16 @@ def inspection_sample(size, count, seed):
     return np.sort(rng.choice(size, min(count, size), replace=False))
 
 
-def make_record(index, text, tokens, label, probability, pooling, attention):
+def make_record(index, text, tokens, label, probability, pooling, attention,
+                gradient=None, deletion=None):  # fmt: skip
     """One inspection record over the `n` real tokens of a review.
 
     `pooling` is `(N, n)` and `attention` `(layers, N, n, n)` (row: the attending
-    token; column: the attended one). Padding never appears.
+    token; column: the attended one). Padding never appears. With the Keras model at
+    hand, `gradient` `(n,)` is gradient x input towards the predicted label and
+    `deletion` the viewer's deletion test (`deletion_test`).
     """
-    return {
+    record = {
         "index": int(index),
         "text": text.decode("utf-8", errors="replace") if isinstance(text, bytes) else text,
         "tokens": [str(t) for t in tokens],
@@ -107,20 +110,57 @@ def make_record(index, text, tokens, label, probability, pooling, attention):
         "pooling": np.round(pooling, 5).tolist(),
         "attention": np.round(attention, 5).tolist(),
     }
+    if gradient is not None:
+        record["gradient_x_input"] = np.round(gradient, 6).tolist()
+    if deletion is not None:
+        record["deletion"] = deletion
+    return record
 
 
-def inspect_records(inspector, vectorizer, texts, labels, indices=None):
+def deletion_test(probability, ids, n, attention, seed):
+    """The viewer's one-line test for one review: P(positive) after deleting its `k` (5, or
+    fewer in a short review) most attended tokens, and after deleting `k` random ones.
+
+    `probability` maps ids `(B, L)` to P(positive); `attention` `(n,)` is the pooling
+    attention, mean over heads; the random tokens are seeded by `seed` (the review's index).
+    """
+    k = min(explain.DELETED_IN_VIEWER, n)
+    top = explain.order_of(attention)[:k]
+    chosen = np.random.default_rng(seed).choice(n, k, replace=False) if n else []
+    rows = [explain.delete_positions(ids, top), explain.delete_positions(ids, chosen)]
+    without_top, without_random = probability(np.stack(rows))
+    return {
+        "k": int(k),
+        "without_top_attention": round(float(without_top), 6),
+        "without_random": round(float(without_random), 6),
+    }
+
+
+def inspect_records(inspector, vectorizer, texts, labels, indices=None, model=None):
     """`make_record` for each review, from the in-memory inspector model.
 
-    `indices` are the reviews' positions in their split (default: 0, 1, ...).
+    `indices` are the reviews' positions in their split (default: 0, 1, ...). With `model`
+    (the Keras classifier), each record also gets gradient x input and the deletion test.
     """
     indices = range(len(texts)) if indices is None else indices
     vocabulary = np.array(vectorizer.get_vocabulary(), dtype=object)
     ids = vectorizer(tf.constant(texts)).numpy()  # (B, L)
     outputs = inspector.predict(ids, batch_size=16, verbose=0)
+    if model is not None:
+        probe = explain.ModelProbe(model)
+        gradients, _ = probe.gradient_x_input(ids)  # (B, L)
     records = []
     for i, (index, text) in enumerate(zip(indices, texts)):
         n = int((ids[i] != 0).sum())
+        pooling = outputs["pooling"][i, :, :n]  # (N, n)
+        extra = {}
+        if model is not None:
+            extra = {
+                "gradient": gradients[i, :n],
+                "deletion": deletion_test(
+                    probe.probability, ids[i], n, pooling.mean(axis=0), int(index)
+                ),
+            }
         records.append(
             make_record(
                 index,
@@ -128,8 +168,9 @@ def inspect_records(inspector, vectorizer, texts, labels, indices=None):
                 vocabulary[ids[i, :n]],
                 labels[i],
                 outputs["probability"][i, 0],
-                outputs["pooling"][i, :, :n],
+                pooling,
                 outputs["attention"][i, :, :, :n, :n],
+                **extra,
             )  # fmt: skip
         )
     return records
@@ -326,8 +367,30 @@ or, with TensorFlow alone:
     python -m apps.train_sentiment {flags}
 
 (add `--data_dir` for an existing TFDS folder).
-"""
+{_faithfulness_section(os.path.dirname(path))}"""
     return write_text_atomic(path, card)
+
+
+def _faithfulness_section(folder):
+    """The card's "Does the attention explain the prediction?" section, from the folder's
+    `faithfulness.json` (written by `python -m apps.faithfulness`); empty without one."""
+    report = os.path.join(folder, "faithfulness.json")
+    if not os.path.isfile(report):
+        return ""
+    with open(report) as f:
+        payload = json.load(f)
+    source = payload.get("source", {})
+    return f"""
+## Does the attention explain the prediction?
+
+ERASER's deletion tests (`python -m apps.faithfulness`, {payload["reviews"]} {source.get("split", "test")}
+reviews, seed {source.get("seed", 0)}; `faithfulness.json`, `faithfulness.png`). Each ranking orders a
+review's tokens; deleting a token removes it from the sequence the model sees, as if the word were
+not in the text.
+
+{explain.markdown_table(payload)}
+![faithfulness](faithfulness.png)
+"""
 
 
 def _machine():

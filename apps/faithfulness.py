@@ -41,7 +41,6 @@ from apps import cli, data, explain, export  # noqa: E402
 from apps import model as model_lib  # noqa: E402
 
 QUICK_EXAMPLES = 200
-ATTENTION = "attention"  # the ranking the headline compares with random
 
 
 @dataclasses.dataclass
@@ -174,11 +173,11 @@ def rankings_for(inspector, probe, ids, lengths, rng):
     pooling, attention = outputs["pooling"], outputs["attention"]  # (R, N, L), (R, l, N, L, L)
     gradient, _ = probe.gradient_x_input(ids)  # (R, L)
     num_heads = pooling.shape[1]
-    names = [ATTENTION] + [f"attention head {h}" for h in range(num_heads)]
+    names = [explain.ATTENTION] + [f"attention head {h}" for h in range(num_heads)]
     names += ["attention rollout", "gradient x input", "random"]
     rankings = {name: [] for name in names}
     for r, n in enumerate(lengths):
-        rankings[ATTENTION].append(pooling[r, :, :n].mean(axis=0))
+        rankings[explain.ATTENTION].append(pooling[r, :, :n].mean(axis=0))
         for h in range(num_heads):
             rankings[f"attention head {h}"].append(pooling[r, h, :n])
         rankings["attention rollout"].append(
@@ -222,7 +221,7 @@ def evaluate(model, inspector, vectorizer, texts, labels, seed=0, batch_size=128
                 per_ranking.setdefault(name, {}).setdefault(key, []).append(scores[name][key])
         taus.extend(
             explain.kendall_tau(a, g)
-            for a, g in zip(rankings[ATTENTION], rankings["gradient x input"])
+            for a, g in zip(rankings[explain.ATTENTION], rankings["gradient x input"])
         )
         progress.add(len(chosen))
     full = np.concatenate(full) if full else np.zeros(0)
@@ -272,77 +271,6 @@ def evaluate(model, inspector, vectorizer, texts, labels, seed=0, batch_size=128
     }
 
 
-def _cell(stat):
-    if stat["mean"] is None:
-        return "-"
-    error = "" if stat["standard_error"] is None else f" ± {stat['standard_error']:.3f}"
-    return f"{stat['mean']:.3f}{error}"
-
-
-def markdown_table(payload):
-    """The Markdown report: comprehensiveness and sufficiency per ranking, and the verdict."""
-    fractions = payload["fractions"]
-    header = " | ".join(f"k={f:.0%}" for f in fractions)
-    lines = [
-        f"Comprehensiveness (drop in P(predicted label) when the top k tokens are deleted; "
-        f"higher = the ranking found what the model used), on {payload['reviews']} test reviews:",
-        "",
-        f"| ranking | {header} | AOPC | label flips at 10% |",
-        "|---|" + "---|" * (len(fractions) + 2),
-    ]
-    for name, row in payload["rankings"].items():
-        cells = " | ".join(_cell(c) for c in row["comprehensiveness"])
-        flips = row.get("label_flips_top_10_percent")
-        flips = "-" if flips is None else f"{flips:.1%}"
-        lines.append(f"| {name} | {cells} | {_cell(row['comprehensiveness_aopc'])} | {flips} |")
-    lines += [
-        "",
-        "Sufficiency (drop when only the top k tokens are kept; lower = the tokens suffice):",
-        "",
-        f"| ranking | {header} | AOPC |",
-        "|---|" + "---|" * (len(fractions) + 1),
-    ]
-    for name, row in payload["rankings"].items():
-        cells = " | ".join(_cell(s) for s in row["sufficiency"])
-        lines.append(f"| {name} | {cells} | {_cell(row['sufficiency_aopc'])} |")
-    tau = payload["kendall_tau_attention_vs_gradient"]
-    lines += ["", verdict(payload), ""]
-    if tau["mean"] is not None:
-        lines += [
-            f"Kendall's tau between the attention and gradient x input rankings, per review: "
-            f"mean {_cell(tau)}, median {tau['quantiles']['0.5']:.3f} "
-            f"(10th-90th percentile {tau['quantiles']['0.1']:.3f} to {tau['quantiles']['0.9']:.3f}).",
-            "",
-        ]
-    return "\n".join(lines)
-
-
-def verdict(payload):
-    """One honest sentence on what the comprehensiveness numbers say."""
-    gap = payload["comprehensiveness_aopc_minus_random"]
-    rankings = payload["rankings"]
-    if ATTENTION not in gap or gap[ATTENTION]["standard_error"] in (None, 0):
-        return "Too few reviews to compare the rankings."
-    attention = gap[ATTENTION]
-    z = attention["mean"] / attention["standard_error"]
-    best = max(rankings, key=lambda name: rankings[name]["comprehensiveness_aopc"]["mean"])
-    evidence = (
-        f"Deleting the most attended tokens lowers P(predicted label) by "
-        f"{rankings[ATTENTION]['comprehensiveness_aopc']['mean']:.3f} on average over k "
-        f"(random tokens: {rankings['random']['comprehensiveness_aopc']['mean']:.3f}), "
-        f"{attention['mean']:.3f} more, {z:.1f} standard errors"
-    )
-    if z <= 3:
-        return evidence + ": the attention does not explain the prediction better than chance here."
-    if best == ATTENTION:
-        return evidence + ": the pooling attention points at what the model used, and no other ranking here does better."
-    better = rankings[best]["comprehensiveness_aopc"]["mean"]
-    return (
-        evidence + f": the attention carries real signal, but {best} finds more of what the model "
-        f"used ({better:.3f}), so the attention is a partial explanation, not the whole one."
-    )
-
-
 def plot(payload, path):
     """Drop in P(predicted label) against k per ranking (deleted, and kept only), and tau."""
     plt = export.pyplot()
@@ -382,7 +310,7 @@ def write_report(payload, folder):
         "faithfulness_png": os.path.join(folder, "faithfulness.png"),
     }
     export.write_json_atomic(paths["faithfulness_json"], payload)
-    export.write_text_atomic(paths["faithfulness_md"], markdown_table(payload))
+    export.write_text_atomic(paths["faithfulness_md"], explain.markdown_table(payload))
     plot(payload, paths["faithfulness_png"])
     return paths
 
@@ -420,7 +348,7 @@ def main(argv=None):
         "seed": config.seed,
     }
     paths = write_report(payload, config.run)
-    print("\n" + verdict(payload))
+    print("\n" + explain.verdict(payload))
     print("Wrote:")
     for name, path in paths.items():
         print(f"  {name:18s} {path}")

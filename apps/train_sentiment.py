@@ -45,7 +45,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from apps import cli, data, distribute, export  # noqa: E402
+from apps import cli, data, distribute, explain, export, faithfulness  # noqa: E402
 from apps import model as model_lib  # noqa: E402
 
 
@@ -82,6 +82,7 @@ class Config:
     # output
     output: str = "saved_models/imdb_sdpa"
     inspect_examples: int = 50  # test reviews exported for attention inspection
+    faithfulness_examples: int = 200  # test reviews for the deletion tests at the end; 0 = none
     resume: bool = False
 
 
@@ -140,6 +141,11 @@ def _check_config(config):
     if config.learning_rate <= 0:
         raise ValueError(
             f"`--learning_rate` must be positive. Received: learning_rate={config.learning_rate}"
+        )
+    if config.faithfulness_examples < 0:
+        raise ValueError(
+            "`--faithfulness_examples` must be >= 0. "
+            f"Received: faithfulness_examples={config.faithfulness_examples}"
         )
     if config.inspect_examples < 0:
         raise ValueError(
@@ -550,8 +556,9 @@ def _report(config, output, model, inspector, vectorizer, splits, history, best_
             len(splits.test_text), config.inspect_examples, config.seed
         )
         records = export.inspect_records(
-            inspector, vectorizer, splits.test_text[chosen], splits.test_label[chosen], chosen
-        )
+            inspector, vectorizer, splits.test_text[chosen], splits.test_label[chosen], chosen,
+            model=model,
+        )  # fmt: skip
         paths["attention_jsonl"] = export.write_attention_jsonl(
             records, os.path.join(output, "attention.jsonl")
         )
@@ -564,6 +571,26 @@ def _report(config, output, model, inspector, vectorizer, splits, history, best_
         )
         if heatmaps:
             paths["attention_heatmaps"] = heatmaps
+
+    faithfulness_summary = None
+    if config.faithfulness_examples:
+        print(
+            f"Deletion tests (apps.faithfulness --quick) on {config.faithfulness_examples} "
+            "test reviews"
+        )
+        chosen = export.inspection_sample(
+            len(splits.test_text), config.faithfulness_examples, config.seed
+        )
+        payload = faithfulness.evaluate(
+            model, inspector, vectorizer, splits.test_text[chosen], splits.test_label[chosen],
+            seed=config.seed,
+        )  # fmt: skip
+        payload["source"] = {
+            "run": output, "weights": "the trained model, in memory", "dataset": config.dataset,
+            "split": splits.test_split, "examples": len(chosen), "seed": config.seed,
+        }  # fmt: skip
+        paths.update(faithfulness.write_report(payload, output))
+        faithfulness_summary = explain.summary(payload)
 
     import tensorflow_datasets as tfds
 
@@ -584,6 +611,7 @@ def _report(config, output, model, inspector, vectorizer, splits, history, best_
         "train_seconds": round(train_seconds, 1),
         "parameters": int(model.count_params()),
         "export_max_abs_difference": max_difference,
+        "faithfulness": faithfulness_summary,
         "distribution": distribution,
         "history": history,
         "config": dataclasses.asdict(config),
