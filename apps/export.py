@@ -202,8 +202,14 @@ def write_attention_html(records, path, title="keras-sdpa attention"):
         received = attention.sum(axis=-2) / max(1, n)  # (layers, N, n)
         scaled = attention / np.where(row_max > 0, row_max, 1.0)[..., None]  # rows peak at 1
         rows = np.round(scaled * 255).astype(np.uint8)
+        extra = {}
+        if "gradient_x_input" in record:
+            extra["gradient"] = record["gradient_x_input"]
+        if "deletion" in record:
+            extra["deletion"] = record["deletion"]
         examples.append(
             {
+                **extra,
                 "text": record["text"][:_MAX_TEXT],
                 "tokens": record["tokens"],
                 "label": record["label"],

@@ -83,9 +83,13 @@ TEMPLATE = r"""<!doctype html>
   <label>search <input id="search" type="search" placeholder="words in the review"></label>
   <label>layer <select id="layer"></select></label>
   <label>head <select id="head"></select></label>
+  <label id="shading-control" hidden>shading <select id="shading">
+    <option value="attention">attention</option>
+    <option value="gradient">gradient &times; input</option></select></label>
 </div>
 <main>
   <div class="meta" id="meta"></div>
+  <div class="meta" id="deletion"></div>
   <div id="tokens"></div>
   <div id="hint"></div>
   <div id="legend"></div>
@@ -99,8 +103,11 @@ const DATA = JSON.parse(document.getElementById("data").textContent);
 const EXAMPLES = DATA.examples;
 const NUM_LAYERS = EXAMPLES.length ? EXAMPLES[0].rows.length : 0;
 const NUM_HEADS = EXAMPLES.length ? EXAMPLES[0].pooling.length : 0;
-// layer: "pooling" or a block index; selected: the clicked token, whose row is shown.
-const state = { order: [], position: 0, layer: "pooling", head: 0, selected: null };
+// Gradient x input comes with the runs that had the Keras model (the training app).
+const HAS_GRADIENT = EXAMPLES.length > 0 && EXAMPLES.every(ex => Array.isArray(ex.gradient));
+// layer: "pooling" or a block index; selected: the clicked token, whose row is shown;
+// shading: "attention" (the layer's weights) or "gradient" (gradient x input).
+const state = { order: [], position: 0, layer: "pooling", head: 0, selected: null, shading: "attention" };
 
 function decodeRows(ex, layer, head) {
   // The (n, n) self-attention of one head: bytes scaled per row, times the row's maximum.
@@ -110,7 +117,8 @@ function decodeRows(ex, layer, head) {
   return out;
 }
 function viewWeights(ex) {
-  // The per-token shading: pooling weights, attention received, or the clicked token's row.
+  // The per-token shading: gradient x input, pooling weights, attention received, or the clicked token's row.
+  if (state.shading === "gradient") return ex.gradient;
   if (state.layer === "pooling") return ex.pooling[state.head];
   if (state.selected !== null) {
     const n = ex.tokens.length, rows = decodeRows(ex, state.layer, state.head);
@@ -131,7 +139,9 @@ function applyFilter() {
   state.order = order; state.position = 0; state.selected = null; render();
 }
 function select(i) {
-  // Pooling has no rows (one learned query): a click shows the token's row in the last block.
+  // A click shows attention: the token's row. Pooling has no rows (one learned query):
+  // from there a click shows the token's row in the last block.
+  state.shading = "attention"; document.getElementById("shading").value = "attention";
   if (state.layer === "pooling" && NUM_LAYERS) {
     state.layer = NUM_LAYERS - 1; document.getElementById("layer").value = String(state.layer);
   }
@@ -161,10 +171,14 @@ function render() {
     `<span class="badge ${correct ? "right" : "wrong"}" id="verdict">${correct ? "correct" : "wrong"}</span> ` +
     `&middot; ${ex.tokens.length} tokens`;
   document.getElementById("text").textContent = ex.text;
-  // Shading runs from the lowest weight in view (white) to the highest (full orange).
-  const weights = viewWeights(ex);
+  // Attention: from the lowest weight in view (white) to the highest (full orange).
+  // Gradient x input: orange for the predicted label, blue against it, by |value| / max |value|.
+  const weights = viewWeights(ex), gradient = state.shading === "gradient";
   const low = weights.length ? Math.min(...weights) : 0, high = weights.length ? Math.max(...weights) : 0;
-  const shade = w => (high > low ? (w - low) / (high - low) : high > 0 ? 1 : 0);
+  const largest = Math.max(Math.abs(low), Math.abs(high));
+  const shade = w => gradient ? (largest > 0 ? Math.abs(w) / largest : 0)
+                              : (high > low ? (w - low) / (high - low) : high > 0 ? 1 : 0);
+  const colour = w => gradient && w < 0 ? "9, 105, 218" : "255, 140, 0";
   ex.tokens.forEach((token, i) => {
     const span = document.createElement("span");
     span.className = "tok" + (state.selected === i ? " selected" : "");
@@ -173,26 +187,36 @@ function render() {
     span.dataset.weight = weights[i];
     span.title = `${token}: weight ${Number(weights[i]).toFixed(4)}`;
     span.dataset.shade = shade(weights[i]).toFixed(3);
-    span.style.background = `rgba(255, 140, 0, ${span.dataset.shade})`;
+    span.style.background = `rgba(${colour(weights[i])}, ${span.dataset.shade})`;
     span.addEventListener("click", () => select(i));
     tokens.appendChild(span); tokens.appendChild(document.createTextNode(" "));
   });
   const head = `head ${state.head}`;
-  document.getElementById("hint").textContent = state.layer === "pooling"
+  const deletion = document.getElementById("deletion");
+  deletion.textContent = !ex.deletion ? "" : ex.deletion.k === 0 ? "No tokens to delete." :
+    `Deleting the ${ex.deletion.k} most attended tokens moves P(positive) from ${ex.probability.toFixed(2)} ` +
+    `to ${ex.deletion.without_top_attention.toFixed(2)} (${ex.deletion.k} random tokens: ${ex.deletion.without_random.toFixed(2)}).`;
+  document.getElementById("hint").textContent = gradient
+    ? `Gradient \u00d7 input: how much each token pushes the log-odds towards the predicted label ` +
+      `(orange: towards it, blue: against it). Click a token to go back to attention and see its row.`
+    : state.layer === "pooling"
     ? `Pooling, ${head}: the classifier's learned query attending over the review (what it looked at). Click a token for its self-attention row.`
     : state.selected === null
       ? `Block ${state.layer}, ${head}: the attention each token receives (mean over its column). Click a token for its row.`
       : `Block ${state.layer}, ${head}, the row of "${ex.tokens[state.selected]}": what it attends to. Click it again to go back.`;
-  document.getElementById("legend").innerHTML = weights.length
-    ? `shading: <span class="swatch" style="background: rgba(255, 140, 0, 0)"></span> ${low.toFixed(4)} ` +
-      `to <span class="swatch" style="background: rgba(255, 140, 0, 1)"></span> ${high.toFixed(4)}` : "";
+  document.getElementById("legend").innerHTML = !weights.length ? "" : gradient
+    ? `shading: <span class="swatch" style="background: rgba(9, 105, 218, 1)"></span> ${(-largest).toFixed(4)} ` +
+      `to 0 to <span class="swatch" style="background: rgba(255, 140, 0, 1)"></span> ${largest.toFixed(4)}`
+    : `shading: <span class="swatch" style="background: rgba(255, 140, 0, 0)"></span> ${low.toFixed(4)} ` +
+      `to <span class="swatch" style="background: rgba(255, 140, 0, 1)"></span> ${high.toFixed(4)}`;
   drawHeatmap(ex);
   writeHash(index);
 }
 function writeHash(index) {
   // The view lives in the address (#review=3&layer=0&head=1&token=7): links and reloads keep it.
   const token = state.selected === null ? "" : `&token=${state.selected}`;
-  try { history.replaceState(null, "", `#review=${index}&layer=${state.layer}&head=${state.head}${token}`); }
+  const shading = state.shading === "gradient" ? "&shading=gradient" : "";
+  try { history.replaceState(null, "", `#review=${index}&layer=${state.layer}&head=${state.head}${token}${shading}`); }
   catch (error) { /* some browsers refuse history on file:// pages; the view still works */ }
 }
 function readHash(hash) {
@@ -204,6 +228,9 @@ function readHash(hash) {
   }
   if (Number.isInteger(head) && head >= 0 && head < NUM_HEADS) {
     state.head = head; document.getElementById("head").value = String(head);
+  }
+  if (HAS_GRADIENT && params.get("shading") === "gradient") {
+    state.shading = "gradient"; document.getElementById("shading").value = "gradient";
   }
   const review = state.order.indexOf(Number(params.get("review")));
   if (params.has("review") && review >= 0) state.position = review;
@@ -248,6 +275,9 @@ function init() {
     state.layer = layer.value === "pooling" ? "pooling" : Number(layer.value); state.selected = null; render();
   });
   head.addEventListener("change", () => { state.head = Number(head.value); render(); });
+  const shading = document.getElementById("shading");
+  document.getElementById("shading-control").hidden = !HAS_GRADIENT;
+  shading.addEventListener("change", () => { state.shading = shading.value; render(); });
   document.getElementById("filter").addEventListener("change", applyFilter);
   document.getElementById("search").addEventListener("input", applyFilter);
   document.getElementById("prev").addEventListener("click", () => {

@@ -22,7 +22,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL_RUN = [
     "--epochs", "2", "--max_steps", "6", "--batch_size", "32", "--sequence_length", "48",
     "--vocab_size", "3000", "--embed_dim", "16", "--key_dim", "8", "--ff_dim", "32",
-    "--save_every", "2", "--inspect_examples", "6", "--verbose", "0",
+    "--save_every", "2", "--inspect_examples", "6", "--faithfulness_examples", "24",
+    "--verbose", "0",
 ]  # fmt: skip
 TEXTS = [
     b"A wonderful, moving film with a brilliant cast.",
@@ -64,7 +65,8 @@ def trained(run):
 EXPECTED_ARTIFACTS = {
     "attention_heatmaps.png", "attention.html", "attention.jsonl", "bigrams.txt",
     "history.csv", "model.keras", "metrics.json", "README.md", "saved_model", "logs",
-    "training_curves.png", "vocabulary.txt",
+    "training_curves.png", "vocabulary.txt", "faithfulness.json", "faithfulness.md",
+    "faithfulness.png",
 }  # fmt: skip
 
 
@@ -257,11 +259,35 @@ def test_attention_export_matches_the_model(run, trained):
         # The exported prediction is the SavedModel's, not a number the app reported.
         np.testing.assert_allclose(record["probability"], out["probability"][0], atol=1e-5)
         assert record["prediction"] == int(out["label"][0])
+        # The viewer's deletion test, redone on text: the SavedModel on the review's words
+        # without its 5 most attended (an out-of-vocabulary word for each [UNK]).
+        words = ["qqxqzv" if t == "[UNK]" else t for t in record["tokens"]]
+        attended = np.mean(record["pooling"], axis=0)
+        top = set(np.argsort(-attended, kind="stable")[:5].tolist())
+        rest = " ".join(w for i, w in enumerate(words) if i not in top)
+        deletion = record["deletion"]
+        assert deletion["k"] == min(5, n)
+        np.testing.assert_allclose(
+            deletion["without_top_attention"],
+            serve(text=tf.constant([rest]))["probability"][0],
+            atol=1e-5,
+        )
+        assert len(record["gradient_x_input"]) == n
     with open(os.path.join(output, "attention.html"), encoding="utf-8") as f:
         page = f.read()
     assert "http://" not in page and "https://" not in page  # nothing fetched
     embedded = json.loads(page.split('type="application/json">')[1].split("</script>")[0])
     assert [e["tokens"] for e in embedded["examples"]] == [r["tokens"] for r in records]
+    assert [e["gradient"] for e in embedded["examples"]] == [
+        r["gradient_x_input"] for r in records
+    ]
+    # The run's quick deletion tests: on the reviews asked for, and in the model card.
+    with open(os.path.join(output, "faithfulness.json")) as f:
+        payload = json.load(f)
+    assert payload["reviews"] + payload["skipped_empty"] == 24
+    assert metrics["faithfulness"]["reviews"] == payload["reviews"]
+    with open(os.path.join(output, "README.md"), encoding="utf-8") as f:
+        assert "## Does the attention explain the prediction?" in f.read()
 
 
 def _predict(args, stdin=None):

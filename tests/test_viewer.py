@@ -23,7 +23,8 @@ pytestmark = pytest.mark.slow
 RUN = [
     "--epochs", "1", "--max_steps", "4", "--batch_size", "32", "--sequence_length", "40",
     "--vocab_size", "2000", "--embed_dim", "16", "--key_dim", "8", "--ff_dim", "32",
-    "--num_layers", "2", "--num_heads", "2", "--inspect_examples", "12", "--verbose", "0",
+    "--num_layers", "2", "--num_heads", "2", "--inspect_examples", "12",
+    "--faithfulness_examples", "0", "--verbose", "0",
 ]  # fmt: skip
 
 # Everything the page shows for the current review, read in one script call.
@@ -31,6 +32,7 @@ READ_TOKENS = """
 return Array.from(document.querySelectorAll("#tokens .tok")).map(s => ({
   text: s.textContent, weight: Number(s.dataset.weight), shade: Number(s.dataset.shade),
   alpha: parseFloat(getComputedStyle(s).backgroundColor.split(",")[3] ?? "1"),
+  blue: getComputedStyle(s).backgroundColor.startsWith("rgba(9, 105, 218"),
   selected: s.classList.contains("selected")}));
 """
 
@@ -115,6 +117,50 @@ def test_head_switch_shades_with_that_heads_weights(opened):
     _select(browser, "head", "1")
     received = np.asarray(record["attention"][1][1]).mean(axis=0)
     np.testing.assert_allclose([t["weight"] for t in _tokens(browser)], received, atol=1e-5)
+
+
+def test_gradient_shading_and_the_deletion_line(opened):
+    browser, records = opened
+    for index, record in enumerate(records[:4]):
+        if index:
+            browser.find_element(By.ID, "next").click()
+        deletion = record["deletion"]
+        assert browser.find_element(By.ID, "deletion").text == (
+            f"Deleting the {deletion['k']} most attended tokens moves P(positive) from "
+            f"{record['probability']:.2f} to {deletion['without_top_attention']:.2f} "
+            f"({deletion['k']} random tokens: {deletion['without_random']:.2f})."
+        )
+    browser.get(browser.current_url.split("#")[0])
+    record = records[0]
+    assert browser.find_element(By.ID, "shading-control").is_displayed()
+    _select(browser, "shading", "gradient")
+    shown = _tokens(browser)
+    gradient = np.asarray(record["gradient_x_input"])
+    np.testing.assert_allclose([t["weight"] for t in shown], gradient, atol=1e-7)
+    # Orange towards the predicted label, blue against it, by |value| over the largest.
+    want = np.abs(gradient) / np.abs(gradient).max()
+    np.testing.assert_allclose([t["shade"] for t in shown], want, atol=2e-3)
+    np.testing.assert_allclose([t["alpha"] for t in shown], want, atol=5e-3)
+    assert [t["blue"] for t in shown if t["alpha"] > 0] == [g < 0 for g in gradient if g != 0]
+    assert "shading=gradient" in browser.execute_script("return location.hash")
+    # A click goes back to attention: the token's row.
+    browser.find_elements(By.CSS_SELECTOR, "#tokens .tok")[0].click()
+    assert Select(browser.find_element(By.ID, "shading")).first_selected_option.text == "attention"
+    assert not any(t["blue"] for t in _tokens(browser))
+
+
+def test_no_gradient_no_shading_selector(tmp_path, browser):
+    tokens = ["a", "fine", "film"]
+    record = {
+        "index": 0, "text": "a fine film", "tokens": tokens, "label": 1, "prediction": 1,
+        "probability": 0.8, "pooling": [[0.2, 0.5, 0.3]],
+        "attention": np.full((1, 1, 3, 3), 1 / 3).tolist(),
+    }  # fmt: skip
+    html = export.write_attention_html([record], str(tmp_path / "attention.html"))
+    browser.get("file://" + os.path.abspath(html) + "#review=0&shading=gradient")
+    assert not browser.find_element(By.ID, "shading-control").is_displayed()
+    np.testing.assert_allclose([t["weight"] for t in _tokens(browser)], [0.2, 0.5, 0.3])
+    assert browser.find_element(By.ID, "deletion").text == ""
 
 
 def test_clicking_a_token_shows_its_row(opened):
