@@ -234,7 +234,8 @@ def markdown_table(payload):
         lines += [
             f"Kendall's tau between the attention and gradient x input rankings, per review: "
             f"mean {_cell(tau)}, median {tau['quantiles']['0.5']:.3f} "
-            f"(10th-90th percentile {tau['quantiles']['0.1']:.3f} to {tau['quantiles']['0.9']:.3f}).",
+            f"(10th-90th percentile {tau['quantiles']['0.1']:.3f} to "
+            f"{tau['quantiles']['0.9']:.3f}).",
             "",
         ]
     return "\n".join(lines)
@@ -258,7 +259,10 @@ def verdict(payload):
     if z <= 3:
         return evidence + ": the attention does not explain the prediction better than chance here."
     if best == ATTENTION:
-        return evidence + ": the pooling attention points at what the model used, and no other ranking here does better."
+        return evidence + (
+            ": the pooling attention points at what the model used, and no other ranking "
+            "here does better."
+        )
     better = rankings[best]["comprehensiveness_aopc"]["mean"]
     return (
         evidence + f": the attention carries real signal, but {best} finds more of what the model "

@@ -131,9 +131,7 @@ def load_run(run):
         weights_from = keras_path
     else:
         loaded = tf.saved_model.load(saved_model)  # keeps the variables alive
-        stored = {
-            _current_name(v.name): v for v in loaded.signatures["serving_default"].variables
-        }
+        stored = {_current_name(v.name): v for v in loaded.signatures["serving_default"].variables}
         missing = [w.path for w in model.weights if w.path not in stored]
         if missing:
             raise ValueError(
@@ -256,16 +254,23 @@ def evaluate(model, inspector, vectorizer, texts, labels, seed=0, batch_size=128
         "reviews": int(len(usable)),
         "skipped_empty": int(len(texts) - len(usable)),
         "tokens_median": float(np.median(lengths[usable])) if len(usable) else None,
-        "accuracy_on_sample": round(float(np.mean(predicted == labels)), 6) if len(usable) else None,
-        "p_predicted_mean": round(float(np.mean(np.maximum(full, 1 - full))), 6) if len(full) else None,
+        "accuracy_on_sample": round(float(np.mean(predicted == labels)), 6)
+        if len(usable)
+        else None,
+        "p_predicted_mean": round(float(np.mean(np.maximum(full, 1 - full))), 6)
+        if len(full)
+        else None,
         "fractions": list(fractions),
         "rankings": results,
         "comprehensiveness_aopc_minus_random": versus_random,
         "kendall_tau_attention_vs_gradient": {
             **_mean_and_error(finite),
             "quantiles": {
-                q: round(float(np.quantile(finite, float(q))), 6) for q in ("0.1", "0.25", "0.5", "0.75", "0.9")
-            } if len(finite) else {},
+                q: round(float(np.quantile(finite, float(q))), 6)
+                for q in ("0.1", "0.25", "0.5", "0.75", "0.9")
+            }
+            if len(finite)
+            else {},
             "values": [round(float(t), 4) for t in finite],
         },  # fmt: skip
     }
@@ -321,7 +326,8 @@ def main(argv=None):
         run = load_run(config.run)
         dataset = run.metrics["config"]["dataset"]
         data_dir = data.resolve_data_dir(config.data_dir)
-        print(f"Loading the {dataset} test split with tensorflow-datasets (data_dir={data_dir or 'default'})")
+        where = data_dir or "default"
+        print(f"Loading the {dataset} test split with tensorflow-datasets (data_dir={where})")
         texts, labels, split = data.load_test_split(dataset, data_dir)
         chosen = export.inspection_sample(len(texts), config.examples, config.seed)
         difference = check_against_saved_model(

@@ -278,9 +278,7 @@ def test_attention_export_matches_the_model(run, trained):
     assert "http://" not in page and "https://" not in page  # nothing fetched
     embedded = json.loads(page.split('type="application/json">')[1].split("</script>")[0])
     assert [e["tokens"] for e in embedded["examples"]] == [r["tokens"] for r in records]
-    assert [e["gradient"] for e in embedded["examples"]] == [
-        r["gradient_x_input"] for r in records
-    ]
+    assert [e["gradient"] for e in embedded["examples"]] == [r["gradient_x_input"] for r in records]
     # The run's quick deletion tests: on the reviews asked for, and in the model card.
     with open(os.path.join(output, "faithfulness.json")) as f:
         payload = json.load(f)

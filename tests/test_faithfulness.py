@@ -4,6 +4,7 @@ synthetic models with a known answer, finite differences, brute force and the Sa
 import itertools
 import json
 import os
+import shutil
 
 import keras
 import numpy as np
@@ -268,3 +269,17 @@ def test_cli_errors(argv, message, capsys):
         status = exit_.code
     assert status == 2
     assert message in capsys.readouterr().err
+
+
+def test_cli_writes_the_report_into_the_run_folder(tmp_path, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(SHIPPED, run, ignore=shutil.ignore_patterns("faithfulness.*"))
+    assert faithfulness.main(["--run", str(run), "--examples", "30", "--seed", "2"]) == 0
+    printed = capsys.readouterr().out
+    with open(run / "faithfulness.json") as f:
+        payload = json.load(f)
+    assert payload["source"]["examples"] == 30 and payload["source"]["seed"] == 2
+    assert payload["source"]["saved_model_max_abs_difference"] <= 1e-4
+    for name in ("faithfulness.json", "faithfulness.md", "faithfulness.png"):
+        assert str(run / name) in printed
+    assert (run / "faithfulness.md").read_text().startswith("Comprehensiveness")

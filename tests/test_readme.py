@@ -119,3 +119,30 @@ def test_committed_saved_model_reproduces_its_recorded_accuracy():
     recorded = metrics["test_accuracy"]
     standard_error = np.sqrt(recorded * (1 - recorded) / len(labels))
     assert abs(accuracy - recorded) < 3 * standard_error, (accuracy, recorded)
+
+
+def test_faithfulness_table_is_the_committed_report():
+    """The README's faithfulness table and its claims are the shipped faithfulness.json's."""
+    from apps import explain
+
+    payload = json.loads((ROOT / "saved_models/imdb_sdpa/faithfulness.json").read_text())
+    text = README.read_text()
+    for name, row in payload["rankings"].items():
+        cells = [
+            explain._cell(row["comprehensiveness_aopc"]),
+            explain._cell(row["comprehensiveness"][payload["fractions"].index(0.1)]),
+            f"{row['label_flips_top_10_percent']:.1%}",
+            explain._cell(row["sufficiency_aopc"]),
+        ]
+        assert f"| {name} | {' | '.join(cells)} |" in text, name
+    gap = payload["comprehensiveness_aopc_minus_random"]["attention"]
+    assert f"({gap['mean'] / gap['standard_error']:.0f} standard errors apart)" in text
+    rankings = payload["rankings"]
+    ratio = (
+        rankings["gradient x input"]["comprehensiveness_aopc"]["mean"]
+        / rankings["attention"]["comprehensiveness_aopc"]["mean"]
+    )
+    assert "about three times" in text and 2.5 < ratio < 3.5
+    assert payload["source"]["examples"] == 1000 and payload["reviews"] == 1000
+    card = (ROOT / "saved_models/imdb_sdpa/README.md").read_text()
+    assert explain.markdown_table(payload) in card
