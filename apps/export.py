@@ -391,8 +391,8 @@ def _faithfulness_section(folder):
 
 ERASER's deletion tests (`python -m apps.faithfulness`: {payload["reviews"]} reviews of the
 {source.get("split", "test")} split, seed {source.get("seed", 0)}; `faithfulness.json`,
-`faithfulness.png`). Each ranking orders a review's tokens; deleting a token removes it from the sequence the model sees, as if the word were
-not in the text.
+`faithfulness.png`). Each ranking orders a review's tokens; deleting a token removes it from
+the sequence the model sees, as if the word were not in the text.
 
 {explain.markdown_table(payload)}
 ![faithfulness](faithfulness.png)
