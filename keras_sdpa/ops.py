@@ -160,7 +160,12 @@ def scaled_dot_product_attention(
         )
     dropout_rate = float(dropout_rate) if training else 0.0
     seed = _as_seed(seed) if dropout_rate > 0.0 else None
-    path = _choose_path(implementation, query, key, return_weights)
+    path = _choose_path(implementation, query, key, return_weights, chunk_size)
+    longest = max(query.shape[1] or 0, key.shape[1] or 0)
+    if path == "chunked" and None not in (query.shape[1], key.shape[1]) and longest:
+        # One block of the sequence, not of `chunk_size`: blocks of 2048 padded a T=512 batch
+        # of 256 to 24 GiB of scores (the dense path needs 0.5 GiB).
+        chunk_size = min(chunk_size, longest)
     empty = _empty_result(query, key, value, return_weights)
     if empty is not None:
         return empty if return_weights else empty[0]
@@ -186,7 +191,7 @@ def scaled_dot_product_attention(
         b, t, s = tf.shape(query)[0], tf.shape(query)[1], tf.shape(key)[1]
         size = tf.cast(b, tf.int64) * query.shape[2] * tf.cast(t, tf.int64) * tf.cast(s, tf.int64)
         out = tf.cond(
-            size * 4 > _AUTO_CHUNKED_BYTES,
+            tf.logical_and(size * 4 > _AUTO_CHUNKED_BYTES, tf.maximum(t, s) > chunk_size),
             lambda: _attention_xla(*inputs, path="chunked", **static)[0],
             lambda: _attention_xla(*inputs, path="dense", **static)[0],
         )
@@ -215,8 +220,13 @@ def _default_chunk_size(sliding_window):
     return min(_DEFAULT_CHUNK_SIZE, max(128, size))
 
 
-def _choose_path(implementation, query, key, return_weights):
-    """`"dense"`, `"chunked"`, or `"auto"` when only the run-time sizes can tell."""
+def _choose_path(implementation, query, key, return_weights, chunk_size):
+    """`"dense"`, `"chunked"`, or `"auto"` when only the run-time sizes can tell.
+
+    "auto" goes chunked when the scores would pass `_AUTO_CHUNKED_BYTES` and a sequence is
+    longer than one block: below that, the chunked path holds a whole `(T, S)` block per
+    head anyway, as much as dense, and a large batch of short sequences stays dense.
+    """
     if implementation == "dense" or return_weights:
         return "dense"
     if implementation == "chunked":
@@ -229,7 +239,8 @@ def _choose_path(implementation, query, key, return_weights):
             # sizes that XLA only sees as parameters there. Dense, as before.
             return "dense"
         return "auto"  # decided at run time, from the actual sizes
-    return "chunked" if math.prod(sizes) * 4 > _AUTO_CHUNKED_BYTES else "dense"
+    large = math.prod(sizes) * 4 > _AUTO_CHUNKED_BYTES
+    return "chunked" if large and max(sizes[2], sizes[3]) > chunk_size else "dense"
 
 
 def _empty_result(query, key, value, return_weights):

@@ -132,13 +132,16 @@ def test_chunked_path_is_one_xla_program_with_loops():
 def test_auto_picks_chunked_only_for_large_scores_without_weights():
     small = tf.zeros((1, 128, 4, 8))
     large = tf.zeros((1, 8192, 4, 8))  # 1 * 4 * 8192^2 * 4 bytes = 1 GiB of scores
+    wide = tf.zeros((1024, 512, 4, 8))  # 4 GiB of scores, in sequences shorter than a block
     unknown = tf.TensorSpec((None, None, 4, 8))
-    assert ops._choose_path("auto", small, small, False) == "dense"
-    assert ops._choose_path("auto", large, large, False) == "chunked"
-    assert ops._choose_path("auto", large, large, True) == "dense"  # the weights need (T, S)
-    assert ops._choose_path("auto", unknown, unknown, False) == "auto"  # decided at run time
-    assert ops._choose_path("chunked", small, small, False) == "chunked"
-    assert ops._choose_path("dense", large, large, False) == "dense"
+    block = 2048
+    assert ops._choose_path("auto", small, small, False, block) == "dense"
+    assert ops._choose_path("auto", large, large, False, block) == "chunked"
+    assert ops._choose_path("auto", wide, wide, False, block) == "dense"
+    assert ops._choose_path("auto", large, large, True, block) == "dense"  # weights need (T, S)
+    assert ops._choose_path("auto", unknown, unknown, False, block) == "auto"  # at run time
+    assert ops._choose_path("chunked", small, small, False, block) == "chunked"
+    assert ops._choose_path("dense", large, large, False, block) == "dense"
 
 
 def test_dropout_and_weights_fall_back_to_dense():

@@ -268,11 +268,11 @@ def test_auto_decides_at_run_time_for_unknown_lengths(monkeypatch):
     monkeypatch.setattr(ops, "_AUTO_CHUNKED_BYTES", 4 * B * 2 * 32 * 32)  # chunked past T=32
     spec = [tf.TensorSpec((B, None, 2, 4))] * 3
 
-    def call(implementation):
+    def call(implementation, chunk_size=16):
         def f(q, k, v):
             return ops.scaled_dot_product_attention(
                 q, k, v, dropout_rate=0.5, training=True, seed=3,
-                implementation=implementation, chunk_size=16,
+                implementation=implementation, chunk_size=chunk_size,
             )  # fmt: skip
 
         return tf.function(f, input_signature=spec)
@@ -284,6 +284,11 @@ def test_auto_decides_at_run_time_for_unknown_lengths(monkeypatch):
         np.testing.assert_array_equal(got, expected(q, k, v))
         other = chunked if expected is dense else dense
         assert not np.allclose(got, other(q, k, v))
+    # Large scores, but no sequence longer than one block: dense (a block would be as big).
+    auto, dense, chunked = call("auto", 64), call("dense", 64), call("chunked", 16)
+    q, k, v = (random((B, 40, 2, 4), seed) for seed in (20, 21, 22))
+    np.testing.assert_array_equal(auto(q, k, v), dense(q, k, v))
+    assert not np.allclose(auto(q, k, v), chunked(q, k, v))
 
 
 def test_auto_under_fit_with_unknown_lengths(monkeypatch):

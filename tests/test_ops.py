@@ -443,5 +443,27 @@ def test_auto_takes_the_chunked_path_for_large_scores(monkeypatch):
     paths = spy_on_paths(monkeypatch)
     monkeypatch.setattr(ops, "_AUTO_CHUNKED_BYTES", B * N * T * S * 4 - 1)
     q, k, v = random_inputs()
-    scaled_dot_product_attention(q, k, v)
+    scaled_dot_product_attention(q, k, v, chunk_size=2)
     assert paths == ["chunked"]
+    # Sequences no longer than one block stay dense, however large the batch: the chunked
+    # path would hold a whole (T, S) block per head too.
+    scaled_dot_product_attention(q, k, v, chunk_size=max(T, S))
+    assert paths == ["chunked", "dense"]
+
+
+def test_chunked_blocks_are_never_longer_than_the_sequences(monkeypatch):
+    """A block of 2048 for T = S = 512 padded a serving batch of 256 to 24 GiB of scores."""
+    sizes = []
+    compiled = ops._attention_xla
+
+    def spy(*args, chunk_size, **kwargs):
+        sizes.append(chunk_size)
+        return compiled(*args, chunk_size=chunk_size, **kwargs)
+
+    monkeypatch.setattr(ops, "_attention_xla", spy)
+    q, k, v = random_inputs()
+    expected = scaled_dot_product_attention(q, k, v, implementation="dense")
+    got = scaled_dot_product_attention(q, k, v, implementation="chunked")
+    scaled_dot_product_attention(q, k, v, implementation="chunked", chunk_size=2)
+    assert sizes == [2048, max(T, S), 2]
+    np.testing.assert_allclose(got, expected, atol=1e-5)
