@@ -1,8 +1,9 @@
 """SavedModel export with a raw-string signature, and attention export for inspection.
 
-The SavedModel's `serving_default` takes raw text and runs the app's own
-`TextVectorization` and model inside one TensorFlow graph, so anyone with
-TensorFlow can serve it (`apps/predict.py`, TF Serving) without this package.
+The SavedModel's signatures take raw text and run the app's own `TextVectorization`
+and model inside one TensorFlow graph, so anyone with TensorFlow can serve it
+(`apps/predict.py`, TF Serving) without this package: `serving_default` returns the
+label and probability, `inspect` the tokens and attention weights too.
 """
 
 import base64
@@ -15,45 +16,108 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from apps import explain, viewer
+from apps import explain, page
 
 PAD = ""  # the vectorizer's padding token (id 0)
 
 
-def export_saved_model(inspector, vectorizer, path):
+# Positions a review is computed at: the first that holds it. Steps of 1.5x and 1.33x: powers
+# of two alone pad a review to 1.4x its length on average, and attention grows as its square.
+LENGTH_BUCKETS = (64, 96, 128, 192, 256, 384, 512)
+ROW_STEP = 32  # a group's rows are padded to a power of two up to this, then to a multiple of it
+
+
+def bucket_sizes(sequence_length, buckets=LENGTH_BUCKETS):
+    """The lengths the SavedModel computes reviews at: `buckets` below `sequence_length`,
+    then `sequence_length` itself."""
+    return tuple(b for b in buckets if b < sequence_length) + (sequence_length,)
+
+
+def padded_rows(n, step=ROW_STEP):
+    """Rows a group of `n` is padded to (int32 scalar): the next power of two up to `step`,
+    then the next multiple of `step`; 0 for 0. A few batch shapes, so XLA compiles a few
+    programs per length, and at most `step - 1` padded rows."""
+    m = n - 1
+    for shift in (1, 2, 4, 8, 16):
+        m = tf.bitwise.bitwise_or(m, tf.bitwise.right_shift(m, shift))
+    power = m + 1
+    multiple = (n + step - 1) // step * step
+    return tf.where(n > step, multiple, tf.where(n > 0, power, 0))
+
+
+def classify_by_length(model, ids, sizes):
+    """`P(positive)` `(B,)` for token ids `(B, L)`, each review computed at the shortest of
+    `sizes` that holds its tokens.
+
+    `tf.dynamic_partition` groups the rows by that length, the model runs once per group on
+    the ids cut to it, and `tf.dynamic_stitch` puts the results back in order. The masks and
+    positions make this the full-length result (to float rounding): padding is never attended
+    to. Each group's batch is padded (`padded_rows`), so XLA compiles a few programs per
+    length, not one per batch size.
+    """
+    lengths = tf.reduce_sum(tf.cast(ids != 0, tf.int32), axis=-1)  # (B,)
+    group = tf.add_n([tf.cast(lengths > size, tf.int32) for size in sizes[:-1]] + [0 * lengths])
+    parts = tf.dynamic_partition(ids, group, len(sizes))
+    rows = tf.dynamic_partition(tf.range(tf.shape(ids)[0]), group, len(sizes))
+    probabilities = []
+    for part, size in zip(parts, sizes):
+        count = tf.shape(part)[0]
+        part = tf.pad(part[:, :size], [[0, padded_rows(count) - count], [0, 0]])
+        probabilities.append(tf.reshape(model(part, training=False), [-1])[:count])
+    return tf.dynamic_stitch(rows, probabilities)  # (B,)
+
+
+def export_saved_model(model, inspector, vectorizer, path, buckets=LENGTH_BUCKETS):
     """Writes a SavedModel to `path` atomically (a temporary folder, then a rename).
 
-    `serving_default(text)`: `text` is a `tf.string` batch `[None]` of raw reviews.
-    Returns `probability` `(B,)` P(positive), `label` `(B,)` int 0/1, `tokens`
-    `(B, L)` strings ("" for padding), `length` `(B,)` number of real tokens,
-    `attention` `(B, layers, N, L, L)` self-attention weights and `pooling`
-    `(B, N, L)` the pooling attention (what the classifier looked at).
+    Both signatures take `text`, a `tf.string` batch `[None]` of raw reviews.
+
+    `serving_default(text)` returns `probability` `(B,)` float32 P(positive), `label` `(B,)`
+    int32 0/1 and `length` `(B,)` int32, the number of tokens read (0: no known word).
+    Each review is computed at the shortest of `buckets` that holds it (`classify_by_length`).
+
+    `inspect(text)` returns the same three, plus `tokens` `(B, L)` strings ("" for padding),
+    `attention` `(B, layers, N, L, L)` the self-attention weights and `pooling` `(B, N, L)`
+    the pooling attention (what the classifier looked at), at the full length `L`.
     """
     vocabulary = tf.constant(vectorizer.get_vocabulary())
+    sizes = bucket_sizes(vectorizer.get_config()["output_sequence_length"], buckets)
     # Only the lookup tables (the vectorizer's, and the word-pair lookup's) are tracked by
-    # hand: `add_endpoint` tracks the variables `serve` uses by itself, and tracking the
+    # hand: `add_endpoint` tracks the variables the endpoints use by itself, and tracking the
     # model too would store every weight twice (keras-team/keras#23553).
     archive = keras.export.ExportArchive()
     archive.track(vectorizer)
     embedding = inspector.get_layer("embedding")
     if embedding.bigram_vocab_size:
         archive.track(embedding.bigram_lookup)
+    text_spec = tf.TensorSpec([None], tf.string, name="text")
 
-    @tf.function(input_signature=[tf.TensorSpec([None], tf.string, name="text")])
+    @tf.function(input_signature=[text_spec])
     def serve(text):
+        ids = vectorizer(text)  # (B, L) int
+        probability = classify_by_length(model, ids, sizes)  # (B,)
+        return {
+            "probability": probability,
+            "label": tf.cast(probability >= 0.5, tf.int32),
+            "length": tf.reduce_sum(tf.cast(ids != 0, tf.int32), axis=-1),  # (B,)
+        }
+
+    @tf.function(input_signature=[text_spec])
+    def inspect(text):
         ids = vectorizer(text)  # (B, L) int
         outputs = inspector(ids, training=False)
         probability = tf.reshape(outputs["probability"], [-1])  # (B,)
         return {
             "probability": probability,
             "label": tf.cast(probability >= 0.5, tf.int32),
-            "tokens": tf.gather(vocabulary, ids),  # (B, L)
             "length": tf.reduce_sum(tf.cast(ids != 0, tf.int32), axis=-1),  # (B,)
+            "tokens": tf.gather(vocabulary, ids),  # (B, L)
             "attention": outputs["attention"],  # (B, layers, N, L, L)
             "pooling": outputs["pooling"],  # (B, N, L)
         }
 
     archive.add_endpoint("serving_default", serve)
+    archive.add_endpoint("inspect", inspect)
     path = os.path.abspath(path)
     parent = os.path.dirname(path)
     os.makedirs(parent, exist_ok=True)
@@ -229,7 +293,7 @@ def write_attention_html(records, path, title="keras-sdpa attention"):
     # JSON \u escapes (as Django's json_script does), and the two JavaScript line separators.
     for char in "<>&\u2028\u2029":
         payload = payload.replace(char, f"\\u{ord(char):04x}")
-    document = viewer.TEMPLATE.replace("__TITLE__", html.escape(title)).replace("__DATA__", payload)
+    document = page.TEMPLATE.replace("__TITLE__", html.escape(title)).replace("__DATA__", payload)
     return write_text_atomic(path, document)
 
 

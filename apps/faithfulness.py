@@ -24,10 +24,8 @@ on the sample before anything is measured.
 """
 
 import dataclasses
-import json
 import math
 import os
-import re
 import sys
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
@@ -35,10 +33,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
 
-from apps import cli, data, explain, export  # noqa: E402
-from apps import model as model_lib  # noqa: E402
+from apps import cli, data, explain, export, runs  # noqa: E402
 
 QUICK_EXAMPLES = 200
 
@@ -70,98 +66,6 @@ def parse_args(argv=None):
         check=_check,
         presets=lambda args: {"examples": QUICK_EXAMPLES} if args.quick else None,
     )
-
-
-@dataclasses.dataclass
-class Run:
-    model: keras.Model  # token ids -> P(positive)
-    inspector: keras.Model  # token ids -> probability, attention, pooling
-    vectorizer: keras.layers.TextVectorization
-    metrics: dict  # the run's metrics.json
-    weights_from: str  # the file the weights came from
-
-
-# The first layer kept its projections as `query_kernel`, ..., `output_kernel` variables.
-_LEGACY_NAME = re.compile(r"/attention/(query|key|value|output)_(kernel|bias)$")
-
-
-def _current_name(name):
-    def rename(match):
-        sublayer = "attention_output" if match[1] == "output" else match[1]
-        return f"/attention/{sublayer}/{match[2]}"
-
-    return _LEGACY_NAME.sub(rename, name.split(":")[0])
-
-
-def load_run(run):
-    """The classifier of a training run's folder as Keras models, checked against its SavedModel."""
-    metrics_path = os.path.join(run, "metrics.json")
-    saved_model = os.path.join(run, "saved_model")
-    if not os.path.isfile(metrics_path) or not os.path.isdir(saved_model):
-        raise ValueError(
-            "`--run` must be a folder written by `python -m apps.train_sentiment` (with "
-            f"metrics.json and saved_model/). Received: run={run!r}"
-        )
-    with open(metrics_path) as f:
-        metrics = json.load(f)
-    config = metrics["config"]
-    vectorizer = data.make_vectorizer(
-        config["vocab_size"],
-        config["sequence_length"],
-        vocabulary=os.path.join(run, "vocabulary.txt"),
-    )
-    model, inspector = model_lib.build_classifier(
-        vocab_size=vectorizer.vocabulary_size(),
-        sequence_length=config["sequence_length"],
-        embed_dim=config["embed_dim"],
-        num_heads=config["num_heads"],
-        key_dim=config["key_dim"],
-        ff_dim=config["ff_dim"],
-        num_layers=config["num_layers"],
-        dropout=0.0,
-        bigram_vocab_size=config["bigram_vocab_size"],
-    )
-    if config["bigram_vocab_size"]:
-        pairs = data.read_bigrams(vectorizer, os.path.join(run, "bigrams.txt"))
-        model.get_layer("embedding").set_bigrams(pairs)
-    keras_path = os.path.join(run, "model.keras")
-    if os.path.isfile(keras_path):
-        trained = keras.saving.load_model(keras_path, compile=False)
-        model.set_weights(trained.get_weights())
-        weights_from = keras_path
-    else:
-        loaded = tf.saved_model.load(saved_model)  # keeps the variables alive
-        stored = {_current_name(v.name): v for v in loaded.signatures["serving_default"].variables}
-        missing = [w.path for w in model.weights if w.path not in stored]
-        if missing:
-            raise ValueError(
-                f"the SavedModel in {saved_model} has no variable for {missing[:3]} (and "
-                f"{max(0, len(missing) - 3)} more); it was not written by this app's classifier"
-            )
-        for weight in model.weights:
-            weight.assign(stored[weight.path])
-        weights_from = saved_model
-    return Run(model, inspector, vectorizer, metrics, weights_from)
-
-
-def check_against_saved_model(run, saved_model, texts, tolerance=1e-4):
-    """The largest |P(positive)| difference between the Keras model and the SavedModel on
-    `texts`; a `ValueError` beyond `tolerance`."""
-    loaded = tf.saved_model.load(saved_model)
-    serve = loaded.signatures["serving_default"]
-    served = np.concatenate(
-        [serve(text=tf.constant(texts[i : i + 64]))["probability"].numpy()
-         for i in range(0, len(texts), 64)]
-    )  # fmt: skip
-    ids = data.vectorize(run.vectorizer, texts)
-    ours = explain.ModelProbe(run.model).probability(ids)
-    difference = float(np.max(np.abs(served - ours))) if len(texts) else 0.0
-    if difference > tolerance:
-        raise ValueError(
-            f"the Keras model rebuilt from {run.weights_from} differs from the SavedModel by "
-            f"{difference:.2g} in P(positive) (tolerance {tolerance}); not measuring it"
-        )
-    return difference
 
 
 def rankings_for(inspector, probe, ids, lengths, rng):
@@ -323,14 +227,14 @@ def write_report(payload, folder):
 def main(argv=None):
     config = parse_args(argv)
     try:
-        run = load_run(config.run)
+        run = runs.load_run(config.run)
         dataset = run.metrics["config"]["dataset"]
         data_dir = data.resolve_data_dir(config.data_dir)
         where = data_dir or "default"
         print(f"Loading the {dataset} test split with tensorflow-datasets (data_dir={where})")
         texts, labels, split = data.load_test_split(dataset, data_dir)
         chosen = export.inspection_sample(len(texts), config.examples, config.seed)
-        difference = check_against_saved_model(
+        difference = runs.check_against_saved_model(
             run, os.path.join(config.run, "saved_model"), texts[chosen[:64]]
         )
     except ValueError as error:

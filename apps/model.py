@@ -232,7 +232,8 @@ def build_classifier(
 ):
     """Returns `(model, inspector)`, two functional models over the same weights.
 
-    `model` maps token ids `(B, L)` to `P(positive)` `(B, 1)` and is the one trained.
+    `model` maps token ids `(B, L)`, any `L <= sequence_length`, to `P(positive)` `(B, 1)`
+    and is the one trained.
     `inspector` returns a dict: `probability` `(B, 1)`, `attention` (the blocks' weights,
     `(B, num_layers, N, L, L)`) and `pooling` (the pooling weights, `(B, N, L)`).
     With `bigram_vocab_size > 0`, call `model.get_layer("embedding").adapt_bigrams(ids)`
@@ -254,7 +255,9 @@ def build_classifier(
 
     def forward(with_scores):
         """The classifier over shared layers; with the attention weights for the inspector."""
-        ids = keras.Input((sequence_length,), dtype="int32", name="token_ids")
+        # Any length up to `sequence_length`: the positions are sliced to it, and the SavedModel
+        # serves each review at the shortest of a few lengths that holds it.
+        ids = keras.Input((None,), dtype="int32", name="token_ids")
         mask = ops.not_equal(ids, 0)  # (B, L), the Embedding's mask_zero mask
         x = embedding_dropout(embedding(ids))
         block_scores = []

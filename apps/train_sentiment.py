@@ -535,7 +535,7 @@ def _report(config, output, model, inspector, vectorizer, splits, history, best_
     paths = {}
     print("Exporting the SavedModel")
     paths["saved_model"] = export.export_saved_model(
-        inspector, vectorizer, os.path.join(output, "saved_model")
+        model, inspector, vectorizer, os.path.join(output, "saved_model")
     )
     max_difference = _check_export(paths["saved_model"], model, vectorizer, splits.test_text[:8])
     paths["keras_model"] = os.path.join(output, "model.keras")

@@ -212,10 +212,13 @@ def test_saved_model_serves_raw_strings_without_keras_sdpa(run, trained):
     script = f"""
 import json, sys
 import tensorflow as tf
-serve = tf.saved_model.load({os.path.join(output, "saved_model")!r}).signatures["serving_default"]
-out = serve(text=tf.constant({TEXTS!r} + [b"", b"\\xff\\xfe not utf-8 \\xf0\\x9f\\x98\\x80"]))
+loaded = tf.saved_model.load({os.path.join(output, "saved_model")!r})
+texts = tf.constant({TEXTS!r} + [b"", b"\\xff\\xfe not utf-8 \\xf0\\x9f\\x98\\x80"])
+served = loaded.signatures["serving_default"](text=texts)
+out = loaded.signatures["inspect"](text=texts)
 assert "keras_sdpa" not in sys.modules and "apps" not in sys.modules
 numbers = {{k: v.numpy().tolist() for k, v in out.items() if v.dtype != tf.string}}
+numbers["served"] = {{k: v.numpy().tolist() for k, v in served.items()}}
 print(json.dumps(numbers))
 """
     result = subprocess.run(
@@ -229,6 +232,10 @@ print(json.dumps(numbers))
     assert served["label"][:2] == [int(p >= 0.5) for p in expected]
     np.testing.assert_array_equal(served["length"][:2], (ids != 0).sum(-1))
     assert served["length"][2] == 0 and 0.0 <= served["probability"][2] <= 1.0
+    # serving_default: the same answer, and nothing per token.
+    assert set(served["served"]) == {"probability", "label", "length"}
+    np.testing.assert_allclose(served["served"]["probability"], served["probability"], atol=1e-6)
+    assert served["served"]["label"] == served["label"]
     pooling = np.asarray(served["pooling"])  # (B, N, L)
     lengths = np.asarray(served["length"])
     for i, n in enumerate(lengths):
@@ -243,7 +250,7 @@ def test_attention_export_matches_the_model(run, trained):
         records = [json.loads(line) for line in f]
     assert len(records) == 6
     splits = data.load_splits(seed=metrics["config"]["seed"])
-    serve = tf.saved_model.load(os.path.join(output, "saved_model")).signatures["serving_default"]
+    serve = tf.saved_model.load(os.path.join(output, "saved_model")).signatures["inspect"]
     for record in records:
         text = splits.test_text[record["index"]]
         assert record["text"] == text.decode("utf-8")
@@ -308,7 +315,7 @@ def test_predict_cli_answers_every_input(run):
         "so good \U0001f600\U0001f44d".encode(),
         megabyte,
     ]
-    result = _predict(["--model", output, "--json"], stdin=b"\n".join(lines) + b"\n")
+    result = _predict(["--model", output, "--json", "--explain"], stdin=b"\n".join(lines) + b"\n")
     assert result.returncode == 0, result.stderr.decode()[-3000:]
     answers = [json.loads(line) for line in result.stdout.decode().splitlines()]
     assert len(answers) == len(lines)
@@ -336,9 +343,12 @@ def test_predict_cli_text_arguments_and_errors(run):
     for flags, message in (
         (["--top_k", "-1"], b"top_k=-1"),
         (["--max_bytes", "0"], b"max_bytes=0"),
+        (["--batch_size", "0"], b"batch_size=0"),
+        (["--input", "/no/such/file"], b"input='/no/such/file'"),
+        (["--input", "/dev/null", "text"], b"not both"),
     ):
-        bad = _predict(["--model", output, *flags, "text"])
-        assert bad.returncode == 2 and message in bad.stderr
+        bad = _predict(["--model", output, *flags] + ([] if "--input" in flags else ["text"]))
+        assert bad.returncode == 2 and message in bad.stderr, (flags, bad.stderr[-500:])
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from apps import data, explain, faithfulness
+from apps import data, explain, faithfulness, runs
 from apps import model as model_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -175,7 +175,7 @@ def test_gradient_x_input_matches_finite_differences(tiny_float64_model):
 
 @pytest.fixture(scope="module")
 def shipped():
-    return faithfulness.load_run(SHIPPED)
+    return runs.load_run(SHIPPED)
 
 
 @pytest.fixture(scope="module")
@@ -187,7 +187,7 @@ def test_split():
 def test_shipped_run_loads_from_its_saved_model_and_gives_its_probabilities(shipped, test_split):
     texts = test_split[0][:40]
     loaded = tf.saved_model.load(os.path.join(SHIPPED, "saved_model"))
-    served = loaded.signatures["serving_default"](text=tf.constant(texts))
+    served = loaded.signatures["inspect"](text=tf.constant(texts))
     ids = data.vectorize(shipped.vectorizer, texts)
     np.testing.assert_array_equal(
         ids[:, : served["tokens"].shape[1]] != 0, served["tokens"].numpy() != b""
@@ -200,7 +200,7 @@ def test_deleted_tokens_score_as_the_saved_model_scores_the_text_without_them(sh
     """The Keras model on ids with tokens removed == the SavedModel on the text re-joined from
     the other words (an out-of-vocabulary word stands for each `[UNK]`)."""
     loaded = tf.saved_model.load(os.path.join(SHIPPED, "saved_model"))
-    serve = loaded.signatures["serving_default"]
+    serve = loaded.signatures["inspect"]
     texts = test_split[0][:60]
     out = serve(text=tf.constant(texts))
     ids = data.vectorize(shipped.vectorizer, texts)

@@ -1,0 +1,193 @@
+"""The shipped SavedModel as a service sees it: its two signatures, length buckets that change
+no result, `saved_model_cli`, `keras.layers.TFSMLayer`, and `apps.predict` at volume.
+
+Every check that loads the SavedModel runs in a process that never imports `keras_sdpa`.
+"""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from apps import data, export
+
+pytestmark = pytest.mark.slow
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SAVED_MODEL = os.path.join(ROOT, "saved_models", "imdb_sdpa", "saved_model")
+SERVING_OUTPUTS = {"probability": "float32", "label": "int32", "length": "int32"}
+INSPECT_OUTPUTS = {
+    **SERVING_OUTPUTS, "tokens": "string", "attention": "float32", "pooling": "float32"
+}  # fmt: skip
+
+
+def _python(script, stdin=None, timeout=600):
+    """Runs `script` in a fresh interpreter; fails if it imported keras_sdpa or the apps."""
+    check = "\nimport sys\nassert 'keras_sdpa' not in sys.modules and 'apps' not in sys.modules\n"
+    result = subprocess.run(
+        [sys.executable, "-c", script + check],
+        input=stdin, capture_output=True, timeout=timeout, cwd="/",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr.decode()[-3000:]
+    return result.stdout.decode()
+
+
+@pytest.fixture(scope="module")
+def reviews_by_bucket():
+    """Real test reviews: for every length bucket, reviews whose tokens fall in it."""
+    texts, _, _ = data.load_test_split("imdb_reviews")
+    vectorizer = data.make_vectorizer(
+        10000, 512, vocabulary=os.path.join(ROOT, "saved_models", "imdb_sdpa", "vocabulary.txt")
+    )
+    lengths = (data.vectorize(vectorizer, texts[:3000]) != 0).sum(axis=1)
+    sizes = export.bucket_sizes(512)
+    bounds = (0,) + sizes
+    chosen = []
+    for low, high in zip(bounds[:-1], bounds[1:]):
+        inside = np.flatnonzero((lengths > low) & (lengths <= high))
+        assert len(inside) >= 3, (low, high)
+        chosen.extend(inside[:12].tolist())
+    return [texts[i] for i in chosen], lengths[chosen]
+
+
+def test_both_signatures_and_their_outputs():
+    script = f"""
+import json
+import tensorflow as tf
+loaded = tf.saved_model.load({SAVED_MODEL!r})
+out = {{}}
+for name, function in loaded.signatures.items():
+    spec = function.structured_input_signature[1]
+    out[name] = {{
+        "inputs": {{k: [v.dtype.name, v.shape.as_list()] for k, v in spec.items()}},
+        "outputs": {{k: [v.dtype.name, v.shape.as_list()]
+                    for k, v in function.structured_outputs.items()}},
+    }}
+print(json.dumps(out))
+"""
+    signatures = json.loads(_python(script).splitlines()[-1])
+    assert set(signatures) == {"serving_default", "inspect"}
+    for name, outputs in (("serving_default", SERVING_OUTPUTS), ("inspect", INSPECT_OUTPUTS)):
+        assert signatures[name]["inputs"] == {"text": ["string", [None]]}
+        assert {k: v[0] for k, v in signatures[name]["outputs"].items()} == outputs, name
+    # No per-token matrix in the default answer: one number per review each.
+    assert all(shape == [None] for _, shape in signatures["serving_default"]["outputs"].values())
+
+
+def test_saved_model_cli_lists_both_signatures():
+    cli = shutil.which("saved_model_cli") or os.path.join(
+        os.path.dirname(sys.executable), "saved_model_cli"
+    )
+    result = subprocess.run(
+        [cli, "show", "--dir", SAVED_MODEL, "--all"], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    listing = result.stdout
+    blocks = re.split(r"signature_def\['", listing)[1:]
+    found = {block.split("'")[0]: block for block in blocks}
+    assert "serving_default" in found and "inspect" in found
+    for name, outputs in (("serving_default", SERVING_OUTPUTS), ("inspect", INSPECT_OUTPUTS)):
+        block = found[name].split("Method name is")[0]
+        assert "inputs['text'] tensor_info:" in block and "dtype: DT_STRING" in block
+        listed = set(re.findall(r"outputs\['(\w+)'\]", block))
+        assert listed == set(outputs), (name, listed)
+
+
+@pytest.fixture(scope="module")
+def fresh_export(tmp_path_factory):
+    """The shipped run exported again by this code (the committed one is an artifact)."""
+    from apps import runs
+
+    run = runs.load_run(os.path.dirname(SAVED_MODEL))
+    path = str(tmp_path_factory.mktemp("export") / "saved_model")
+    return export.export_saved_model(run.model, run.inspector, run.vectorizer, path)
+
+
+@pytest.mark.parametrize("which", ["committed", "fresh"])
+def test_length_buckets_give_the_full_length_result(which, reviews_by_bucket, request):
+    """`serving_default` computes each review at its bucket's length; `inspect` at 512. On
+    real reviews of every bucket, mixed in one batch, the two agree to 1e-6."""
+    saved_model = SAVED_MODEL if which == "committed" else request.getfixturevalue("fresh_export")
+    texts, lengths = reviews_by_bucket
+    order = np.random.default_rng(0).permutation(len(texts))  # buckets interleaved
+    script = f"""
+import json, sys
+import tensorflow as tf
+loaded = tf.saved_model.load({saved_model!r})
+texts = [line.rstrip(b"\\n") for line in sys.stdin.buffer]
+served = loaded.signatures["serving_default"](text=tf.constant(texts))
+inspected = loaded.signatures["inspect"](text=tf.constant(texts))
+print(json.dumps({{
+    "served": served["probability"].numpy().tolist(),
+    "inspected": inspected["probability"].numpy().tolist(),
+    "length": served["length"].numpy().tolist(),
+    "labels_equal": bool((served["label"].numpy() == inspected["label"].numpy()).all()),
+}}))
+"""
+    stdin = b"".join(texts[i].replace(b"\n", b" ") + b"\n" for i in order)
+    out = json.loads(_python(script, stdin=stdin).splitlines()[-1])
+    np.testing.assert_array_equal(out["length"], lengths[order])
+    np.testing.assert_allclose(out["served"], out["inspected"], atol=1e-6, rtol=0)
+    assert out["labels_equal"]
+
+
+def test_tfsm_layer_serves_inside_a_keras_model():
+    texts = [b"A wonderful, moving film.", b"Dull and far too long.", b""]
+    script = f"""
+import json
+import keras
+import tensorflow as tf
+layer = keras.layers.TFSMLayer({SAVED_MODEL!r}, call_endpoint="serving_default")
+text = keras.Input(shape=(), dtype="string")
+outputs = layer(text)
+model = keras.Model(text, outputs["probability"])
+got = model(tf.constant({texts!r})).numpy().tolist()
+direct = tf.saved_model.load({SAVED_MODEL!r}).signatures["serving_default"]
+want = direct(text=tf.constant({texts!r}))["probability"].numpy().tolist()
+print(json.dumps([got, want]))
+"""
+    got, want = json.loads(_python(script).splitlines()[-1])
+    np.testing.assert_allclose(got, want, atol=1e-7)
+    assert got[0] > 0.5 > got[1]
+
+
+def test_predict_reads_a_file_and_answers_in_input_order(tmp_path):
+    """`apps.predict --input` groups reviews by length, yet writes them in input order, each
+    with the probability the SavedModel gives it alone."""
+    texts, _, _ = data.load_test_split("imdb_reviews")
+    chosen = [t.replace(b"\n", b" ") for t in texts[:700]]
+    chosen[5] = b""
+    chosen[9] = b"<!--<script> \xff\xfe"
+    path = tmp_path / "reviews.txt"
+    path.write_bytes(b"\n".join(chosen) + b"\n")
+    script = (
+        "import sys; sys.argv = ['predict'] + sys.argv[1:]\n"
+        "from apps import predict\n"
+        "code = predict.main(sys.argv[1:])\n"
+        "assert 'keras_sdpa' not in sys.modules\n"
+        "sys.exit(code)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script, "--model", SAVED_MODEL, "--input", str(path), "--json",
+         "--batch_size", "64", "--xla_cache", str(tmp_path / "xla")],
+        capture_output=True, timeout=900, cwd=ROOT,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr.decode()[-3000:]
+    answers = [json.loads(line) for line in result.stdout.decode().splitlines()]
+    assert len(answers) == len(chosen)
+    assert [a["text"] for a in answers] == [t.decode("utf-8", "replace") for t in chosen]
+    assert answers[5]["tokens"] == 0 and "note" in answers[5]
+    loaded = tf.saved_model.load(SAVED_MODEL)
+    serve = loaded.signatures["serving_default"]
+    sample = list(range(0, len(chosen), 37))
+    alone = [float(serve(text=tf.constant([chosen[i]]))["probability"][0]) for i in sample]
+    np.testing.assert_allclose([answers[i]["probability"] for i in sample], alone, atol=1e-6)
+    progress = result.stderr.decode().replace("\r", "\n")
+    assert f"{len(chosen)}/{len(chosen)} reviews" in progress  # the bar on stderr
+    assert os.listdir(tmp_path / "xla")  # the compiled programs were kept
