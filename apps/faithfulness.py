@@ -34,7 +34,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
-from apps import cli, data, explain, export, runs  # noqa: E402
+from . import cli, data, explain, export, runs  # noqa: E402
 
 QUICK_EXAMPLES = 200
 

@@ -25,8 +25,8 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from apps import cli, data, explain, export  # noqa: E402
-from apps import model as model_lib  # noqa: E402
+from . import cli, data, explain, export  # noqa: E402
+from . import model as model_lib  # noqa: E402
 
 
 @dataclasses.dataclass
@@ -163,7 +163,10 @@ def reexport(config):
         )
     shutil.rmtree(target)
     os.replace(staging, target)
-    return accuracy, split, len(texts), target
+    serving = export.measure_serving(target, texts[:2048])
+    serving_path = export.write_json_atomic(os.path.join(config.run, "serving.json"), serving)
+    export.write_model_card(metrics, os.path.join(config.run, "README.md"))
+    return accuracy, split, len(texts), target, serving_path
 
 
 def main(argv=None):
@@ -174,12 +177,14 @@ def main(argv=None):
         description="Re-export a training run's SavedModel with this version's signatures.",
     )
     try:
-        accuracy, split, count, target = reexport(config)
+        accuracy, split, count, target, serving = reexport(config)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     print(f"{split} accuracy {accuracy:.5f} on {count} reviews, as recorded. Wrote:")
     print(f"  saved_model          {target}")
+    print(f"  serving              {serving}")
+    print(f"  model_card           {os.path.join(config.run, 'README.md')}")
     return 0
 
 

@@ -45,8 +45,8 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from apps import cli, data, distribute, explain, export, faithfulness  # noqa: E402
-from apps import model as model_lib  # noqa: E402
+from . import cli, data, distribute, explain, export, faithfulness  # noqa: E402
+from . import model as model_lib  # noqa: E402
 
 
 @dataclasses.dataclass
@@ -537,7 +537,12 @@ def _report(config, output, model, inspector, vectorizer, splits, history, best_
     paths["saved_model"] = export.export_saved_model(
         model, inspector, vectorizer, os.path.join(output, "saved_model")
     )
-    max_difference = _check_export(paths["saved_model"], model, vectorizer, splits.test_text[:8])
+    max_difference = _check_export(paths["saved_model"], model, vectorizer, splits.test_text[:64])
+    print("Measuring the SavedModel's serving rate")
+    serving = export.measure_serving(
+        paths["saved_model"], splits.test_text[: 256 if config.max_steps else 2048]
+    )
+    paths["serving"] = export.write_json_atomic(os.path.join(output, "serving.json"), serving)
     paths["keras_model"] = os.path.join(output, "model.keras")
     model.save(paths["keras_model"])
     paths["vocabulary"] = os.path.join(output, "vocabulary.txt")

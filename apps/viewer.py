@@ -21,7 +21,7 @@ import os
 import sys
 import tempfile
 
-from apps import export
+from . import export
 
 # Chromium's flags for these machines: headless, no sandbox (root), and no background
 # connections (the network is closed, and Chromium would keep retrying).
@@ -128,8 +128,8 @@ def main(argv=None):
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import tensorflow as tf
 
-    from apps import data
-    from apps.predict import resolve_model_path
+    from . import data
+    from .predict import resolve_model_path
 
     try:
         model_path = resolve_model_path(args.model)

@@ -1,0 +1,195 @@
+"""The exported SavedModel as a service runs it: reviews/s, latency, and `apps.predict` at volume.
+
+The SavedModel is loaded with plain TensorFlow in a process that never imports `keras_sdpa`
+(checked at the end), and fed IMDB test reviews in the split's own order. For each
+signature it reports:
+
+- reviews/s at batch 256, 32 and 1, in rounds that alternate `serving_default` (label and
+  probability, each review at its length bucket) and `inspect` (tokens and every attention
+  weight, every review at 512 positions: what `serving_default` returned before), with the
+  median of the per-round ratios and their range;
+- p50 and p99 latency of one review per call;
+- the end-to-end rate of `python -m apps.predict --input FILE --json` on the whole test split
+  (25,000 reviews), start-up included: first with an empty XLA cache, then with the programs
+  the first run kept.
+
+Usage:
+    python benchmarks/serving.py --data_dir ../shared/data/tensorflow_datasets
+    python benchmarks/serving.py --rounds 5 --output BENCHMARKS.md
+"""
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+START, END = "<!-- serving:start -->", "<!-- serving:end -->"
+SIGNATURES = ("serving_default", "inspect")
+
+
+def rate(signature, texts, batch_size):
+    """Reviews per second through `signature` over `texts`, in order, `batch_size` a call."""
+    import tensorflow as tf
+
+    start = time.perf_counter()
+    for i in range(0, len(texts), batch_size):
+        signature(text=tf.constant(texts[i : i + batch_size]))
+    return len(texts) / (time.perf_counter() - start)
+
+
+def latencies(signature, texts):
+    """Seconds per call, one review a call."""
+    import tensorflow as tf
+
+    out = []
+    for text in texts:
+        start = time.perf_counter()
+        signature(text=tf.constant([text]))["probability"].numpy()
+        out.append(time.perf_counter() - start)
+    return out
+
+
+def percentile(values, q):
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+def predict_end_to_end(model, path, count, cache):
+    """Seconds for `python -m apps.predict --input path --json` to answer every review."""
+    start = time.perf_counter()
+    result = subprocess.run(
+        [sys.executable, "-m", "apps.predict", "--model", model, "--input", path, "--json",
+         "--xla_cache", cache],
+        cwd=ROOT, capture_output=True, timeout=3600,
+    )  # fmt: skip
+    seconds = time.perf_counter() - start
+    if result.returncode != 0:
+        raise RuntimeError(result.stderr.decode()[-2000:])
+    answered = result.stdout.count(b"\n")
+    if answered != count:
+        raise RuntimeError(f"apps.predict answered {answered} of {count} reviews")
+    return seconds
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default=os.path.join(ROOT, "saved_models/imdb_sdpa/saved_model"))
+    parser.add_argument("--data_dir", default=os.environ.get("TFDS_DATA_DIR"))
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds per batch size")
+    parser.add_argument("--reviews", type=int, default=2048, help="reviews per round")
+    parser.add_argument("--latency_reviews", type=int, default=300)
+    parser.add_argument("--skip_predict", action="store_true", help="skip the 25,000-review run")
+    parser.add_argument("--output", help="a Markdown file whose serving section is replaced")
+    args = parser.parse_args(argv)
+    for name in ("rounds", "reviews", "latency_reviews"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be at least 1. Received: {getattr(args, name)}")
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import tensorflow as tf
+    import tensorflow_datasets as tfds
+
+    builder = tfds.builder("imdb_reviews", data_dir=args.data_dir)
+    texts = list(tfds.as_numpy(builder.as_dataset(split="test", batch_size=-1))["text"])
+    loaded = tf.saved_model.load(args.model)
+    signatures = {name: loaded.signatures[name] for name in SIGNATURES}
+    sample = texts[: args.reviews]
+
+    rows = []
+    for batch_size in (256, 32, 1):
+        count = args.reviews if batch_size > 1 else min(args.reviews, 256)
+        for signature in signatures.values():  # warm-up: XLA compiles each shape once
+            rate(signature, sample[:count], batch_size)
+        rates = {name: [] for name in SIGNATURES}
+        for index in range(args.rounds):
+            order = SIGNATURES if index % 2 == 0 else SIGNATURES[::-1]
+            for name in order:
+                rates[name].append(rate(signatures[name], sample[:count], batch_size))
+            print(
+                f"  batch {batch_size}, round {index + 1}/{args.rounds}: "
+                + ", ".join(f"{n} {rates[n][-1]:.0f}/s" for n in SIGNATURES),
+                file=sys.stderr,
+            )
+        ratios = [a / b for a, b in zip(rates["serving_default"], rates["inspect"])]
+        rows.append((batch_size, count, rates, ratios))
+
+    delays = {name: [] for name in SIGNATURES}
+    for i, text in enumerate(texts[args.reviews : args.reviews + args.latency_reviews]):
+        for name in SIGNATURES if i % 2 == 0 else SIGNATURES[::-1]:
+            delays[name].extend(latencies(signatures[name], [text]))
+
+    predict_rows = []
+    if not args.skip_predict:
+        with tempfile.TemporaryDirectory() as folder:
+            path = os.path.join(folder, "reviews.txt")
+            with open(path, "wb") as f:
+                f.writelines(t.replace(b"\n", b" ").replace(b"\r", b" ") + b"\n" for t in texts)
+            cache = os.path.join(folder, "xla")
+            for label in ("empty XLA cache", "XLA cache kept by the first run"):
+                seconds = predict_end_to_end(args.model, path, len(texts), cache)
+                predict_rows.append((label, seconds))
+                print(f"  apps.predict, {label}: {seconds:.1f} s", file=sys.stderr)
+    assert "keras_sdpa" not in sys.modules, "the benchmark imported keras_sdpa"
+
+    command = f"    python benchmarks/serving.py --rounds {args.rounds} --output BENCHMARKS.md"
+    lines = [
+        "## Serving the SavedModel",
+        "",
+        "Produced by:",
+        "",
+        command,
+        "",
+        "The shipped SavedModel loaded with plain TensorFlow (no `keras_sdpa` in the process), "
+        f"IMDB test reviews in the split's order. `serving_default` returns the label and "
+        "probability and computes each review at its length bucket; `inspect` returns the "
+        "tokens and every attention weight at 512 positions, as `serving_default` did before. "
+        f"{args.rounds} alternating rounds of {args.reviews} reviews (256 at batch 1) after one "
+        "warm-up pass that compiles; ratio = median of the per-round ratios (range).",
+        "",
+        "| batch | serving_default reviews/s | inspect reviews/s | ratio |",
+        "|---|---|---|---|",
+    ]
+    for batch_size, _, rates, ratios in rows:
+        lines.append(
+            f"| {batch_size} | {statistics.median(rates['serving_default']):.0f} | "
+            f"{statistics.median(rates['inspect']):.0f} | **{statistics.median(ratios):.2f}** "
+            f"({min(ratios):.2f}-{max(ratios):.2f}) |"
+        )
+    lines += [
+        "",
+        f"One review a call, {args.latency_reviews} reviews alternating the two signatures:",
+        "",
+        "| signature | p50 ms | p99 ms |",
+        "|---|---|---|",
+    ]
+    for name in SIGNATURES:
+        lines.append(
+            f"| {name} | {percentile(delays[name], 0.5) * 1e3:.2f} | "
+            f"{percentile(delays[name], 0.99) * 1e3:.2f} |"
+        )
+    if predict_rows:
+        lines += [
+            "",
+            f"`python -m apps.predict --input FILE --json` on all {len(texts):,} test reviews, "
+            "start-up (TensorFlow import, SavedModel load, XLA compilation) included:",
+            "",
+            "| run | seconds | reviews/s |",
+            "|---|---|---|",
+        ]
+        for label, seconds in predict_rows:
+            lines.append(f"| {label} | {seconds:.1f} | {len(texts) / seconds:.0f} |")
+    section = "\n".join(lines) + "\n"
+    print(section)
+    if args.output:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from features import replace_section
+
+        replace_section(args.output, START, END, section)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
