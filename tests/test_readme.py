@@ -146,3 +146,20 @@ def test_faithfulness_table_is_the_committed_report():
     assert payload["source"]["examples"] == 1000 and payload["reviews"] == 1000
     card = (ROOT / "saved_models/imdb_sdpa/README.md").read_text()
     assert explain.markdown_table(payload) in card
+
+
+def test_serving_figures_are_the_measured_ones():
+    """The README's serving figures are serving.json's (written at export) and BENCHMARKS.md's."""
+    serving = json.loads((ROOT / "saved_models/imdb_sdpa/serving.json").read_text())
+    benchmarks = (ROOT / "BENCHMARKS.md").read_text()
+    text = " ".join(README.read_text().split())
+    assert f"measured {serving['reviews_per_second']:.0f} reviews/s at batch 256" in text
+    assert f"{serving['batch_1_p50_ms']:.1f} ms p50 for one review a call" in text
+    ratios = dict(
+        re.findall(r"^\| (256|32|1) \| \d+ \| \d+ \| \*\*([\d.]+)\*\*", benchmarks, flags=re.M)
+    )
+    assert f"**{ratios['256']}x** as many reviews per second" in text
+    assert f"{ratios['32']}x at batch 32 and {ratios['1']}x at batch 1" in text
+    rates = re.findall(r"^\| (?:empty XLA cache|XLA cache kept[^|]*) \| [\d.]+ \| (\d+) \|",
+                       benchmarks, flags=re.M)  # fmt: skip
+    assert f"at {rates[0]} reviews/s with an empty XLA cache and {rates[1]} reviews/s" in text
