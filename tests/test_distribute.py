@@ -28,6 +28,7 @@ RUN = [
     "--vocab_size", "3000", "--embed_dim", "16", "--key_dim", "8", "--ff_dim", "32",
     "--learning_rate", "3e-3", "--inspect_examples", "4", "--verbose", "2",
     "--patience", "2",  # both epochs always run: a 12-step validation loss is noise
+    "--faithfulness_examples", "16",
 ]  # fmt: skip
 TIMEOUT = 600
 
