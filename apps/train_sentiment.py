@@ -409,7 +409,7 @@ def train(config):
         # The attention core is XLA-compiled on its own; the rest of the step runs on TF's
         # kernels (XLA's CPU random numbers make Keras's Dropout far slower under jit).
         model.compile(
-            optimizer=keras.optimizers.Adam(schedule),
+            optimizer=model_lib.Adam(schedule),
             loss="binary_crossentropy",
             metrics=["accuracy"],
             jit_compile=False,

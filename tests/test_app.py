@@ -462,3 +462,30 @@ def test_resume_refuses_a_different_run(tmp_path, capsys):
     code = train_sentiment.main(["--resume", "--output", str(output), "--num_heads", "2"])
     assert code == 2
     assert "--num_heads (saved 4, received 2)" in capsys.readouterr().err
+
+
+def test_adam_sums_repeated_rows_of_a_sparse_gradient():
+    """The app's Adam on an Embedding whose rows repeat in the batch == Adam on the dense
+    gradient, written out in NumPy (Keras 3.15's own Adam squares the repeated rows apart)."""
+    lr, beta_1, beta_2, epsilon = 0.1, 0.9, 0.999, 1e-7
+    embedding = keras.layers.Embedding(5, 3)
+    embedding.build((None,))
+    weights = embedding.embeddings.numpy().astype(np.float64)
+    optimizer = model_lib.Adam(lr, beta_1=beta_1, beta_2=beta_2, epsilon=epsilon)
+    ids = np.array([1, 1, 3, 1, 4])
+    rng = np.random.default_rng(0)
+    m, v = np.zeros_like(weights), np.zeros_like(weights)
+    for step in (1, 2):
+        upstream = rng.normal(size=(len(ids), 3))
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(embedding(tf.constant(ids)) * upstream)
+        (gradient,) = tape.gradient(loss, embedding.trainable_variables)
+        assert isinstance(gradient, tf.IndexedSlices) and len(gradient.indices) == len(ids)
+        optimizer.apply([gradient], embedding.trainable_variables)
+        dense = np.zeros_like(weights)
+        np.add.at(dense, ids, upstream)
+        m = beta_1 * m + (1 - beta_1) * dense
+        v = beta_2 * v + (1 - beta_2) * dense**2
+        alpha = lr * np.sqrt(1 - beta_2**step) / (1 - beta_1**step)
+        weights = weights - alpha * m / (np.sqrt(v) + epsilon)
+        np.testing.assert_allclose(embedding.embeddings.numpy(), weights, atol=1e-5)

@@ -29,6 +29,7 @@ RUN = [
     "--learning_rate", "3e-3", "--inspect_examples", "4", "--verbose", "2",
     "--patience", "2",  # both epochs always run: a 12-step validation loss is noise
     "--faithfulness_examples", "16",
+    "--dropout", "0",  # replicas draw their own dropout masks: without it, 2 x 16 == 1 x 32
 ]  # fmt: skip
 TIMEOUT = 600
 
@@ -73,6 +74,31 @@ def mirrored(tmp_path_factory):
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     return output, result.stdout
+
+
+@pytest.fixture(scope="module")
+def one_device(tmp_path_factory):
+    """The same run on one device at the same global batch, 32."""
+    output = str(tmp_path_factory.mktemp("one_device") / "run")
+    args = _app("--output", output)
+    args[args.index("--batch_size") + 1] = "32"
+    result = subprocess.run(
+        args, capture_output=True, text=True, timeout=TIMEOUT, env=_env(), cwd=ROOT
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    return output
+
+
+def test_two_replicas_split_the_batch_one_device_would_see(mirrored, one_device):
+    """2 replicas x 16 reviews train the model 1 device x 32 trains: the same batches, split,
+    not repeated, and the gradients summed as one. Same weights, same losses."""
+    two, one = _metrics(mirrored[0]), _metrics(one_device)
+    assert two["distribution"]["global_batch_size"] == one["distribution"]["global_batch_size"]
+    for row, want in zip(two["history"], one["history"], strict=True):
+        for key in ("loss", "val_loss", "accuracy", "val_accuracy"):
+            assert row[key] == pytest.approx(want[key], abs=2e-4), (key, row, want)
+    for a, b in zip(_weights(mirrored[0]), _weights(one_device), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-3)
 
 
 def test_mirrored_trains_on_both_replicas(mirrored):
