@@ -394,17 +394,18 @@ def test_dropout_applies_one_mask_to_the_weights_before_the_values():
     assert 0.3 < 1 - keep.mean() < 0.5
 
 
-def spy_on_paths(monkeypatch):
-    """Records the path of every call into the compiled core, `ops._attention_xla`."""
-    paths = []
+def spy_on_paths(monkeypatch, argument="path"):
+    """Records one static argument (default: the path) of every call into the compiled
+    core, `ops._attention_xla`."""
+    seen = []
     compiled = ops._attention_xla
 
-    def spy(*args, path, **kwargs):
-        paths.append(path)
-        return compiled(*args, path=path, **kwargs)
+    def spy(*args, **kwargs):
+        seen.append(kwargs[argument])
+        return compiled(*args, **kwargs)
 
     monkeypatch.setattr(ops, "_attention_xla", spy)
-    return paths
+    return seen
 
 
 def test_public_call_runs_the_xla_compiled_program(monkeypatch):
@@ -453,14 +454,7 @@ def test_auto_takes_the_chunked_path_for_large_scores(monkeypatch):
 
 def test_chunked_blocks_are_never_longer_than_the_sequences(monkeypatch):
     """A block of 2048 for T = S = 512 padded a serving batch of 256 to 24 GiB of scores."""
-    sizes = []
-    compiled = ops._attention_xla
-
-    def spy(*args, chunk_size, **kwargs):
-        sizes.append(chunk_size)
-        return compiled(*args, chunk_size=chunk_size, **kwargs)
-
-    monkeypatch.setattr(ops, "_attention_xla", spy)
+    sizes = spy_on_paths(monkeypatch, "chunk_size")
     q, k, v = random_inputs()
     expected = scaled_dot_product_attention(q, k, v, implementation="dense")
     got = scaled_dot_product_attention(q, k, v, implementation="chunked")
