@@ -9,23 +9,29 @@ import tensorflow as tf
 from keras_sdpa import _masking as M
 
 
-def softmax_parts(scores, allowed):
+def softmax_parts(scores, penalty, any_allowed):
     """The stable softmax of the logits, left unnormalized.
 
-    Returns `exp`, `(…, T, S)`, with `exp(scores - row_max)` where allowed and
-    0 where masked, its reciprocal row sum `inv_total`, `(…, T, 1)`, and the
+    `penalty` is the mask in additive form, 0 where allowed and `MASK_PENALTY`
+    where masked (or None), and `any_allowed` says which rows keep a key (or
+    None). Returns `exp`, `(…, T, S)`, with `exp(scores - row_max)` where allowed
+    and 0 where masked, its reciprocal row sum `inv_total`, `(…, T, 1)`, and the
     row log-sum-exp `lse`, so that `weights = exp * inv_total = exp(scores - lse)`.
-    A fully masked row has `exp == 0`: its weights and its output are zero.
+    A fully masked row has `inv_total == 0`: its weights and its output are zero,
+    and its `lse` is `-MASK_PENALTY`, so that `exp(scores - lse)` is 0 there too.
     """
-    if allowed is not None:
-        scores = tf.where(allowed, scores, M.MASKED_SCORE)
+    if penalty is not None:
+        scores = scores + penalty  # masked logits underflow to exp == 0
     row_max = tf.reduce_max(scores, axis=-1, keepdims=True)  # (…, T, 1)
     exp = tf.exp(scores - row_max)  # (…, T, S)
-    if allowed is not None:
-        exp = tf.where(allowed, exp, 0.0)
     total = tf.reduce_sum(exp, axis=-1, keepdims=True)  # (…, T, 1)
-    total = tf.where(total > 0.0, total, 1.0)  # fully masked rows: 0 / 1 = 0
-    return exp, 1.0 / total, row_max + tf.math.log(total)
+    total = tf.where(total > 0.0, total, 1.0)  # no keys at all (S = 0): 0 / 1 = 0
+    lse = row_max + tf.math.log(total)
+    inv_total = 1.0 / total
+    if any_allowed is not None:
+        inv_total = tf.where(any_allowed, inv_total, 0.0)
+        lse = tf.where(any_allowed, lse, -M.MASK_PENALTY)
+    return exp, inv_total, lse
 
 
 def attend(
@@ -65,7 +71,14 @@ def attend(
     if constraint is not None:
         constraint = constraint[None, None, None]  # (1, 1, 1, T, S)
     allowed = M.combine(mask, constraint)  # broadcasts to (B, K, G, T, S)
-    allowed_t = M.keys_first(allowed)  # (…, S, G, T)
+    # The mask as a bias: one add that XLA fuses into the softmax's pass, where selecting
+    # with the boolean mask before and after the exp cost 35% of the forward (B=256, N=2,
+    # T=S=192, H=32: 69 against 51 ms).
+    penalty, any_allowed = None, None
+    if allowed is not None:
+        penalty = tf.where(allowed, tf.constant(0.0, q.dtype), M.MASK_PENALTY)
+        any_allowed = tf.reduce_any(allowed, axis=-1, keepdims=True)  # (…, T|1, 1)
+    penalty_t = M.keys_first(penalty)  # (…, S, G, T)
     keep_t = M.keys_first(keep)
     bias_t = M.keys_first(bias)
     scale_keep = None if keep is None else 1.0 / (1.0 - dropout_rate)
@@ -73,7 +86,7 @@ def attend(
     def forward(q, k, v, bias):
         raw = M.from_rows(tf.matmul(M.to_rows(q), k, transpose_b=True), groups)  # (B, K, G, T, S)
         scores = M.logits(raw, bias, cap)
-        exp, inv_total, lse = softmax_parts(scores, allowed)
+        exp, inv_total, lse = softmax_parts(scores, penalty, any_allowed)
         applied = exp if keep is None else tf.where(keep, exp * scale_keep, 0.0)
         out = M.from_rows(tf.matmul(M.to_rows(applied), v), groups) * inv_total  # (B, K, G, T, Hv)
         weights = exp * inv_total if return_weights else None  # (B, K, G, T, S)
@@ -98,9 +111,8 @@ def attend(
             raw_t = tf.matmul(k, M.to_rows(q), transpose_b=True)  # (B, K, S, G * T)
             raw_t = tf.reshape(raw_t, tf.stack([tf.shape(k)[0], tf.shape(k)[1], s, groups, t]))
             scores_t = M.logits(raw_t, bias_t, cap)  # (B, K, S, G, T)
-            probs_t = tf.exp(scores_t - M.keys_first(lse))
-            if allowed_t is not None:
-                probs_t = tf.where(allowed_t, probs_t, 0.0)
+            masked_t = scores_t if penalty_t is None else scores_t + penalty_t
+            probs_t = tf.exp(masked_t - M.keys_first(lse))
             applied_t = probs_t if keep_t is None else tf.where(keep_t, probs_t * scale_keep, 0.0)
             d_v = tf.matmul(_keys_rows(applied_t), rows_d_out)  # (B, K, S, Hv)
             d_probs_t = tf.reshape(

@@ -24,6 +24,9 @@ import tensorflow as tf
 
 # Stands in for -inf on masked logits: finite, so `logits - max` never makes a NaN.
 MASKED_SCORE = -3.0e38
+# Added to a masked logit on the dense path: exp(logit + MASK_PENALTY - row max) is exactly 0
+# for any logit a row can hold, and the sum stays finite (no -inf, so no inf - inf).
+MASK_PENALTY = -1.0e30
 
 
 def grouped(x, pattern, num_kv_heads, groups):
