@@ -304,7 +304,56 @@ def _interrupts_deferred():
         raise KeyboardInterrupt(f"signal {received[0]}")
 
 
+@dataclasses.dataclass
+class Run:
+    """Where a training run writes, and how it is distributed (`_start_run`)."""
+
+    strategy: tf.distribute.Strategy
+    distribution: dict  # recorded in metrics.json
+    global_batch: int
+    output: str  # this task's folder (a worker's own, beside the chief's)
+    checkpoints: str
+    resuming: bool
+
+    @property
+    def history(self):
+        return os.path.join(self.output, "history.csv")
+
+    @property
+    def vocabulary(self):
+        return os.path.join(self.output, "vocabulary.txt")
+
+    @property
+    def bigrams(self):
+        return os.path.join(self.output, "bigrams.txt")
+
+
 def train(config):
+    """The whole run: set up, data, model, fit, then report and export. Returns an exit code."""
+    run = _start_run(config)
+    splits, vectorizer, train_ids, validation_ids = _prepare_data(config, run)
+    steps_per_epoch = max(1, len(train_ids) // run.global_batch)
+    if config.max_steps is not None:
+        steps_per_epoch = min(steps_per_epoch, config.max_steps)
+    model, inspector = _build_model(config, run, vectorizer, train_ids, steps_per_epoch)
+    validation = eval_dataset(validation_ids, splits.validation_label, run.global_batch)
+    fitted = _fit(config, run, model, train_ids, splits.train_label, validation, steps_per_epoch)
+    if fitted is None:
+        return 130  # interrupted; the state is saved
+    train_seconds, stopped = fitted
+    history = read_history(run.history)
+    best_path = os.path.join(run.checkpoints, "best.weights.h5")
+    if os.path.exists(best_path):
+        model.load_weights(best_path)
+    best_epoch = min(history, key=lambda row: row["val_loss"])["epoch"] if history else None
+    return _report(
+        config, run.output, model, inspector, vectorizer, splits, history, best_epoch,
+        train_seconds, stopped, validation, run.distribution,
+    )  # fmt: skip
+
+
+def _start_run(config):
+    """The strategy, the output folder, and whether this run resumes an interrupted one."""
     strategy = distribute.make_strategy(config.strategy, config.logical_cpus)  # before any TF op
     replicas = strategy.num_replicas_in_sync
     global_batch = config.batch_size * replicas
@@ -332,10 +381,6 @@ def train(config):
     checkpoints = os.path.join(output, "checkpoints")
     state_json = os.path.join(checkpoints, "state.json")
     config_path = os.path.join(checkpoints, "config.json")
-    history_path = os.path.join(output, "history.csv")
-    vocabulary_path = os.path.join(output, "vocabulary.txt")
-    bigrams_path = os.path.join(output, "bigrams.txt")
-
     resuming = False
     if os.path.exists(state_json):
         if not config.resume:
@@ -347,15 +392,21 @@ def train(config):
         resuming = True
     elif config.resume:
         print(f"Nothing to resume in {checkpoints}; starting a new run.")
+    run = Run(strategy, distribution, global_batch, output, checkpoints, resuming)
     if not resuming:
-        for stale in (history_path, os.path.join(output, "logs")):
+        for stale in (run.history, os.path.join(output, "logs")):
             if os.path.isdir(stale):
                 shutil.rmtree(stale)
             elif os.path.exists(stale):
                 os.remove(stale)
     os.makedirs(checkpoints, exist_ok=True)
     export.write_json_atomic(config_path, dataclasses.asdict(config))
+    return run
 
+
+def _prepare_data(config, run):
+    """The TFDS splits, the vectorizer (adapted on train, or the interrupted run's), and the
+    train and validation token ids."""
     keras.utils.set_random_seed(config.seed)
     data_dir = data.resolve_data_dir(config.data_dir)
     print(f"Loading {config.dataset} with tensorflow-datasets (data_dir={data_dir or 'default'})")
@@ -370,25 +421,24 @@ def train(config):
         f"seed {config.seed}), test {len(splits.test_text)} "
         f"({splits.test_split} split, for the final report only)"
     )
-
-    if resuming and os.path.exists(vocabulary_path):
+    if run.resuming and os.path.exists(run.vocabulary):
         vectorizer = data.make_vectorizer(
-            config.vocab_size, config.sequence_length, vocabulary=vocabulary_path
+            config.vocab_size, config.sequence_length, vocabulary=run.vocabulary
         )
     else:
         vectorizer = data.make_vectorizer(config.vocab_size, config.sequence_length)
         vectorizer.adapt(tf.data.Dataset.from_tensor_slices(splits.train_text).batch(1024))
-        _write_vocabulary(vectorizer, vocabulary_path)
+        _write_vocabulary(vectorizer, run.vocabulary)
     train_ids = data.vectorize(vectorizer, splits.train_text)  # (n, L)
     validation_ids = data.vectorize(vectorizer, splits.validation_text)
+    return splits, vectorizer, train_ids, validation_ids
 
-    steps_per_epoch = max(1, len(train_ids) // global_batch)
-    validation_steps = None
-    if config.max_steps is not None:
-        steps_per_epoch = min(steps_per_epoch, config.max_steps)
-        validation_steps = config.max_steps
+
+def _build_model(config, run, vectorizer, train_ids, steps_per_epoch):
+    """The compiled classifier and its inspector, in the strategy's scope, with the word-pair
+    vocabulary set."""
     # Variables, the model, its attention layers and the optimizer all live in the scope.
-    with strategy.scope():
+    with run.strategy.scope():
         model, inspector = model_lib.build_classifier(
             vocab_size=vectorizer.vocabulary_size(),
             sequence_length=config.sequence_length,
@@ -417,35 +467,41 @@ def train(config):
         model.optimizer.build(model.trainable_variables)
     if config.bigram_vocab_size:
         embedding = model.get_layer("embedding")
-        if resuming and os.path.exists(bigrams_path):
-            pairs = data.read_bigrams(vectorizer, bigrams_path)
+        if run.resuming and os.path.exists(run.bigrams):
+            pairs = data.read_bigrams(vectorizer, run.bigrams)
             embedding.set_bigrams(pairs)
         else:
             embedding.adapt_bigrams(train_ids)
             pairs = embedding.bigrams
-            _write_bigrams(vectorizer, pairs, bigrams_path)
+            _write_bigrams(vectorizer, pairs, run.bigrams)
         print(f"{len(pairs)} word pairs have their own embedding")
-    multi_worker = distribute.is_multi_worker(strategy)
-    distribute.fix_keras_for_multi_worker(model, strategy)
-    state = TrainingState(checkpoints, config.save_every)
+    return model, inspector
+
+
+def _fit(config, run, model, train_ids, train_labels, validation, steps_per_epoch):
+    """`model.fit` from where the run stands, with checkpoints, early stopping and a saved
+    state on Ctrl-C or SIGTERM. Returns `(train_seconds, stopped_early)`, or None if
+    interrupted."""
+    multi_worker = distribute.is_multi_worker(run.strategy)
+    distribute.fix_keras_for_multi_worker(model, run.strategy)
+    state = TrainingState(run.checkpoints, config.save_every)
     state.set_model(model)  # fit sets it too; restore() and an early Ctrl-C need it before
-    if resuming:
+    if run.resuming:
         state.restore()
 
     step = _step(model)
     first_epoch, done_in_epoch = divmod(step, steps_per_epoch)
-    history = read_history(history_path)
-    if resuming:
+    history = read_history(run.history)
+    if run.resuming:
         print(f"Resuming at epoch {first_epoch + 1}, step {step} ({done_in_epoch} into the epoch)")
 
-    validation = eval_dataset(validation_ids, splits.validation_label, global_batch)
-    best_path = os.path.join(checkpoints, "best.weights.h5")
+    best_path = os.path.join(run.checkpoints, "best.weights.h5")
     best_so_far = min((row["val_loss"] for row in history), default=None)
-    early_stopping = ResumableEarlyStopping(history_path, patience=config.patience, verbose=1)
+    early_stopping = ResumableEarlyStopping(run.history, patience=config.patience, verbose=1)
     callbacks = [
         state,
-        keras.callbacks.CSVLogger(history_path, append=True),
-        keras.callbacks.TensorBoard(os.path.join(output, "logs")),
+        keras.callbacks.CSVLogger(run.history, append=True),
+        keras.callbacks.TensorBoard(os.path.join(run.output, "logs")),
         keras.callbacks.ModelCheckpoint(
             best_path,
             monitor="val_loss",
@@ -455,6 +511,7 @@ def train(config):
         ),
         early_stopping,
     ]
+    validation_steps = config.max_steps
     stopped = _stopped_early(history, config.patience)
     # SIGINT too: a process started in the background by a shell inherits SIGINT ignored.
     previous_handlers = {
@@ -474,13 +531,13 @@ def train(config):
                 break
             # Multi-worker Keras finds its strategy in the scope (see apps/distribute.py);
             # evaluation and export then run on each worker alone, with the same weights.
-            fitting = strategy.scope() if multi_worker else contextlib.nullcontext()
+            fitting = run.strategy.scope() if multi_worker else contextlib.nullcontext()
             with fitting:
                 model.fit(
                     training_stream(
                         train_ids,
-                        splits.train_label,
-                        global_batch,
+                        train_labels,
+                        run.global_batch,
                         config.seed,
                         start_step=_step(model),
                     ),  # fmt: skip
@@ -496,26 +553,16 @@ def train(config):
             stopped = early_stopping.stopped_epoch > 0
     except KeyboardInterrupt:
         state.save()
-        step = _step(model)
         print(
-            f"\nInterrupted at step {step}. Training state saved to {checkpoints}.\n"
+            f"\nInterrupted at step {_step(model)}. Training state saved to {run.checkpoints}.\n"
             f"Continue with: python -m apps.train_sentiment --resume --output {config.output}",
             file=sys.stderr,
         )
-        return 130
+        return None
     finally:
         for number, handler in previous_handlers.items():
             signal.signal(number, handler)
-    train_seconds = state.seconds()
-
-    history = read_history(history_path)
-    if os.path.exists(best_path):
-        model.load_weights(best_path)
-    best_epoch = min(history, key=lambda row: row["val_loss"])["epoch"] if history else None
-    return _report(
-        config, output, model, inspector, vectorizer, splits, history, best_epoch, train_seconds,
-        stopped, validation, distribution,
-    )  # fmt: skip
+    return state.seconds(), stopped
 
 
 def _report(config, output, model, inspector, vectorizer, splits, history, best_epoch,
