@@ -1,6 +1,7 @@
 """`ScaledDotProductAttention`: the Keras layer that owns W_Q, W_K, W_V (and W_O)."""
 
 import contextlib
+import math
 import string
 
 import keras
@@ -347,12 +348,18 @@ class ScaledDotProductAttention(keras.layers.Layer):
                 "return_attention_scores=True"
             )
         rank = query.shape.rank
+        mask = _combine_masks(query_mask, value_mask, key_mask, attention_mask, rank)
         with _masks_set_aside(query, value, key):
+            gate = self._gate_dense(query) if self.use_gate else None  # (B, *dims_q, N, Hv)
+            if self._folds_projections(query, training, use_causal_mask):
+                out, weights = self._attend_in_input_space(
+                    query, value, key, mask, training, return_attention_scores,
+                    use_causal_mask, attention_bias,
+                )  # fmt: skip
+                return self._finish(query, out, weights, gate, return_attention_scores)
             q = self._query_dense(query)  # (B, *dims_q, N, H)
             k = self._key_dense(key)  # (B, *dims_v, K, H)
             v = self._value_dense(value)  # (B, *dims_v, K, Hv)
-            gate = self._gate_dense(query) if self.use_gate else None  # (B, *dims_q, N, Hv)
-        mask = _combine_masks(query_mask, value_mask, key_mask, attention_mask, rank)
         if type(self)._compute_attention is ScaledDotProductAttention._compute_attention:
             out, weights = self._compute_attention(
                 q,
@@ -377,7 +384,10 @@ class ScaledDotProductAttention(keras.layers.Layer):
                 causal = _causal_mask(tf.shape(query)[1], tf.shape(value)[1])  # (1, T, S)
                 mask = causal if mask is None else tf.logical_and(mask, causal)
             out, weights = self._compute_attention(q, k, v, mask, training, return_attention_scores)
+        return self._finish(query, out, weights, gate, return_attention_scores)
 
+    def _finish(self, query, out, weights, gate, return_attention_scores):
+        """The gate and `W_O` on the heads' outputs `(B, *dims_q, N, Hv)`."""
         if gate is not None:
             out = out * gate
         if self._output_dense is not None:
@@ -390,6 +400,76 @@ class ScaledDotProductAttention(keras.layers.Layer):
         if return_attention_scores:
             return out, weights
         return out
+
+    def _folds_projections(self, query, training, use_causal_mask):
+        """Whether a short query attends in the inputs' space, without projecting every key.
+
+        For a query of `T` positions against `S` keys, projecting the keys and values costs
+        `S E N H` each; folding `W_K` into the query (`q W_K^T`, `(T, N, E)`) and `W_V`
+        after the weighted sum costs `T S E N`. With `T` well below `H` (attention pooling,
+        `T = 1`) the fold does a fraction of the work, to float rounding the same result:
+        the key bias shifts each logit row by a constant, which the softmax ignores, and the
+        value bias is weighted by the row's total weight. Only the plain configuration
+        folds: self-attention-style axes, no grouped heads, no soft cap (not
+        shift-invariant), no causal mask or window (the value bias needs to know which rows
+        keep a key, and the boolean mask alone says it), no dropout while training, and
+        projections that are neither quantized nor LoRA.
+        """
+        if type(self)._compute_attention is not ScaledDotProductAttention._compute_attention:
+            return False
+        length = query.shape[1]
+        if query.shape.rank != 3 or length is None:
+            return False
+        if length * 4 > min(self._key_dim, self._value_dim):
+            return False
+        if self._kv_heads != self.num_heads or self.attn_logits_soft_cap is not None:
+            return False
+        if use_causal_mask or self.sliding_window is not None:
+            return False
+        if training and self.dropout > 0:
+            return False
+        return not any(
+            dense.quantization_mode is not None or dense.lora_enabled
+            for dense in (self._query_dense, self._key_dense, self._value_dense)
+        )
+
+    def _attend_in_input_space(
+        self, query, value, key, mask, training, return_attention_scores, use_causal_mask,
+        attention_bias,
+    ):  # fmt: skip
+        """Attention with `W_K` folded into the query and `W_V` applied after the weighted
+        sum (`_folds_projections`). Returns `(B, T, N, Hv)` and the weights or None."""
+        q = self._query_dense(query)  # (B, T, N, H)
+        w_k = tf.cast(self._key_dense.kernel, q.dtype)  # (E_k, N, H)
+        q_keys = tf.einsum("btnh,enh->btne", q, w_k)  # (B, T, N, E_k): q k_s = q_keys x_s
+        if self.scale is None:
+            # The core's default scale follows the last axis, E_k here: keep 1 / sqrt(H).
+            q_keys = q_keys * math.sqrt(w_k.shape[0] / self._key_dim)
+        if self.use_bias:
+            # The key bias adds `q b_K` to every logit of a row, which the softmax ignores: its
+            # gradient is zero, given as zeros (not None, which optimizers warn about).
+            q_keys = q_keys + 0.0 * tf.reduce_sum(tf.cast(self._key_dense.bias, q_keys.dtype))
+        mixed, weights = self._compute_attention(
+            q_keys,
+            key[:, :, None, :],  # (B, S, 1, E_k): one key "head" that every head reads
+            value[:, :, None, :],  # (B, S, 1, E_v)
+            mask,
+            training,
+            return_attention_scores,
+            use_causal_mask=use_causal_mask,
+            attention_bias=attention_bias,
+        )  # (B, T, N, E_v): each head's weighted sum of the value inputs
+        w_v = tf.cast(self._value_dense.kernel, mixed.dtype)  # (E_v, N, Hv)
+        out = tf.einsum("btne,enh->btnh", mixed, w_v)  # (B, T, N, Hv)
+        if self.use_bias:
+            # sum_s p_s (x_s W_V + b_V): the bias counts as the row's total weight, 1, or 0
+            # where every key is masked.
+            total = 1.0
+            if mask is not None:
+                any_key = tf.reduce_any(tf.cast(mask, tf.bool), axis=-1)  # (B|1, T|1)
+                total = tf.cast(any_key, out.dtype)[:, :, None, None]
+            out = out + total * tf.cast(self._value_dense.bias, out.dtype)
+        return out, weights
 
     def _compute_attention(
         self,

@@ -324,3 +324,52 @@ def test_other_backends_are_refused_with_the_variable_to_set(monkeypatch):
     q = random((1, 3, 2, 4), 30)
     with pytest.raises(ValueError, match=match):
         ops.scaled_dot_product_attention(q, q, q)
+
+
+class _Unfolded(ScaledDotProductAttention):
+    """The same layer with every key and value projected, whatever the query's length."""
+
+    def _folds_projections(self, *args):
+        return False
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [dict(), dict(scale=0.3), dict(use_gate=True), dict(output_shape=5)],
+    ids=["plain", "scale", "gate", "output_shape"],
+)
+@pytest.mark.parametrize("length", [1, 2])
+def test_short_queries_fold_the_projections_and_match(kwargs, length):
+    """A query of 1 or 2 positions (attention pooling) attends with `W_K` folded into it and
+    `W_V` after the weighted sum: the outputs, weights and every gradient are those of
+    `keras.layers.MultiHeadAttention` and of the layer projecting every key."""
+    width, heads, key_dim = 24, 2, 8
+    query, value = random((3, length, width), 1), random((3, 11, 20), 2)
+    mask = np.ones((3, length, 11), bool)
+    mask[1, :, 4:] = False  # padding
+    mask[2] = False  # no key at all: zero weights, and the value bias not added
+    layer_kwargs = dict(num_heads=heads, key_dim=key_dim, **kwargs)
+    mha_kwargs = {k: v for k, v in layer_kwargs.items() if k != "scale"}  # Keras has no scale
+    mha, ours = twins(keras.layers.MultiHeadAttention, query, value, mha_kwargs, layer_kwargs)
+    unfolded = _Unfolded(**layer_kwargs)
+    unfolded(query, value)
+    unfolded.set_weights(ours.get_weights())
+    assert ours._folds_projections(tf.constant(query), False, False)
+    assert not ours._folds_projections(tf.constant(random((3, 3, width), 3)), False, False)
+
+    def run(layer, rows=slice(None)):
+        variables = layer.trainable_variables
+        with tf.GradientTape() as tape:
+            out, scores = layer(
+                query[rows], value[rows], attention_mask=mask[rows], return_attention_scores=True
+            )
+            plain = layer(query[rows], value[rows], attention_mask=mask[rows])
+            loss = tf.reduce_sum(out * plain) + tf.reduce_sum(scores**2)
+        return [out, scores, plain] + tape.gradient(loss, variables)
+
+    if "scale" not in kwargs:
+        # Keras gives a row without keys uniform weights; compare with it on the other rows.
+        for got, want in zip(run(ours, slice(0, 2)), run(mha, slice(0, 2))):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-5)
+    for got, want in zip(run(ours), run(unfolded)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-5)
