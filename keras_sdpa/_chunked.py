@@ -96,12 +96,16 @@ def attend(
                 m_new = tf.maximum(m, tf.reduce_max(scores, axis=-1, keepdims=True))
                 p = tf.where(ok, tf.exp(scores - m_new), 0.0)  # (B, K, G, C, C)
                 correction = tf.exp(m - m_new)  # (B, K, G, C, 1)
-                total = total * correction + tf.reduce_sum(p, axis=-1, keepdims=True)
+                total_new = total * correction + tf.reduce_sum(p, axis=-1, keepdims=True)
                 if scale_keep is not None:
                     p = tf.where(keep_block(i, j, tf.shape(p)), p * scale_keep, 0.0)
                 update = M.from_rows(tf.matmul(M.to_rows(p), tf.gather(v_blocks, j)), groups)
-                acc = acc * correction + update  # (B, K, G, C, Hv)
-                return j + 1, m_new, total, acc
+                acc_new = acc * correction + update  # (B, K, G, C, Hv)
+                # Broadcasting with a mask block can hide a size known before (K = 1): the
+                # loop's carried shapes must stay as they entered.
+                for carried, before in ((m_new, m), (total_new, total), (acc_new, acc)):
+                    carried.set_shape(before.shape)
+                return j + 1, m_new, total_new, acc_new
 
             lo, hi = key_range(i)
             v_shape = tf.shape(v_blocks)

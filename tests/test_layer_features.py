@@ -373,3 +373,35 @@ def test_short_queries_fold_the_projections_and_match(kwargs, length):
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-5)
     for got, want in zip(run(ours), run(unfolded)):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-5)
+
+
+class _Pooling(keras.layers.Layer):
+    """A learned query attending over a sequence, as `apps.model.AttentionPooling`."""
+
+    def __init__(self, query, **attention_kwargs):
+        super().__init__()
+        self.query = query  # (1, 1, E)
+        self.attention = ScaledDotProductAttention(**attention_kwargs)
+
+    def build(self, x_shape):
+        self.attention.build((x_shape[0], 1, x_shape[-1]), x_shape)
+
+    def call(self, x, mask=None):
+        query = keras.ops.broadcast_to(self.query, (keras.ops.shape(x)[0], 1, x.shape[-1]))
+        return self.attention(query, x, value_mask=mask)
+
+
+@pytest.mark.parametrize("kv_heads", [None, 1], ids=["folded", "mqa"])
+def test_pooling_query_with_lengths_unknown_until_run_time(kv_heads):
+    """A functional model with `Input((None, E))` traces "auto"'s run-time choice, chunked
+    branch included, for a 1-position query over a padded sequence (attention pooling): with
+    the projections folded it reads the inputs as one key head, and with
+    `num_key_value_heads=1` it has one. The chunked loop once lost that head's static size,
+    and the model failed to build."""
+    query, value = random((1, 1, 64), 1), random((2, 7, 64), 2)
+    mask = np.arange(7)[None, :] < np.array([[7], [3]])  # (B, S)
+    pooling = _Pooling(query, num_heads=2, key_dim=32, num_key_value_heads=kv_heads)
+    v_in, m_in = keras.Input((None, 64)), keras.Input((None,), dtype="bool")
+    model = keras.Model([v_in, m_in], pooling(v_in, mask=m_in))
+    want = pooling.attention(np.repeat(query, 2, axis=0), value, value_mask=mask)
+    np.testing.assert_allclose(model.predict([value, mask], verbose=0), want, atol=1e-6)
