@@ -30,6 +30,8 @@ import numpy as np
 import tensorflow as tf
 from keras import ops
 
+from . import model as model_lib
+
 FRACTIONS = (0.01, 0.05, 0.10, 0.20, 0.50)  # of each review's tokens
 ATTENTION = "attention"  # the ranking (pooling, mean over heads) compared with random
 DELETED_IN_VIEWER = 5  # tokens deleted for the viewer's one-line test
@@ -90,14 +92,12 @@ class ModelProbe:
     """The Keras classifier, as the functions the rankings and the tests need.
 
     `model` maps token ids `(B, L)` to `P(positive)` `(B, 1)`, as `apps.model.build_classifier`
-    builds it; its layers `embedding`, `block_*`, `pooling` and `classifier` are called
-    directly to start from the embeddings.
+    builds it; `apps.model.log_odds_from_embeddings` starts it from the embeddings.
     """
 
     def __init__(self, model, batch_size=128):
         self.model = model
         self.batch_size = batch_size
-        self.blocks = [layer for layer in model.layers if layer.name.startswith("block_")]
         self._probability = tf.function(
             lambda ids: self.model(ids, training=False)[:, 0], reduce_retracing=True
         )
@@ -114,11 +114,7 @@ class ModelProbe:
 
     def log_odds_from_embeddings(self, x, mask):
         """The classifier's log-odds `(B,)` from the embedding output `x` `(B, L, E)`."""
-        for block in self.blocks:
-            x = block(x, mask=mask, training=False)  # (B, L, E)
-        pooled = self.model.get_layer("pooling")(x, mask=mask)  # (B, E)
-        classifier = self.model.get_layer("classifier")
-        return (ops.matmul(pooled, classifier.kernel) + classifier.bias)[:, 0]  # (B,)
+        return model_lib.log_odds_from_embeddings(self.model, x, mask)
 
     def _gradient_x_input(self, ids):
         mask = ops.not_equal(ids, 0)  # (B, L)

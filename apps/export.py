@@ -17,6 +17,7 @@ import numpy as np
 import tensorflow as tf
 
 from . import explain, page
+from . import model as model_lib
 
 PAD = ""  # the vectorizer's padding token (id 0)
 
@@ -45,9 +46,9 @@ def padded_rows(n, step=ROW_STEP):
     return tf.where(n > step, multiple, tf.where(n > 0, power, 0))
 
 
-def classify_by_length(model, ids, sizes):
+def classify_by_length(probability, ids, sizes):
     """`P(positive)` `(B,)` for token ids `(B, L)`, each review computed at the shortest of
-    `sizes` that holds its tokens.
+    `sizes` that holds its tokens; `probability` maps ids `(n, size)` to `(n,)`.
 
     `tf.dynamic_partition` groups the rows by that length, the model runs once per group on
     the ids cut to it, and `tf.dynamic_stitch` puts the results back in order. The masks and
@@ -65,7 +66,7 @@ def classify_by_length(model, ids, sizes):
     for part, size in zip(parts, sizes):
         count = tf.shape(part)[0]
         part = tf.pad(part[:, :size], [[0, padded_rows(count) - count], [0, 0]])
-        probabilities.append(tf.reshape(model(part, training=False), [-1])[:count])
+        probabilities.append(probability(part)[:count])
     return tf.dynamic_stitch(rows, probabilities)  # (B,)
 
 
@@ -93,11 +94,12 @@ def export_saved_model(model, inspector, vectorizer, path, buckets=LENGTH_BUCKET
     if embedding.bigram_vocab_size:
         archive.track(embedding.bigram_lookup)
     text_spec = tf.TensorSpec([None], tf.string, name="text")
+    classify = model_lib.compiled_classifier(model)  # ids (B, L) -> P(positive) (B,)
 
     @tf.function(input_signature=[text_spec])
     def serve(text):
         ids = vectorizer(text)  # (B, L) int
-        probability = classify_by_length(model, ids, sizes)  # (B,)
+        probability = classify_by_length(classify, ids, sizes)  # (B,)
         return {
             "probability": probability,
             "label": tf.cast(probability >= 0.5, tf.int32),

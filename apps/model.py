@@ -310,3 +310,35 @@ def build_classifier(
     ids, probability, _, _ = forward(with_scores=False)
     model = keras.Model(ids, probability, name="sdpa_sentiment")
     return model, inspector
+
+
+def log_odds_from_embeddings(model, x, mask):
+    """The classifier's log-odds `(B,)` from its embedding layer's output `x` `(B, L, E)`,
+    at inference (no dropout). `model` is `build_classifier`'s; its layers `block_*`,
+    `pooling` and `classifier` are called directly."""
+    for layer in model.layers:
+        if layer.name.startswith("block_"):
+            x = layer(x, mask=mask, training=False)  # (B, L, E)
+    pooled = model.get_layer("pooling")(x, mask=mask)  # (B, E)
+    classifier = model.get_layer("classifier")
+    return (ops.matmul(pooled, classifier.kernel) + classifier.bias)[:, 0]  # (B,)
+
+
+def compiled_classifier(model):
+    """`P(positive)` `(B,)` for token ids `(B, L)`, as `model` computes it at inference, with
+    everything after the embedding in one XLA program per shape.
+
+    The embedding stays on TensorFlow's kernels (its word-pair lookup is a hash table, which
+    XLA cannot compile); the blocks, the pooling and the head compile together, so XLA fuses
+    the layer norms, the feed-forward and the projections around the attention cores.
+    """
+    embedding = model.get_layer("embedding")
+
+    @tf.function(jit_compile=True)
+    def head(x, mask):
+        return tf.sigmoid(log_odds_from_embeddings(model, x, mask))
+
+    def probability(ids):
+        return head(embedding(ids), ops.not_equal(ids, 0))
+
+    return probability
