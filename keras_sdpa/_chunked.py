@@ -152,12 +152,13 @@ def attend(
                     d_scores = p * (d_p - row_dot_i)
                     if cap is not None:
                         d_scores = d_scores * M.cap_derivative(scores, cap)
-                    d_q = d_q + M.from_rows(
+                    d_q_new = d_q + M.from_rows(
                         tf.matmul(M.to_rows(d_scores), tf.gather(k_blocks, j)), groups
                     )
+                    d_q_new.set_shape(d_q.shape)  # as it entered the loop (see the forward)
                     if bias_grid is not None:
                         d_bias = _add_block(d_bias, bias_pattern, i, j, d_scores)
-                    return j + 1, d_q, d_bias
+                    return j + 1, d_q_new, d_bias
 
                 lo, hi = key_range(i)
                 _, d_q, d_bias = tf.while_loop(
@@ -188,7 +189,7 @@ def attend(
                         shape = tf.concat([shape_t[:2], [groups, c, c]], 0)
                         keep_t = M.keys_first(keep_block(i, j, shape))
                         applied_t = tf.where(keep_t, p_t * scale_keep, 0.0)
-                    d_v = d_v + tf.matmul(tf.reshape(applied_t, tf.shape(raw_t)), rows_d_out)
+                    d_v_new = d_v + tf.matmul(tf.reshape(applied_t, tf.shape(raw_t)), rows_d_out)
                     d_p_t = tf.reshape(tf.matmul(v_j, rows_d_out, transpose_b=True), shape_t)
                     if keep_t is not None:
                         d_p_t = tf.where(keep_t, d_p_t * scale_keep, 0.0)
@@ -196,8 +197,10 @@ def attend(
                     d_scores_t = p_t * (d_p_t - row_dot_t)
                     if cap is not None:
                         d_scores_t = d_scores_t * M.cap_derivative(scores_t, cap)
-                    d_k = d_k + tf.matmul(tf.reshape(d_scores_t, tf.shape(raw_t)), rows_q)
-                    return i + 1, d_k, d_v
+                    d_k_new = d_k + tf.matmul(tf.reshape(d_scores_t, tf.shape(raw_t)), rows_q)
+                    d_k_new.set_shape(d_k.shape)  # as they entered the loop (see the forward)
+                    d_v_new.set_shape(d_v.shape)
+                    return i + 1, d_k_new, d_v_new
 
                 lo, hi = query_range(j)
                 _, d_k, d_v = tf.while_loop(

@@ -379,7 +379,7 @@ class _Pooling(keras.layers.Layer):
     """A learned query attending over a sequence, as `apps.model.AttentionPooling`."""
 
     def __init__(self, query, **attention_kwargs):
-        super().__init__()
+        super().__init__(name="pooling")
         self.query = query  # (1, 1, E)
         self.attention = ScaledDotProductAttention(**attention_kwargs)
 
@@ -396,8 +396,8 @@ def test_pooling_query_with_lengths_unknown_until_run_time(kv_heads):
     """A functional model with `Input((None, E))` traces "auto"'s run-time choice, chunked
     branch included, for a 1-position query over a padded sequence (attention pooling): with
     the projections folded it reads the inputs as one key head, and with
-    `num_key_value_heads=1` it has one. The chunked loop once lost that head's static size,
-    and the model failed to build."""
+    `num_key_value_heads=1` it has one. The chunked loops once lost that head's static size:
+    the model failed to build, and its gradient to trace."""
     query, value = random((1, 1, 64), 1), random((2, 7, 64), 2)
     mask = np.arange(7)[None, :] < np.array([[7], [3]])  # (B, S)
     pooling = _Pooling(query, num_heads=2, key_dim=32, num_key_value_heads=kv_heads)
@@ -405,3 +405,16 @@ def test_pooling_query_with_lengths_unknown_until_run_time(kv_heads):
     model = keras.Model([v_in, m_in], pooling(v_in, mask=m_in))
     want = pooling.attention(np.repeat(query, 2, axis=0), value, value_mask=mask)
     np.testing.assert_allclose(model.predict([value, mask], verbose=0), want, atol=1e-6)
+
+    def gradient(v, m):
+        with tf.GradientTape() as tape:
+            tape.watch(v)
+            loss = tf.reduce_sum(pooling(v, mask=m) ** 2)
+        return tape.gradient(loss, v)
+
+    unknown = tf.function(
+        gradient,
+        input_signature=[tf.TensorSpec((None, None, 64)), tf.TensorSpec((None, None), tf.bool)],
+    )
+    want = gradient(tf.constant(value), tf.constant(mask))
+    np.testing.assert_allclose(unknown(value, mask), want, atol=1e-6)
