@@ -2,11 +2,12 @@
 
 The shipped configuration (`apps.train_sentiment`'s defaults: E=64, 2 heads of 32, one
 block plus attention pooling, L=512, vocabulary 10,000 with 20,000 word pairs, batch
-64, Adam) is built twice by `apps.model.build_classifier`: once as shipped, on
+64, the app's Adam) is built twice by `apps.model.build_classifier`: once as shipped, on
 `keras_sdpa.ScaledDotProductAttention`, and once with `keras.layers.MultiHeadAttention`
 in its place (same arguments, same weights copied over). Each step is
-`model.train_on_batch` on the same batch of random token ids, compiled as
-`model.fit` compiles it on this machine (`jit_compile="auto"`).
+`model.train_on_batch` on the same batch of random token ids, compiled as the app
+compiles it (`apps.model.Adam`, `jit_compile=False`: the attention core is XLA-compiled
+on its own).
 
 Rounds alternate the two in one process; the table gives the median of the
 per-round ratios (ours / Keras) and their range.
@@ -52,7 +53,7 @@ def build(kind, ids, config):
     finally:
         model_lib.ScaledDotProductAttention = original
     model.get_layer("embedding").adapt_bigrams(ids)  # the word-pair vocabulary
-    model.compile(keras.optimizers.Adam(1e-3), "binary_crossentropy")
+    model.compile(model_lib.Adam(1e-3), "binary_crossentropy", jit_compile=False)
     return model
 
 
@@ -99,12 +100,14 @@ def main(argv=None):
             "",
             "Produced by:",
             "",
-            f"    python benchmarks/app_step.py --rounds {args.rounds} --output BENCHMARKS.md",
+            f"    python benchmarks/app_step.py --rounds {args.rounds} --steps {args.steps} "
+            "--output BENCHMARKS.md",
             "",
             "The shipped classifier (E=64, 2 heads of 32, one block plus attention pooling, "
             f"L=512, batch {batch}, dropout {config['dropout']}, word pairs) against the same "
             "model with `keras.layers.MultiHeadAttention` swapped in, same weights; "
-            f"`train_on_batch` as `fit` compiles it here; {args.rounds} alternating rounds of "
+            "`train_on_batch` as the app compiles it (its Adam, `jit_compile=False`); "
+            f"{args.rounds} alternating rounds of "
             f"{args.steps} steps in one process; ratio = median of the per-round ratios "
             "(range in brackets).",
             "",

@@ -6,12 +6,16 @@ Two pairs, forward and forward plus backward:
     core:   keras_sdpa.scaled_dot_product_attention  vs  keras.ops.dot_product_attention
 
 Both peers run inside `tf.function` (graph mode, TensorFlow's own kernels), the
-way `model.fit` runs them by default. Each (length, implementation) runs in a
-fresh process so that its peak resident memory is its own.
+way `model.fit` runs them by default. Times come from alternating rounds of ours and
+the peer in this one process (each round: `--repeats` calls of each, median), and the
+table gives the median of the per-round ratios with their range: one process per
+implementation had moved a ratio by 40% between two runs here. Peak resident memory
+comes from one child process per implementation, length and pass, where it is that
+implementation's own.
 
 Usage:
     python benchmarks/attention.py                       # B=4 E=256 N=4 H=64, T=S in 128..4096
-    python benchmarks/attention.py --lengths 128 512 --repeats 5
+    python benchmarks/attention.py --lengths 512 2048 --rounds 5
     python benchmarks/attention.py --output BENCHMARKS.md
 """
 
@@ -29,8 +33,8 @@ IMPLS = ["sdpa_layer", "keras_mha", "sdpa_core", "keras_ops"]
 PEERS = {"sdpa_layer": "keras_mha", "sdpa_core": "keras_ops"}
 
 
-def measure(impl, length, which, repeats):
-    """Runs in a child process: median time and peak memory of one implementation and pass."""
+def make_step(impl, length, which):
+    """A compiled call of one implementation and pass (`fwd` or `fwd_bwd`) on fixed inputs."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     os.environ.setdefault("KERAS_BACKEND", "tensorflow")
     import keras
@@ -38,15 +42,15 @@ def measure(impl, length, which, repeats):
 
     import keras_sdpa
 
-    x = tf.random.normal((B, length, E))
-    q, k, v = (tf.random.normal((B, length, N, H)) for _ in range(3))
+    x = tf.random.normal((B, length, E), seed=1)
+    q, k, v = (tf.random.normal((B, length, N, H), seed=seed) for seed in (2, 3, 4))
     if impl in ("sdpa_layer", "keras_mha"):
         cls = (
             keras_sdpa.ScaledDotProductAttention
             if impl == "sdpa_layer"
             else (keras.layers.MultiHeadAttention)
         )
-        layer = cls(num_heads=N, key_dim=H)
+        layer = cls(num_heads=N, key_dim=H, seed=0)
         layer(x, x)
         inputs = [x]
         variables = layer.trainable_variables
@@ -77,16 +81,49 @@ def measure(impl, length, which, repeats):
         return tape.gradient(loss, inputs + variables)
 
     fn = run_forward if which == "fwd" else run_backward
-    base = _rss_mib()  # inputs and weights are in; nothing traced or run yet
-    sampler = _PeakSampler()
-    fn()  # trace and compile
+
+    def step():
+        out = fn()
+        _ = [t.numpy() for t in tf.nest.flatten(out)[:1]]
+
+    return step
+
+
+def time_calls(step, repeats):
+    """Median seconds of `repeats` calls."""
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        out = fn()
-        _ = [t.numpy() for t in tf.nest.flatten(out)[:1]]
+        step()
         times.append(time.perf_counter() - start)
-    return {"ms": statistics.median(times) * 1e3, "peak_mib": sampler.stop() - base}
+    return statistics.median(times)
+
+
+def alternate(ours, peer, rounds, repeats):
+    """Alternating rounds of two warmed-up steps: median times and per-round ratios."""
+    ours(), peer()  # trace and compile both
+    mine, theirs = [], []
+    for _ in range(rounds):
+        mine.append(time_calls(ours, repeats))
+        theirs.append(time_calls(peer, repeats))
+    ratios = sorted(a / b for a, b in zip(mine, theirs))
+    return {
+        "ms": statistics.median(mine) * 1e3,
+        "peer_ms": statistics.median(theirs) * 1e3,
+        "ratio": statistics.median(ratios),
+        "low": ratios[0],
+        "high": ratios[-1],
+    }
+
+
+def peak_memory(impl, length, which):
+    """Runs in a child process: the peak resident memory of one call, compilation included."""
+    step = make_step(impl, length, which)
+    base = _rss_mib()  # inputs and weights are in; nothing traced or run yet
+    sampler = _PeakSampler()
+    step()
+    step()
+    return {"peak_mib": sampler.stop() - base}
 
 
 def _rss_mib():
@@ -130,8 +167,8 @@ def matmul_gflops():
     return 2 * 2048**3 / statistics.median(times) / 1e9
 
 
-def run_child(impl, length, which, repeats):
-    cmd = [sys.executable, __file__, "--child", impl, str(length), which, "--repeats", str(repeats)]
+def run_child(impl, length, which):
+    cmd = [sys.executable, __file__, "--child", impl, str(length), which]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         tail = (proc.stderr.strip().splitlines() or ["killed"])[-1]
@@ -139,28 +176,30 @@ def run_child(impl, length, which, repeats):
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def table(results, lengths, peak_gflops):
+def table(times, memory, lengths, peak_gflops):
     lines = [
-        "| pair | T=S | pass | ours ms | peer ms | ratio | ours GFLOP/s | of matmul peak "
+        "| pair | T=S | pass | ours ms | peer ms | ratio (range) | ours GFLOP/s | of matmul peak "
         "| ours peak MiB | peer peak MiB |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for ours, peer in PEERS.items():
         for length in lengths:
             for name, factor in (("fwd", 1), ("fwd_bwd", 3)):
-                a, b = results[(ours, length, name)], results[(peer, length, name)]
-                if "error" in a or "error" in b:
+                t = times[(ours, length, name)]
+                a, b = memory[(ours, length, name)], memory[(peer, length, name)]
+                mib = [m.get("error") or f"{m['peak_mib']:.0f}" for m in (a, b)]
+                if "error" in t:
                     lines.append(
-                        f"| {ours} vs {peer} | {length} | {name} | "
-                        f"{a.get('error', '')} | {b.get('error', '')} | | | | | |"
+                        f"| {ours} vs {peer} | {length} | {name} | {t['error']} | | | | | "
+                        f"{mib[0]} | {mib[1]} |"
                     )
                     continue
                 flops = factor * 4 * B * N * length * length * H
-                gflops = flops / (a["ms"] / 1e3) / 1e9
+                gflops = flops / (t["ms"] / 1e3) / 1e9
                 lines.append(
-                    f"| {ours} vs {peer} | {length} | {name} | {a['ms']:.1f} | {b['ms']:.1f} | "
-                    f"**{a['ms'] / b['ms']:.2f}** | {gflops:.1f} | {gflops / peak_gflops:.0%} | "
-                    f"{a['peak_mib']:.0f} | {b['peak_mib']:.0f} |"
+                    f"| {ours} vs {peer} | {length} | {name} | {t['ms']:.1f} | "
+                    f"{t['peer_ms']:.1f} | **{t['ratio']:.2f}** ({t['low']:.2f}-{t['high']:.2f}) "
+                    f"| {gflops:.1f} | {gflops / peak_gflops:.0%} | {mib[0]} | {mib[1]} |"
                 )
     return "\n".join(lines)
 
@@ -168,31 +207,50 @@ def table(results, lengths, peak_gflops):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[128, 512, 2048, 4096])
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--rounds", type=int, default=5, help="alternating rounds")
+    parser.add_argument("--repeats", type=int, default=3, help="calls per round")
     parser.add_argument("--output", help="also write the table to this Markdown file")
     parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         impl, length, which = args.child
-        print(json.dumps(measure(impl, int(length), which, args.repeats)))
+        print(json.dumps(peak_memory(impl, int(length), which)))
         return
 
     peak = matmul_gflops()
     print(f"float32 matmul rate of this machine (2048^3, TensorFlow): {peak:.1f} GFLOP/s")
-    results = {}
+    memory = {}
     for length in args.lengths:
         for which in ("fwd", "fwd_bwd"):
             for impl in IMPLS:
-                print(f"T=S={length:5d} {which:7s} {impl:11s} ...", end=" ", flush=True)
-                results[(impl, length, which)] = run_child(impl, length, which, args.repeats)
-                print(results[(impl, length, which)], flush=True)
-    text = table(results, args.lengths, peak)
+                print(f"peak memory T=S={length:5d} {which:7s} {impl:11s} ...", end=" ", flush=True)
+                memory[(impl, length, which)] = run_child(impl, length, which)
+                print(memory[(impl, length, which)], flush=True)
+    times = {}
+    for length in args.lengths:
+        for which in ("fwd", "fwd_bwd"):
+            for ours, peer in PEERS.items():
+                print(f"time T=S={length:5d} {which:7s} {ours} vs {peer} ...", end=" ", flush=True)
+                try:
+                    result = alternate(
+                        make_step(ours, length, which),
+                        make_step(peer, length, which),
+                        args.rounds,
+                        args.repeats,
+                    )
+                except Exception as error:  # out of memory at the longest lengths
+                    result = {"error": f"{type(error).__name__}: {str(error)[:60]}"}
+                times[(ours, length, which)] = result
+                print(result, flush=True)
+    text = table(times, memory, args.lengths, peak)
     header = (
-        f"B={B}, E={E}, N={N}, H={H}; median of {args.repeats} runs after one warm-up; "
-        f"ratio = ours / peer (below 1 is faster); GFLOP/s counts 4·B·N·T·S·H per forward and "
-        f"3x that per forward plus backward; peak MiB is the most resident memory "
-        f"above the level before the first call (compilation included; sampled every ms; "
-        f"one process per implementation, length and pass); matmul peak {peak:.1f} GFLOP/s.\n"
+        f"B={B}, E={E}, N={N}, H={H}. Times: {args.rounds} alternating rounds of ours and the "
+        f"peer in one process after one warm-up call each, {args.repeats} calls a round "
+        f"(median); ratio = ours / peer (below 1 is faster), the median of the per-round "
+        f"ratios with their range. GFLOP/s counts 4·B·N·T·S·H per forward and 3x that per "
+        f"forward plus backward. Peak MiB is the most resident memory above the level before "
+        f"the first call (compilation included; sampled every ms; one child process per "
+        f"implementation, length and pass). Matmul peak {peak:.1f} GFLOP/s.\n"
     )
     print()
     print(header)

@@ -7,13 +7,21 @@ every weight) of one self-attention layer, B=1, N=4, H=64 (E=256), at T=S:
     sdpa_dense    keras_sdpa.ScaledDotProductAttention(implementation="dense")
     keras_mha     keras.layers.MultiHeadAttention
 
-Each (implementation, length) runs in its own process, so its peak resident
-memory is its own. The parent kills a child that passes `--memory_limit_gib` of
-resident memory or `--timeout` seconds, and reports that instead of a time.
+Peak resident memory: each (implementation, length) runs once in its own process, so
+its peak is its own. The parent kills a child that passes `--memory_limit_gib` of
+resident memory or `--timeout` seconds, and reports that instead.
+
+Time: the implementations whose child finished are then timed in this one process,
+in alternating rounds (one call of each per round, after a warm-up call each), and a
+ratio is the median of the per-round ratios, with their range: one process per
+implementation had moved a ratio by 40% between two runs here.
+
+The figure `--plot` (default `benchmarks/long_sequences.png`) shows time and peak memory
+against T, log-log, for the three.
 
 Usage:
     python benchmarks/long_sequences.py                          # T=S in 2048..32768
-    python benchmarks/long_sequences.py --lengths 2048 4096 --repeats 3
+    python benchmarks/long_sequences.py --lengths 2048 4096 --rounds 3
     python benchmarks/long_sequences.py --output BENCHMARKS.md   # replaces its section there
 """
 
@@ -33,8 +41,8 @@ IMPLS = ["sdpa_chunked", "sdpa_dense", "keras_mha"]
 START, END = "<!-- long-sequences:start -->", "<!-- long-sequences:end -->"
 
 
-def measure(impl, length, repeats, chunk_size):
-    """In a child process: median forward+backward time and peak resident memory."""
+def make_step(impl, length, chunk_size):
+    """A compiled forward+backward step of one implementation at `T=S=length`."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     os.environ.setdefault("KERAS_BACKEND", "tensorflow")
     import keras
@@ -42,7 +50,7 @@ def measure(impl, length, repeats, chunk_size):
 
     import keras_sdpa
 
-    x = tf.random.normal((B, length, E))
+    x = tf.random.normal((B, length, E), seed=1)
     if impl == "keras_mha":
         layer = keras.layers.MultiHeadAttention(num_heads=N, key_dim=H)
     else:
@@ -61,23 +69,46 @@ def measure(impl, length, repeats, chunk_size):
             loss = tf.reduce_sum(layer(x, x))
         return tape.gradient(loss, [x, *layer.trainable_variables])
 
+    return lambda: step()[0].numpy()
+
+
+def measure(impl, length, chunk_size):
+    """In a child process: peak resident memory of the first two calls, and the second's time."""
+    step = make_step(impl, length, chunk_size)
     base = _rss_mib()
     sampler = _PeakSampler()
-    step()[0].numpy()  # trace and compile
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        step()[0].numpy()
-        times.append(time.perf_counter() - start)
+    step()  # trace and compile
+    start = time.perf_counter()
+    step()
+    seconds = time.perf_counter() - start
     peak = sampler.stop()
-    return {"ms": statistics.median(times) * 1e3, "peak_mib": peak - base, "rss_mib": peak}
+    return {"ms": seconds * 1e3, "peak_mib": peak - base, "rss_mib": peak}
 
 
-def run_child(impl, length, repeats, chunk_size, timeout, memory_limit_gib):
+def alternate(impls, length, chunk_size, rounds):
+    """Median ms of each implementation over alternating rounds in this process, and the
+    per-round ratios of chunked to each other one (median, low, high)."""
+    steps = {impl: make_step(impl, length, chunk_size) for impl in impls}
+    for step in steps.values():
+        step()  # trace and compile
+    seconds = {impl: [] for impl in impls}
+    for _ in range(rounds):
+        for impl, step in steps.items():
+            start = time.perf_counter()
+            step()
+            seconds[impl].append(time.perf_counter() - start)
+    result = {impl: {"ms": statistics.median(t) * 1e3} for impl, t in seconds.items()}
+    if "sdpa_chunked" in impls:
+        for impl in impls:
+            ratios = sorted(a / b for a, b in zip(seconds["sdpa_chunked"], seconds[impl]))
+            result[impl]["chunked_ratio"] = (statistics.median(ratios), ratios[0], ratios[-1])
+    return result
+
+
+def run_child(impl, length, chunk_size, timeout, memory_limit_gib):
     """Runs one measurement in a child; kills it past the time or memory limit."""
     cmd = [
-        sys.executable, __file__, "--child", impl, str(length),
-        "--repeats", str(repeats), "--chunk_size", str(chunk_size),
+        sys.executable, __file__, "--child", impl, str(length), "--chunk_size", str(chunk_size),
     ]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     start, peak = time.time(), 0.0
@@ -113,7 +144,7 @@ def _child_rss_gib(pid):
         return 0.0
 
 
-def table(results, lengths):
+def table(memory, times, lengths):
     lines = [
         "| T=S | chunked ms | dense ms | Keras MHA ms | chunked / dense time "
         "| chunked / Keras time | chunked peak MiB | dense peak MiB | Keras peak MiB "
@@ -121,23 +152,68 @@ def table(results, lengths):
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
 
-    def cell(result, key, fmt):
-        return fmt.format(result[key]) if "error" not in result else result["error"]
+    def ms(impl, length):
+        if "error" in memory[(impl, length)]:
+            return memory[(impl, length)]["error"]
+        return f"{times[length][impl]['ms']:.0f}"
 
-    def ratio(a, b, key):
-        if "error" in a or "error" in b:
+    def time_ratio(impl, length):
+        found = times[length].get(impl, {}).get("chunked_ratio")
+        if found is None or "sdpa_chunked" not in times[length]:
             return "-"
-        return f"**{a[key] / b[key]:.2f}**"
+        return f"**{found[0]:.2f}** ({found[1]:.2f}-{found[2]:.2f})"
+
+    def mib(impl, length):
+        result = memory[(impl, length)]
+        return "-" if "error" in result else f"{result['peak_mib']:.0f}"
 
     for length in lengths:
-        c, d, k = (results[(impl, length)] for impl in IMPLS)
+        c, d = memory[("sdpa_chunked", length)], memory[("sdpa_dense", length)]
+        memory_ratio = "-"
+        if "error" not in c and "error" not in d:
+            memory_ratio = f"**{c['peak_mib'] / d['peak_mib']:.2f}**"
         lines.append(
-            f"| {length} | {cell(c, 'ms', '{:.0f}')} | {cell(d, 'ms', '{:.0f}')} "
-            f"| {cell(k, 'ms', '{:.0f}')} | {ratio(c, d, 'ms')} | {ratio(c, k, 'ms')} "
-            f"| {cell(c, 'peak_mib', '{:.0f}')} | {cell(d, 'peak_mib', '{:.0f}')} "
-            f"| {cell(k, 'peak_mib', '{:.0f}')} | {ratio(c, d, 'peak_mib')} |"
+            f"| {length} | {ms('sdpa_chunked', length)} | {ms('sdpa_dense', length)} "
+            f"| {ms('keras_mha', length)} | {time_ratio('sdpa_dense', length)} "
+            f"| {time_ratio('keras_mha', length)} | {mib('sdpa_chunked', length)} "
+            f"| {mib('sdpa_dense', length)} | {mib('keras_mha', length)} | {memory_ratio} |"
         )
     return "\n".join(lines)
+
+
+def plot(memory, times, lengths, path):
+    """Time and peak memory against T, log-log, one line per implementation."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = {
+        "sdpa_chunked": "keras_sdpa, chunked",
+        "sdpa_dense": "keras_sdpa, dense",
+        "keras_mha": "keras.layers.MultiHeadAttention",
+    }
+    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for impl, label in labels.items():
+        ran = [t for t in lengths if "error" not in memory[(impl, t)]]
+        left.plot(ran, [times[t][impl]["ms"] / 1e3 for t in ran], "o-", label=label)
+        right.plot(ran, [memory[(impl, t)]["peak_mib"] / 1024 for t in ran], "o-", label=label)
+    for axis, name in ((left, "seconds, forward + backward"), (right, "peak memory, GiB")):
+        axis.set_xscale("log", base=2)
+        axis.set_yscale("log")
+        axis.set_xlabel("sequence length T = S")
+        axis.set_ylabel(name)
+        axis.grid(True, which="both", alpha=0.3)
+    left.set_title("Time (alternating rounds, one process)")
+    right.set_title("Peak resident memory (one process each)")
+    right.legend(loc="upper left")
+    figure.suptitle(
+        f"One self-attention layer, B={B}, E={E}, N={N}, H={H}; a missing point ran out"
+    )
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path
 
 
 def write_section(path, section):
@@ -158,42 +234,60 @@ def write_section(path, section):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192, 16384, 32768])
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds")
     parser.add_argument("--chunk_size", type=int, default=2048)  # the library default
     parser.add_argument("--timeout", type=int, default=600, help="seconds per measurement")
     parser.add_argument("--memory_limit_gib", type=float, default=16.0)
     parser.add_argument("--output", help="write the table into this Markdown file's section")
+    parser.add_argument(
+        "--plot",
+        default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "long_sequences.png"),
+        help="where the log-log figure of time and memory goes",
+    )
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         impl, length = args.child
-        print(json.dumps(measure(impl, int(length), args.repeats, args.chunk_size)))
+        print(json.dumps(measure(impl, int(length), args.chunk_size)))
         return
 
-    results = {}
+    memory = {}
     for length in args.lengths:
         for impl in IMPLS:
-            print(f"T=S={length:6d} {impl:13s} ...", end=" ", flush=True)
-            results[(impl, length)] = run_child(
-                impl, length, args.repeats, args.chunk_size, args.timeout, args.memory_limit_gib
+            print(f"peak memory T=S={length:6d} {impl:13s} ...", end=" ", flush=True)
+            memory[(impl, length)] = run_child(
+                impl, length, args.chunk_size, args.timeout, args.memory_limit_gib
             )
-            print(results[(impl, length)], flush=True)
-    text = table(results, args.lengths)
+            print(memory[(impl, length)], flush=True)
+    times = {}
+    for length in args.lengths:
+        ran = [impl for impl in IMPLS if "error" not in memory[(impl, length)]]
+        print(f"time T=S={length:6d} {', '.join(ran)} ...", end=" ", flush=True)
+        times[length] = alternate(ran, length, args.chunk_size, args.rounds) if ran else {}
+        print(times[length], flush=True)
+    text = table(memory, times, args.lengths)
+    figure = plot(memory, times, args.lengths, args.plot)
+    # The figure's path as the Markdown file (or, without one, the current folder) sees it.
+    figure_link = os.path.relpath(figure, os.path.dirname(os.path.abspath(args.output or "-")))
     command = "python benchmarks/long_sequences.py " + " ".join(argv if argv else sys.argv[1:])
     section = (
         "## Long sequences\n\n"
         f"Produced by:\n\n    {command.strip()}\n\n"
         f"One self-attention layer, forward plus backward, B={B}, E={E}, N={N}, H={H}, "
-        f"chunk_size={args.chunk_size}; median of {args.repeats} runs after one warm-up "
-        f"(compilation); peak MiB is the most resident memory above the level before the first "
-        f"call, one process per implementation and length; a run is stopped past "
-        f"{args.memory_limit_gib:g} GiB resident or {args.timeout} s.\n\n{text}\n"
+        f"chunk_size={args.chunk_size}. Times: {args.rounds} alternating rounds of the "
+        f"implementations in one process, one call each a round after a warm-up call (median); "
+        f"ratios are the median of the per-round ratios (range). Peak MiB: the most resident "
+        f"memory above the level before the first call, one child process per implementation "
+        f"and length; a child is stopped past {args.memory_limit_gib:g} GiB resident or "
+        f"{args.timeout} s, and then not timed.\n\n{text}\n\n"
+        f"![time and memory against T]({figure_link})\n"
     )
     print()
     print(section)
     if args.output:
         write_section(args.output, section)
         print(f"wrote {os.path.abspath(args.output)}")
+    print(f"wrote {figure}")
 
 
 if __name__ == "__main__":
