@@ -397,3 +397,33 @@ def test_bad_call_inputs():
         ScaledDotProductAttention(N, H, flash_attention=True)(
             query, value, key, return_attention_scores=True
         )
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_query_padding_zeroes_rows_as_a_full_mask_does(causal):
+    """The core sees only the key-side padding; the query's padding zeroes its rows after.
+    Outputs, weights and gradients equal those of the same masks given as one (B, T, S)
+    `attention_mask`, which the core applies whole: padded query rows have zero weights and
+    a zero attention output (so `W_O`'s bias alone)."""
+    query, value = inputs()[:2]
+    query_mask = np.arange(T)[None, :] < np.array([[T], [2]])  # (B, T)
+    value_mask = np.arange(S)[None, :] < np.array([[3], [S]])  # (B, S)
+    layer = ScaledDotProductAttention(N, H, bias_initializer="random_normal")
+    layer(query, value)
+
+    def run(**masks):
+        with tf.GradientTape() as tape:
+            out, scores = layer(
+                query, value, return_attention_scores=True, use_causal_mask=causal, **masks
+            )
+            loss = tf.reduce_sum(out**2) + tf.reduce_sum(scores**2)
+        return [out, scores] + tape.gradient(loss, layer.trainable_variables)
+
+    whole = query_mask[:, :, None] & value_mask[:, None, :]  # (B, T, S)
+    for got, want in zip(
+        run(query_mask=query_mask, value_mask=value_mask), run(attention_mask=whole)
+    ):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    out, scores = run(query_mask=query_mask, value_mask=value_mask)[:2]
+    assert (scores.numpy()[1, :, 2:, :] == 0).all()
+    np.testing.assert_allclose(out[1, 2:], np.broadcast_to(layer.output_dense.bias, (T - 2, E_Q)))
