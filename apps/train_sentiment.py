@@ -327,6 +327,10 @@ class Run:
     def bigrams(self):
         return os.path.join(self.output, "bigrams.txt")
 
+    @property
+    def best_weights(self):
+        return os.path.join(self.checkpoints, "best.weights.h5")
+
 
 def train(config):
     """The whole run: set up, data, model, fit, then report and export. Returns an exit code."""
@@ -342,9 +346,8 @@ def train(config):
         return 130  # interrupted; the state is saved
     train_seconds, stopped = fitted
     history = read_history(run.history)
-    best_path = os.path.join(run.checkpoints, "best.weights.h5")
-    if os.path.exists(best_path):
-        model.load_weights(best_path)
+    if os.path.exists(run.best_weights):
+        model.load_weights(run.best_weights)
     best_epoch = min(history, key=lambda row: row["val_loss"])["epoch"] if history else None
     return _report(
         config, run.output, model, inspector, vectorizer, splits, history, best_epoch,
@@ -495,7 +498,6 @@ def _fit(config, run, model, train_ids, train_labels, validation, steps_per_epoc
     if run.resuming:
         print(f"Resuming at epoch {first_epoch + 1}, step {step} ({done_in_epoch} into the epoch)")
 
-    best_path = os.path.join(run.checkpoints, "best.weights.h5")
     best_so_far = min((row["val_loss"] for row in history), default=None)
     early_stopping = ResumableEarlyStopping(run.history, patience=config.patience, verbose=1)
     callbacks = [
@@ -503,7 +505,7 @@ def _fit(config, run, model, train_ids, train_labels, validation, steps_per_epoc
         keras.callbacks.CSVLogger(run.history, append=True),
         keras.callbacks.TensorBoard(os.path.join(run.output, "logs")),
         keras.callbacks.ModelCheckpoint(
-            best_path,
+            run.best_weights,
             monitor="val_loss",
             save_best_only=True,
             save_weights_only=True,

@@ -348,7 +348,7 @@ class ScaledDotProductAttention(keras.layers.Layer):
                 "return_attention_scores=True"
             )
         rank = query.shape.rank
-        own_core = type(self)._compute_attention is ScaledDotProductAttention._compute_attention
+        own_core = self._own_core
         # The query's padding masks whole rows: the core gets the key-side masks only, and those
         # rows are zeroed after it (the same numbers; a (B, S) mask costs the core 0.88x the
         # time of a (B, T, S) one, forward plus backward, at the app's B=64, T=512).
@@ -410,6 +410,11 @@ class ScaledDotProductAttention(keras.layers.Layer):
             return out, weights
         return out
 
+    @property
+    def _own_core(self):
+        """Whether attention runs in this class's `_compute_attention` (not a subclass's)."""
+        return type(self)._compute_attention is ScaledDotProductAttention._compute_attention
+
     def _folds_projections(self, query, training, use_causal_mask):
         """Whether a short query attends in the inputs' space, without projecting every key.
 
@@ -420,11 +425,10 @@ class ScaledDotProductAttention(keras.layers.Layer):
         the key bias shifts each logit row by a constant, which the softmax ignores, and the
         value bias is weighted by the row's total weight. Only the plain configuration
         folds: self-attention-style axes, no grouped heads, no soft cap (not
-        shift-invariant), no causal mask or window (the value bias needs to know which rows
-        keep a key, and the boolean mask alone says it), no dropout while training, and
+        shift-invariant), no causal mask or window, no dropout while training, and
         projections that are neither quantized nor LoRA.
         """
-        if type(self)._compute_attention is not ScaledDotProductAttention._compute_attention:
+        if not self._own_core:
             return False
         length = query.shape[1]
         if query.shape.rank != 3 or length is None:
@@ -458,26 +462,26 @@ class ScaledDotProductAttention(keras.layers.Layer):
             # The key bias adds `q b_K` to every logit of a row, which the softmax ignores: its
             # gradient is zero, given as zeros (not None, which optimizers warn about).
             q_keys = q_keys + 0.0 * tf.reduce_sum(tf.cast(self._key_dense.bias, q_keys.dtype))
+        width = value.shape[-1]
+        if self.use_bias:
+            # sum_s p_s (x_s W_V + b_V) = (sum_s p_s x_s) W_V + (sum_s p_s) b_V: a column of
+            # ones beside the values gives each row's total weight (0 where every key is
+            # masked), whatever the masks' shapes.
+            value = tf.concat([value, tf.ones_like(value[..., :1])], axis=-1)
         mixed, weights = self._compute_attention(
             q_keys,
             key[:, :, None, :],  # (B, S, 1, E_k): one key "head" that every head reads
-            value[:, :, None, :],  # (B, S, 1, E_v)
+            value[:, :, None, :],  # (B, S, 1, E_v), and the ones
             mask,
             training,
             return_attention_scores,
             use_causal_mask=use_causal_mask,
             attention_bias=attention_bias,
-        )  # (B, T, N, E_v): each head's weighted sum of the value inputs
+        )  # (B, T, N, E_v): each head's weighted sum of the value inputs, and its total
         w_v = tf.cast(self._value_dense.kernel, mixed.dtype)  # (E_v, N, Hv)
-        out = tf.einsum("btne,enh->btnh", mixed, w_v)  # (B, T, N, Hv)
+        out = tf.einsum("btne,enh->btnh", mixed[..., :width], w_v)  # (B, T, N, Hv)
         if self.use_bias:
-            # sum_s p_s (x_s W_V + b_V): the bias counts as the row's total weight, 1, or 0
-            # where every key is masked.
-            total = 1.0
-            if mask is not None:
-                any_key = tf.reduce_any(tf.cast(mask, tf.bool), axis=-1)  # (B|1, T|1)
-                total = tf.cast(any_key, out.dtype)[:, :, None, None]
-            out = out + total * tf.cast(self._value_dense.bias, out.dtype)
+            out = out + mixed[..., width:] * tf.cast(self._value_dense.bias, out.dtype)
         return out, weights
 
     def _compute_attention(

@@ -418,3 +418,30 @@ def test_pooling_query_with_lengths_unknown_until_run_time(kv_heads):
     )
     want = gradient(tf.constant(value), tf.constant(mask))
     np.testing.assert_allclose(unknown(value, mask), want, atol=1e-6)
+
+
+@pytest.mark.parametrize("mask_shape", [(1, 11), (3, 2, 1, 11)], ids=["T_S", "per_head"])
+def test_short_queries_fold_with_every_mask_shape(mask_shape):
+    """The folded path takes every `attention_mask` shape the layer takes, `(T, S)` and per
+    head `(B, N, T, S)` too, with a head whose keys are all masked: the same outputs,
+    weights and gradients as the layer projecting every key."""
+    query, value = random((3, 1, 24), 1), random((3, 11, 20), 2)
+    mask = np.ones(mask_shape, bool)
+    mask[..., 6:] = False
+    if len(mask_shape) == 4:
+        mask[1, 0] = False  # no key for head 0 of review 1
+    layer_kwargs = dict(num_heads=2, key_dim=8, bias_initializer="random_normal")
+    ours, unfolded = ScaledDotProductAttention(**layer_kwargs), _Unfolded(**layer_kwargs)
+    ours(query, value)
+    unfolded(query, value)
+    unfolded.set_weights(ours.get_weights())
+    assert ours._folds_projections(tf.constant(query), False, False)
+
+    def run(layer):
+        with tf.GradientTape() as tape:
+            out, scores = layer(query, value, attention_mask=mask, return_attention_scores=True)
+            loss = tf.reduce_sum(out**2) + tf.reduce_sum(scores**2)
+        return [out, scores] + tape.gradient(loss, layer.trainable_variables)
+
+    for got, want in zip(run(ours), run(unfolded)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-5)
