@@ -196,6 +196,27 @@ def test_bigram_embedding_keeps_the_most_frequent_pairs_through_save_and_load(tm
     assert np.abs(model.predict(ids, verbose=0) - loaded.predict(ids, verbose=0)).max() > 1e-4
 
 
+@pytest.mark.parametrize("length", [48, 256])
+def test_compiled_classifier_in_steps_matches_the_model(length):
+    """The serving head loops over rows in steps of `step_rows(L)` once a batch needs more
+    than one: every row must be what the Keras model gives it, for batches of no rows, one
+    row, one step, one row past a step, and several steps with a ragged end."""
+    model, _ = model_lib.build_classifier(
+        vocab_size=50, sequence_length=length, embed_dim=16, key_dim=8, ff_dim=16, seed=3
+    )
+    classify = model_lib.compiled_classifier(model)
+    step = int(model_lib.step_rows(length))
+    assert step == {48: 32, 256: 8}[length]
+    rng = np.random.default_rng(0)
+    for rows in (0, 1, step, step + 1, 3 * step + 2):
+        ids = rng.integers(1, 50, size=(rows, length)).astype("int32")
+        for row in range(rows):  # a length of its own each; row 0 has no token
+            ids[row, rng.integers(1, length + 1) if row else 0 :] = 0
+        expected = model.predict(ids, verbose=0).reshape(-1) if rows else np.zeros(0)
+        got = classify(tf.constant(ids)).numpy()
+        np.testing.assert_allclose(got, expected, atol=2e-6, rtol=0, err_msg=f"rows={rows}")
+
+
 def test_standardize_handles_markup_and_bad_bytes():
     out = data.standardize(
         tf.constant([b"Great<br />FILM!! don't", b"bad \xff\xfe bytes \xf0\x9f\x98\x80"])
