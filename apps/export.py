@@ -18,20 +18,10 @@ import tensorflow as tf
 
 from . import explain, page
 from . import model as model_lib
+from .buckets import LENGTH_BUCKETS, bucket_sizes  # noqa: F401 (part of this module's API)
 
 PAD = ""  # the vectorizer's padding token (id 0)
-
-
-# Positions a review is computed at: the first that holds it. Steps of 1.5x and 1.33x: powers
-# of two alone pad a review to 1.4x its length on average, and attention grows as its square.
-LENGTH_BUCKETS = (64, 96, 128, 192, 256, 384, 512)
 ROW_STEP = 32  # a group's rows are padded to a power of two up to this, then to a multiple of it
-
-
-def bucket_sizes(sequence_length, buckets=LENGTH_BUCKETS):
-    """The lengths the SavedModel computes reviews at: `buckets` below `sequence_length`,
-    then `sequence_length` itself."""
-    return tuple(b for b in buckets if b < sequence_length) + (sequence_length,)
 
 
 def padded_rows(n, step=ROW_STEP):

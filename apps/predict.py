@@ -20,17 +20,24 @@ weights). This module never imports keras_sdpa or Keras: the SavedModel written 
 """
 
 import argparse
+import collections
+import concurrent.futures
 import json
 import os
 import sys
 import time
+
+from . import buckets
 
 DEFAULT_MODEL = "saved_models/imdb_sdpa"
 # XLA compiles the attention once per review length bucket and batch shape; a persistent cache
 # keeps the programs for the next run (3,000 reviews: 20 s cold, 15 s with the cache).
 DEFAULT_XLA_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "keras_sdpa", "xla")
 BATCH_SIZE = 256  # measured: 32 reads at half the rate of 256 on 2 cores (BENCHMARKS.md)
-CHUNK_BATCHES = 32  # batches read, sorted by length and written at a time
+# Batches computed at once: one per core. A batch of one length bucket runs its row steps
+# on one core (apps.model.compiled_classifier).
+WORKERS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+CHUNK_BATCHES = 128  # batches read, grouped by length and written at a time
 
 
 def resolve_model_path(path):
@@ -79,26 +86,77 @@ def _as_bytes(text):
     return os.fsencode(text)
 
 
-def predict(signature, texts, top_k=0, max_bytes=8 << 20, batch_size=BATCH_SIZE):
+def batches(texts, batch_size, fill=False):
+    """Lists of indices into `texts` (bytes), one list a call: reviews of one length bucket
+    each (`apps.buckets`, by `count_tokens`), so that `serving_default` computes a batch as
+    one group, at one length. With `fill`, a bucket's last, short batch repeats its last
+    review up to `batch_size`: every call then has the same shape, and XLA compiles one
+    program per bucket, not one per remainder (about a second each)."""
+    bucket = [buckets.bucket_of(buckets.count_tokens(t)) for t in texts]
+    order = sorted(range(len(texts)), key=lambda i: (bucket[i], len(texts[i])))
+    out = []
+    start = 0
+    while start < len(order):
+        end = start + 1
+        while (
+            end < len(order)
+            and end - start < batch_size
+            and bucket[order[end]] == bucket[order[start]]
+        ):
+            end += 1
+        chosen = order[start:end]
+        if fill:
+            chosen = chosen + chosen[-1:] * (batch_size - len(chosen))
+        out.append(chosen)
+        start = end
+    return out
+
+
+def _calls(signature, texts, plan, workers):
+    """`(indices, outputs)` for each batch of `plan`, in order, with up to `workers` calls in
+    flight: TensorFlow runs them at once (a length bucket's batch runs its steps on one core),
+    and no more than `workers` answers are held."""
+    import tensorflow as tf
+
+    def call(chosen):
+        return signature(text=tf.constant([texts[i] for i in chosen], dtype=tf.string))
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
+        pending = collections.deque()
+        for chosen in plan:
+            pending.append((chosen, pool.submit(call, chosen)))
+            if len(pending) == workers:
+                chosen, future = pending.popleft()
+                yield chosen, future.result()
+        while pending:
+            chosen, future = pending.popleft()
+            yield chosen, future.result()
+
+
+def predict(signature, texts, top_k=0, max_bytes=8 << 20, batch_size=BATCH_SIZE, workers=WORKERS):
     """One dict per review, in order: label, probability, number of tokens read and, with
     `top_k > 0` (`signature` must then be `inspect`), the most attended tokens.
 
-    Reviews are sent in batches of similar byte length, so a batch pads little.
+    More reviews than one batch are sent in batches of one length bucket each (`batches`),
+    of `batch_size` each with `serving_default`, up to `workers` at once; one batch is sent
+    as it is.
     """
-    import tensorflow as tf
-
     raw = [_as_bytes(t) for t in texts]
-    order = sorted(range(len(raw)), key=lambda i: len(raw[i]))
+    cut = [text[:max_bytes] for text in raw]
+    if len(raw) > batch_size:
+        plan = batches(cut, batch_size, fill=not top_k)
+    else:
+        plan = [list(range(len(raw)))]
     results = [None] * len(raw)
-    for start in range(0, len(order), batch_size):
-        chosen = order[start : start + batch_size]
-        out = signature(text=tf.constant([raw[i][:max_bytes] for i in chosen], dtype=tf.string))
+    for chosen, out in _calls(signature, cut, plan, workers):
         probability = out["probability"].numpy()
         lengths = out["length"].numpy()
         if top_k:
             tokens = out["tokens"].numpy()
             pooling = out["pooling"].numpy().mean(axis=1)  # (B, L), averaged over heads
         for row, i in enumerate(chosen):
+            if results[i] is not None:
+                continue  # a repeat that filled the batch
             n = int(lengths[row])
             result = {
                 "text": raw[i].decode("utf-8", errors="replace"),
@@ -196,6 +254,9 @@ def main(argv=None):
     )
     parser.add_argument("--top_k", type=int, default=5, help="most attended tokens to show")
     parser.add_argument("--batch_size", type=int, default=BATCH_SIZE, help="reviews per call")
+    parser.add_argument(
+        "--workers", type=int, default=WORKERS, help="batches computed at once (default: cores)"
+    )
     parser.add_argument("--max_bytes", type=int, default=8 << 20, help="bytes read per review")
     parser.add_argument(
         "--xla_cache",
@@ -209,6 +270,8 @@ def main(argv=None):
             raise ValueError(f"`--top_k` must be >= 0. Received: top_k={args.top_k}")
         if args.batch_size < 1:
             raise ValueError(f"`--batch_size` must be >= 1. Received: batch_size={args.batch_size}")
+        if args.workers < 1:
+            raise ValueError(f"`--workers` must be >= 1. Received: workers={args.workers}")
         if args.max_bytes <= 0:
             raise ValueError(
                 f"`--max_bytes` must be positive. Received: max_bytes={args.max_bytes}"
@@ -250,7 +313,9 @@ def main(argv=None):
     progress = None if total is not None and total <= args.batch_size else _Progress(total)
     try:
         for chunk in chunks:
-            results = predict(signature, chunk, top_k, args.max_bytes, args.batch_size)
+            results = predict(
+                signature, chunk, top_k, args.max_bytes, args.batch_size, args.workers
+            )
             sys.stdout.write(
                 "".join((_json_line(r) if args.json else _format(r)) + "\n" for r in results)
             )

@@ -365,6 +365,7 @@ def test_predict_cli_text_arguments_and_errors(run):
         (["--top_k", "-1"], b"top_k=-1"),
         (["--max_bytes", "0"], b"max_bytes=0"),
         (["--batch_size", "0"], b"batch_size=0"),
+        (["--workers", "0"], b"workers=0"),
         (["--input", "/no/such/file"], b"input='/no/such/file'"),
         (["--input", "/dev/null", "text"], b"not both"),
     ):

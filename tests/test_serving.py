@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from apps import data, export
+from apps import buckets, data, export, predict
 
 pytestmark = pytest.mark.slow
 
@@ -155,6 +155,42 @@ print(json.dumps([got, want]))
     got, want = json.loads(_python(script).splitlines()[-1])
     np.testing.assert_allclose(got, want, atol=1e-7)
     assert got[0] > 0.5 > got[1]
+
+
+def test_count_tokens_is_the_vectorizers_count():
+    """`apps.predict` groups reviews by `buckets.count_tokens` without TensorFlow: it must
+    count what the app's vectorizer reads, on real reviews and on awkward text."""
+    texts, _, _ = data.load_test_split("imdb_reviews")
+    awkward = [
+        b"", b"'' ' '''", b"don't 'quoted' words'' ''edge", b"snake_case and-dashes--here",
+        b"line<br />break<BR>again<br/>x", "café naïve — dash".encode(),
+        b"\xff\xfe bad bytes \xc3", "12,000 1/2 ½ 3.14".encode(), "emoji 😀ok".encode(),
+    ]  # fmt: skip
+    sample = list(texts[:3000]) + awkward
+    vectorizer = data.make_vectorizer(10000, 4096)  # every word, known or not
+    vectorizer.adapt(tf.constant([b"a b"]))
+    expected = (data.vectorize(vectorizer, sample) != 0).sum(axis=1)
+    assert expected.max() < 4096  # nothing was cut
+    got = np.array([buckets.count_tokens(t) for t in sample])
+    mismatched = np.flatnonzero(got != expected)
+    assert not len(mismatched), [(sample[i][:80], got[i], expected[i]) for i in mismatched[:5]]
+
+
+def test_predict_batches_one_bucket_each_and_fills_the_last():
+    texts, _, _ = data.load_test_split("imdb_reviews")
+    texts = list(texts[:1000])
+    bucket = [buckets.bucket_of(buckets.count_tokens(t)) for t in texts]
+    for fill in (False, True):
+        plan = predict.batches(texts, 64, fill=fill)
+        seen = [i for chosen in plan for i in dict.fromkeys(chosen)]
+        assert sorted(seen) == list(range(len(texts)))  # each review once
+        for chosen in plan:
+            assert len({bucket[i] for i in chosen}) == 1
+            assert len(chosen) == 64 if fill else 1 <= len(chosen) <= 64
+    # Every bucket's batches are full but its last; filling repeats that one's last review.
+    assert len(plan) == sum(-(-bucket.count(b) // 64) for b in set(bucket))
+    short = [chosen for chosen in plan if len(set(chosen)) < 64]
+    assert short and all(chosen[-1] == chosen[len(set(chosen)) - 1] for chosen in short)
 
 
 def test_predict_reads_a_file_and_answers_in_input_order(tmp_path):
