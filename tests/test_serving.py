@@ -112,7 +112,7 @@ def fresh_export(tmp_path_factory):
 @pytest.mark.parametrize("which", ["committed", "fresh"])
 def test_length_buckets_give_the_full_length_result(which, reviews_by_bucket, request):
     """`serving_default` computes each review at its bucket's length; `inspect` at 512. On
-    real reviews of every bucket, mixed in one batch, the two agree to 1e-6."""
+    real reviews of every bucket, mixed in one batch or one a call, they agree to 1e-6."""
     saved_model = SAVED_MODEL if which == "committed" else request.getfixturevalue("fresh_export")
     texts, lengths = reviews_by_bucket
     order = np.random.default_rng(0).permutation(len(texts))  # buckets interleaved
@@ -123,8 +123,11 @@ loaded = tf.saved_model.load({saved_model!r})
 texts = [line.rstrip(b"\\n") for line in sys.stdin.buffer]
 served = loaded.signatures["serving_default"](text=tf.constant(texts))
 inspected = loaded.signatures["inspect"](text=tf.constant(texts))
+alone = [loaded.signatures["serving_default"](text=tf.constant([t])) for t in texts]
 print(json.dumps({{
     "served": served["probability"].numpy().tolist(),
+    "alone": [float(a["probability"][0]) for a in alone],
+    "alone_length": [int(a["length"][0]) for a in alone],
     "inspected": inspected["probability"].numpy().tolist(),
     "length": served["length"].numpy().tolist(),
     "labels_equal": bool((served["label"].numpy() == inspected["label"].numpy()).all()),
@@ -134,6 +137,9 @@ print(json.dumps({{
     out = json.loads(_python(script, stdin=stdin).splitlines()[-1])
     np.testing.assert_array_equal(out["length"], lengths[order])
     np.testing.assert_allclose(out["served"], out["inspected"], atol=1e-6, rtol=0)
+    # One review a call takes its own path (`classify_one`): the same answer.
+    np.testing.assert_array_equal(out["alone_length"], lengths[order])
+    np.testing.assert_allclose(out["alone"], out["inspected"], atol=1e-6, rtol=0)
     assert out["labels_equal"]
 
 
