@@ -8,9 +8,10 @@ Usage:
     python -m apps.predict --model path/to/saved_model "..."
 
 Reviews come from the arguments, from `--input FILE` or from stdin, one per line. They
-are classified in batches of `--batch_size`, grouped by length (so each batch pads
-little), and written in input order: plain text, or one JSON object per line with
-`--json`. A progress bar goes to stderr when there are more reviews than one batch.
+are classified in batches of `--batch_size`, each of one length bucket (so XLA compiles one
+program per bucket), `--workers` batches at once, and written in input order: plain text, or
+one JSON object per line with `--json`. A progress bar goes to stderr when there are more
+reviews than one batch.
 
 `serving_default` gives the label and probability. `--explain` uses the `inspect`
 signature, which also returns the tokens and the pooling attention, and adds each
@@ -30,8 +31,8 @@ import time
 from . import buckets
 
 DEFAULT_MODEL = "saved_models/imdb_sdpa"
-# XLA compiles the attention once per review length bucket and batch shape; a persistent cache
-# keeps the programs for the next run (3,000 reviews: 20 s cold, 15 s with the cache).
+# XLA compiles the model once per review length bucket and batch shape; a persistent cache
+# keeps the programs for the next run (25,000 reviews: 29 s cold, 24 s with it; BENCHMARKS.md).
 DEFAULT_XLA_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "keras_sdpa", "xla")
 BATCH_SIZE = 256  # measured: 32 reads at half the rate of 256 on 2 cores (BENCHMARKS.md)
 # Batches computed at once: one per core. A batch of one length bucket runs its row steps
@@ -133,13 +134,21 @@ def _calls(signature, texts, plan, workers):
             yield chosen, future.result()
 
 
-def predict(signature, texts, top_k=0, max_bytes=8 << 20, batch_size=BATCH_SIZE, workers=WORKERS):
+def predict(
+    signature,
+    texts,
+    top_k=0,
+    max_bytes=8 << 20,
+    batch_size=BATCH_SIZE,
+    workers=WORKERS,
+    on_batch=None,
+):
     """One dict per review, in order: label, probability, number of tokens read and, with
     `top_k > 0` (`signature` must then be `inspect`), the most attended tokens.
 
     More reviews than one batch are sent in batches of one length bucket each (`batches`),
     of `batch_size` each with `serving_default`, up to `workers` at once; one batch is sent
-    as it is.
+    as it is. `on_batch(n)` is called after each batch with the number of reviews it answered.
     """
     raw = [_as_bytes(t) for t in texts]
     cut = [text[:max_bytes] for text in raw]
@@ -176,6 +185,8 @@ def predict(signature, texts, top_k=0, max_bytes=8 << 20, batch_size=BATCH_SIZE,
             if len(raw[i]) > max_bytes:
                 result["note"] = f"read the first {max_bytes} of {len(raw[i])} bytes"
             results[i] = result
+        if on_batch:
+            on_batch(len(set(chosen)))
     return results
 
 
@@ -314,13 +325,17 @@ def main(argv=None):
     try:
         for chunk in chunks:
             results = predict(
-                signature, chunk, top_k, args.max_bytes, args.batch_size, args.workers
+                signature,
+                chunk,
+                top_k,
+                args.max_bytes,
+                args.batch_size,
+                args.workers,
+                on_batch=progress.add if progress else None,
             )
             sys.stdout.write(
                 "".join((_json_line(r) if args.json else _format(r)) + "\n" for r in results)
             )
-            if progress:
-                progress.add(len(chunk))
     finally:
         if progress:
             progress.close()

@@ -232,4 +232,6 @@ def test_predict_reads_a_file_and_answers_in_input_order(tmp_path):
     np.testing.assert_allclose([answers[i]["probability"] for i in sample], alone, atol=1e-6)
     progress = result.stderr.decode().replace("\r", "\n")
     assert f"{len(chosen)}/{len(chosen)} reviews" in progress  # the bar on stderr
+    counts = {int(n) for n in re.findall(rf"(\d+)/{len(chosen)} reviews", progress)}
+    assert len(counts) >= 5, counts  # it moves batch by batch, not once at the end
     assert os.listdir(tmp_path / "xla")  # the compiled programs were kept
