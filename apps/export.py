@@ -36,6 +36,13 @@ def padded_rows(n, step=ROW_STEP):
     return tf.where(n > step, multiple, tf.where(n > 0, power, 0))
 
 
+def length_groups(ids, sizes):
+    """Each row's group, `(B,)` or `()` for one row `(L,)`: the index of the shortest of
+    `sizes` that holds its tokens."""
+    lengths = tf.reduce_sum(tf.cast(ids != 0, tf.int32), axis=-1)
+    return tf.add_n([tf.cast(lengths > size, tf.int32) for size in sizes[:-1]] + [0 * lengths])
+
+
 def classify_by_length(probability, ids, sizes):
     """`P(positive)` `(B,)` for token ids `(B, L)`, each review computed at the shortest of
     `sizes` that holds its tokens; `probability` maps ids `(n, size)` to `(n,)`.
@@ -44,10 +51,24 @@ def classify_by_length(probability, ids, sizes):
     the ids cut to it, and `tf.dynamic_stitch` puts the results back in order. The masks and
     positions make this the full-length result (to float rounding): padding is never attended
     to. Each group's batch is padded (`padded_rows`), so XLA compiles a few programs per
-    length, not one per batch size.
+    length, not one per batch size. A batch of one review skips the grouping: its length
+    picks the one program to run (`tf.switch_case`), with no call for the empty groups (one
+    review a call: 0.73x the time).
     """
-    lengths = tf.reduce_sum(tf.cast(ids != 0, tf.int32), axis=-1)  # (B,)
-    group = tf.add_n([tf.cast(lengths > size, tf.int32) for size in sizes[:-1]] + [0 * lengths])
+    return tf.cond(
+        tf.shape(ids)[0] == 1,
+        lambda: _classify_one(probability, ids, sizes),
+        lambda: _classify_groups(probability, ids, sizes),
+    )
+
+
+def _classify_one(probability, ids, sizes):
+    group = length_groups(ids[0], sizes)
+    return tf.switch_case(group, [lambda size=size: probability(ids[:, :size]) for size in sizes])
+
+
+def _classify_groups(probability, ids, sizes):
+    group = length_groups(ids, sizes)  # (B,)
     parts = tf.dynamic_partition(ids, group, len(sizes))
     rows = tf.dynamic_partition(tf.range(tf.shape(ids)[0]), group, len(sizes))
     probabilities = []
@@ -60,15 +81,6 @@ def classify_by_length(probability, ids, sizes):
     return tf.dynamic_stitch(rows, probabilities)  # (B,)
 
 
-def classify_one(probability, ids, sizes):
-    """`classify_by_length` for a batch of one review `(1, L)`: its length picks the one
-    program to run (`tf.switch_case`), with none of the grouping's partition, padding and
-    stitching, and no call for the empty groups (one review a call: 0.73x the time)."""
-    length = tf.reduce_sum(tf.cast(ids != 0, tf.int32))
-    index = tf.add_n([tf.cast(length > size, tf.int32) for size in sizes[:-1]] + [0 * length])
-    return tf.switch_case(index, [lambda size=size: probability(ids[:, :size]) for size in sizes])
-
-
 def export_saved_model(model, inspector, vectorizer, path, buckets=LENGTH_BUCKETS):
     """Writes a SavedModel to `path` atomically (a temporary folder, then a rename).
 
@@ -76,8 +88,7 @@ def export_saved_model(model, inspector, vectorizer, path, buckets=LENGTH_BUCKET
 
     `serving_default(text)` returns `probability` `(B,)` float32 P(positive), `label` `(B,)`
     int32 0/1 and `length` `(B,)` int32, the number of tokens read (0: no known word).
-    Each review is computed at the shortest of `buckets` that holds it (`classify_by_length`;
-    `classify_one` for a batch of one).
+    Each review is computed at the shortest of `buckets` that holds it (`classify_by_length`).
 
     `inspect(text)` returns the same three, plus `tokens` `(B, L)` strings ("" for padding),
     `attention` `(B, layers, N, L, L)` the self-attention weights and `pooling` `(B, N, L)`
@@ -99,11 +110,7 @@ def export_saved_model(model, inspector, vectorizer, path, buckets=LENGTH_BUCKET
     @tf.function(input_signature=[text_spec])
     def serve(text):
         ids = vectorizer(text)  # (B, L) int
-        probability = tf.cond(
-            tf.shape(ids)[0] == 1,
-            lambda: classify_one(classify, ids, sizes),
-            lambda: classify_by_length(classify, ids, sizes),
-        )  # (B,)
+        probability = classify_by_length(classify, ids, sizes)  # (B,)
         return {
             "probability": probability,
             "label": tf.cast(probability >= 0.5, tf.int32),

@@ -23,6 +23,7 @@ weights). This module never imports keras_sdpa or Keras: the SavedModel written 
 import argparse
 import collections
 import concurrent.futures
+import itertools
 import json
 import os
 import sys
@@ -96,20 +97,11 @@ def batches(texts, batch_size, fill=False):
     bucket = [buckets.bucket_of(buckets.count_tokens(t)) for t in texts]
     order = sorted(range(len(texts)), key=lambda i: (bucket[i], len(texts[i])))
     out = []
-    start = 0
-    while start < len(order):
-        end = start + 1
-        while (
-            end < len(order)
-            and end - start < batch_size
-            and bucket[order[end]] == bucket[order[start]]
-        ):
-            end += 1
-        chosen = order[start:end]
-        if fill:
-            chosen = chosen + chosen[-1:] * (batch_size - len(chosen))
-        out.append(chosen)
-        start = end
+    for _, members in itertools.groupby(order, key=bucket.__getitem__):
+        members = list(members)
+        for start in range(0, len(members), batch_size):
+            chosen = members[start : start + batch_size]
+            out.append(chosen + chosen[-1:] * (batch_size - len(chosen)) if fill else chosen)
     return out
 
 

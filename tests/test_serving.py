@@ -137,7 +137,7 @@ print(json.dumps({{
     out = json.loads(_python(script, stdin=stdin).splitlines()[-1])
     np.testing.assert_array_equal(out["length"], lengths[order])
     np.testing.assert_allclose(out["served"], out["inspected"], atol=1e-6, rtol=0)
-    # One review a call takes its own path (`classify_one`): the same answer.
+    # One review a call skips the grouping (`classify_by_length`): the same answer.
     np.testing.assert_array_equal(out["alone_length"], lengths[order])
     np.testing.assert_allclose(out["alone"], out["inspected"], atol=1e-6, rtol=0)
     assert out["labels_equal"]
