@@ -74,9 +74,12 @@ def _classify_groups(probability, ids, sizes):
     probabilities = []
     # Every group runs, empty or not: skipping the empty ones with `tf.cond` measured slower
     # (batch 256: 786 against 917 reviews/s; one review a call: 3.9 against 3.4 ms p50).
+    # An empty group runs at the shortest length, so all of them share one zero-row program:
+    # a batch of one length group (`apps.predict`'s) compiles two programs, not seven.
     for part, size in zip(parts, sizes):
         count = tf.shape(part)[0]
-        part = tf.pad(part[:, :size], [[0, padded_rows(count) - count], [0, 0]])
+        width = tf.where(count > 0, size, sizes[0])
+        part = tf.pad(part[:, :width], [[0, padded_rows(count) - count], [0, 0]])
         probabilities.append(probability(part)[:count])
     return tf.dynamic_stitch(rows, probabilities)  # (B,)
 

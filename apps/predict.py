@@ -25,6 +25,7 @@ import collections
 import concurrent.futures
 import itertools
 import json
+import multiprocessing
 import os
 import sys
 import time
@@ -88,27 +89,66 @@ def _as_bytes(text):
     return os.fsencode(text)
 
 
-def batches(texts, batch_size, fill=False):
+def batches(texts, batch_size, fill=False, counts=None):
     """Lists of indices into `texts` (bytes), one list a call: reviews of one length bucket
-    each (`apps.buckets`, by `count_tokens`), so that `serving_default` computes a batch as
-    one group, at one length. With `fill`, a bucket's last, short batch repeats its last
-    review up to `batch_size`: every call then has the same shape, and XLA compiles one
-    program per bucket, not one per remainder (about a second each)."""
-    bucket = [buckets.bucket_of(buckets.count_tokens(t)) for t in texts]
+    each (`apps.buckets`, by `count_tokens`, or the word `counts` given), so that
+    `serving_default` computes a batch as one group, at one length. With `fill`, a bucket's
+    last, short batch repeats its last review up to `batch_size`: every call then has the
+    same shape, and XLA compiles one program per bucket, not one per remainder (about a
+    second each). A bucket's first batch comes before the rest of the previous bucket's, so
+    that its program compiles while other workers compute."""
+    if counts is None:
+        counts = count_words(texts)
+    bucket = [buckets.bucket_of(n) for n in counts]
     order = sorted(range(len(texts)), key=lambda i: (bucket[i], len(texts[i])))
-    out = []
+    groups = []
     for _, members in itertools.groupby(order, key=bucket.__getitem__):
         members = list(members)
+        groups.append([])
         for start in range(0, len(members), batch_size):
             chosen = members[start : start + batch_size]
-            out.append(chosen + chosen[-1:] * (batch_size - len(chosen)) if fill else chosen)
+            groups[-1].append(chosen + chosen[-1:] * (batch_size - len(chosen)) if fill else chosen)
+    out = groups[0][:1] if groups else []
+    for group, following in itertools.zip_longest(groups, groups[1:]):
+        out += (following or [])[:1] + group[1:]
     return out
 
 
+def count_words(texts):
+    """`buckets.count_tokens` of each review (bytes)."""
+    return [buckets.count_tokens(t) for t in texts]
+
+
+def _count_aside(texts):
+    """A future of `count_words(texts)`, counted in a forked process while this one imports
+    TensorFlow and loads the model (25,000 reviews: 1.2 s, on another core); None where
+    TensorFlow is already imported (forking its threads is unsafe) or there is no fork."""
+    if "tensorflow" in sys.modules or "fork" not in multiprocessing.get_all_start_methods():
+        return None
+    try:
+        pool = concurrent.futures.ProcessPoolExecutor(1, multiprocessing.get_context("fork"))
+        future = pool.submit(count_words, texts)
+    except OSError:
+        return None  # no process to spare: count in this one
+    pool.shutdown(wait=False)
+    return future
+
+
+def _counted(future):
+    """The counts of a `_count_aside` future, or None (count here) if its process failed."""
+    if future is None:
+        return None
+    try:
+        return future.result()
+    except (OSError, concurrent.futures.process.BrokenProcessPool):
+        return None
+
+
 def _calls(signature, texts, plan, workers):
-    """`(indices, outputs)` for each batch of `plan`, in order, with up to `workers` calls in
-    flight: TensorFlow runs them at once (a length bucket's batch runs its steps on one core),
-    and no more than `workers` answers are held."""
+    """`(indices, outputs)` for each batch of `plan`, in order, computed by `workers` threads:
+    TensorFlow runs their calls at once (a length bucket's batch runs its steps on one core).
+    Up to twice as many batches are queued, so a worker goes on while another waits for a
+    program to compile, and no more answers than that are held."""
     import tensorflow as tf
 
     def call(chosen):
@@ -118,7 +158,7 @@ def _calls(signature, texts, plan, workers):
         pending = collections.deque()
         for chosen in plan:
             pending.append((chosen, pool.submit(call, chosen)))
-            if len(pending) == workers:
+            if len(pending) == 2 * workers:
                 chosen, future = pending.popleft()
                 yield chosen, future.result()
         while pending:
@@ -134,6 +174,7 @@ def predict(
     batch_size=BATCH_SIZE,
     workers=WORKERS,
     on_batch=None,
+    counts=None,
 ):
     """One dict per review, in order: label, probability, number of tokens read and, with
     `top_k > 0` (`signature` must then be `inspect`), the most attended tokens.
@@ -141,11 +182,12 @@ def predict(
     More reviews than one batch are sent in batches of one length bucket each (`batches`),
     of `batch_size` each with `serving_default`, up to `workers` at once; one batch is sent
     as it is. `on_batch(n)` is called after each batch with the number of reviews it answered.
+    `counts`, if given, are `count_words` of the reviews cut to `max_bytes`.
     """
     raw = [_as_bytes(t) for t in texts]
     cut = [text[:max_bytes] for text in raw]
     if len(raw) > batch_size:
-        plan = batches(cut, batch_size, fill=not top_k)
+        plan = batches(cut, batch_size, fill=not top_k, counts=counts)
     else:
         plan = [list(range(len(raw)))]
     results = [None] * len(raw)
@@ -286,7 +328,7 @@ def main(argv=None):
             )
         path = resolve_model_path(args.model)
         if args.texts:
-            total, chunks = len(args.texts), [list(args.texts)]
+            total, chunks = len(args.texts), iter([list(args.texts)])
         else:
             if args.input:
                 try:
@@ -305,6 +347,11 @@ def main(argv=None):
             else:
                 source, total = sys.stdin.buffer, None
             chunks = _chunks(source, args.batch_size * CHUNK_BATCHES)
+        # The first chunk's words are counted on another core while TensorFlow loads.
+        first = next(chunks, [])
+        counting = None
+        if len(first) > args.batch_size and not args.explain:
+            counting = _count_aside([_as_bytes(t)[: args.max_bytes] for t in first])
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
         use_xla_cache(args.xla_cache)
         _, serve, inspect = load(path)
@@ -315,7 +362,7 @@ def main(argv=None):
     signature = inspect if args.explain else serve
     progress = None if total is not None and total <= args.batch_size else _Progress(total)
     try:
-        for chunk in chunks:
+        for index, chunk in enumerate(itertools.chain([first] if first else [], chunks)):
             results = predict(
                 signature,
                 chunk,
@@ -324,6 +371,7 @@ def main(argv=None):
                 args.batch_size,
                 args.workers,
                 on_batch=progress.add if progress else None,
+                counts=_counted(counting) if index == 0 else None,
             )
             sys.stdout.write(
                 "".join((_json_line(r) if args.json else _format(r)) + "\n" for r in results)

@@ -197,6 +197,42 @@ def test_predict_batches_one_bucket_each_and_fills_the_last():
     assert len(plan) == sum(-(-bucket.count(b) // 64) for b in set(bucket))
     short = [chosen for chosen in plan if len(set(chosen)) < 64]
     assert short and all(chosen[-1] == chosen[len(set(chosen)) - 1] for chosen in short)
+    # Each bucket's first batch comes right after the previous bucket's first, before the
+    # rest of that one's: its program compiles while the other workers compute.
+    order = [bucket[chosen[0]] for chosen in plan]
+    kinds = sorted(set(bucket))
+    firsts = [order.index(b) for b in kinds]
+    assert firsts[:2] == [0, 1]
+    for previous, b in zip(kinds, kinds[1:]):
+        rest = [i for i, o in enumerate(order) if o == previous][1:]
+        assert not rest or order.index(b) < rest[0], (previous, b, order)
+    # Counts given are the ones used.
+    counts = [0] * len(texts)  # every review in the first bucket
+    plan = predict.batches(texts, 64, counts=counts)
+    assert len(plan) == -(-len(texts) // 64)  # one bucket: full batches
+    assert sorted(i for chosen in plan for i in chosen) == list(range(len(texts)))
+
+
+def test_predict_counts_words_in_a_forked_process_before_tensorflow():
+    """`apps.predict` counts the first chunk's words on another core while TensorFlow loads:
+    the same counts as in-process, and never forked once TensorFlow is imported."""
+    script = (
+        "import sys\n"
+        "from apps import predict\n"
+        "texts = [line.encode() * (i % 7) for i, line in enumerate(sys.argv[1:])]\n"
+        "future = predict._count_aside(texts)\n"
+        "assert future is not None, 'no process forked'\n"
+        "counts = predict._counted(future)\n"
+        "assert counts == predict.count_words(texts), counts\n"
+        "import tensorflow\n"
+        "assert predict._count_aside(texts) is None\n"
+        "assert 'tensorflow' in sys.modules\n"
+    )
+    words = ["a b", "it's fine", "<br />x", "", "''", "naïve café 42"]
+    result = subprocess.run(
+        [sys.executable, "-c", script, *words], capture_output=True, timeout=300, cwd=ROOT
+    )
+    assert result.returncode == 0, result.stderr.decode()[-3000:]
 
 
 def test_predict_reads_a_file_and_answers_in_input_order(tmp_path):
