@@ -100,12 +100,17 @@ def time_calls(step, repeats):
 
 
 def alternate(ours, peer, rounds, repeats):
-    """Alternating rounds of two warmed-up steps: median times and per-round ratios."""
+    """Alternating rounds of two warmed-up steps: median times and per-round ratios. Who
+    goes first swaps every round, so neither always follows the other."""
     ours(), peer()  # trace and compile both
     mine, theirs = [], []
-    for _ in range(rounds):
-        mine.append(time_calls(ours, repeats))
-        theirs.append(time_calls(peer, repeats))
+    for index in range(rounds):
+        if index % 2 == 0:
+            mine.append(time_calls(ours, repeats))
+            theirs.append(time_calls(peer, repeats))
+        else:
+            theirs.append(time_calls(peer, repeats))
+            mine.append(time_calls(ours, repeats))
     ratios = sorted(a / b for a, b in zip(mine, theirs))
     return {
         "ms": statistics.median(mine) * 1e3,

@@ -87,13 +87,15 @@ def measure(impl, length, chunk_size):
 
 def alternate(impls, length, chunk_size, rounds):
     """Median ms of each implementation over alternating rounds in this process, and the
-    per-round ratios of chunked to each other one (median, low, high)."""
+    per-round ratios of chunked to each other one (median, low, high). The order reverses
+    every round, so no implementation always runs first."""
     steps = {impl: make_step(impl, length, chunk_size) for impl in impls}
     for step in steps.values():
         step()  # trace and compile
     seconds = {impl: [] for impl in impls}
-    for _ in range(rounds):
-        for impl, step in steps.items():
+    for index in range(rounds):
+        order = list(steps.items())
+        for impl, step in order if index % 2 == 0 else order[::-1]:
             start = time.perf_counter()
             step()
             seconds[impl].append(time.perf_counter() - start)
