@@ -109,8 +109,9 @@ def batches(texts, batch_size, fill=False, counts=None):
             chosen = members[start : start + batch_size]
             groups[-1].append(chosen + chosen[-1:] * (batch_size - len(chosen)) if fill else chosen)
     out = groups[0][:1] if groups else []
-    for group, following in itertools.zip_longest(groups, groups[1:]):
-        out += (following or [])[:1] + group[1:]
+    for index, group in enumerate(groups):
+        out += groups[index + 1][:1] if index + 1 < len(groups) else []
+        out += group[1:]
     return out
 
 

@@ -105,12 +105,9 @@ def alternate(ours, peer, rounds, repeats):
     ours(), peer()  # trace and compile both
     mine, theirs = [], []
     for index in range(rounds):
-        if index % 2 == 0:
-            mine.append(time_calls(ours, repeats))
-            theirs.append(time_calls(peer, repeats))
-        else:
-            theirs.append(time_calls(peer, repeats))
-            mine.append(time_calls(ours, repeats))
+        pairs = [(mine, ours), (theirs, peer)]
+        for times, step in pairs if index % 2 == 0 else pairs[::-1]:
+            times.append(time_calls(step, repeats))
     ratios = sorted(a / b for a, b in zip(mine, theirs))
     return {
         "ms": statistics.median(mine) * 1e3,
