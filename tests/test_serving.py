@@ -143,6 +143,23 @@ print(json.dumps({{
     assert out["labels_equal"]
 
 
+@pytest.mark.parametrize("which", ["committed", "fresh"])
+def test_saved_model_holds_each_graph_once(which, request):
+    """Each signature's graph is stored once, and the custom gradients' functions not at all
+    (serving never differentiates): a second copy of every graph doubled the load time."""
+    from tensorflow.core.protobuf import saved_model_pb2
+
+    saved_model = SAVED_MODEL if which == "committed" else request.getfixturevalue("fresh_export")
+    proto = saved_model_pb2.SavedModel()
+    with open(os.path.join(saved_model, "saved_model.pb"), "rb") as f:
+        proto.ParseFromString(f.read())
+    names = [f.signature.name for f in proto.meta_graphs[0].graph_def.library.function]
+    for endpoint in ("serve", "inspect"):
+        traces = [n for n in names if re.fullmatch(rf"__inference_{endpoint}_\d+", n)]
+        assert len(traces) == 1, traces
+    assert not [n for n in names if "grad_fn" in n]
+
+
 def test_tfsm_layer_serves_inside_a_keras_model():
     texts = [b"A wonderful, moving film.", b"Dull and far too long.", b""]
     script = f"""
