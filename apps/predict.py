@@ -34,7 +34,7 @@ from . import buckets
 
 DEFAULT_MODEL = "saved_models/imdb_sdpa"
 # XLA compiles the model once per review length bucket and batch shape; a persistent cache
-# keeps the programs for the next run (25,000 reviews: 23.7 s cold, 18.7 s with it; BENCHMARKS.md).
+# keeps the programs for the next run (25,000 reviews: 21.0 s cold, 16.5 s with it; BENCHMARKS.md).
 DEFAULT_XLA_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "keras_sdpa", "xla")
 BATCH_SIZE = 256  # measured: 32 reads at half the rate of 256 on 2 cores (BENCHMARKS.md)
 # Batches computed at once: one per core. A batch of one length bucket runs its row steps
