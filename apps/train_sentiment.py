@@ -33,8 +33,10 @@ import csv
 import dataclasses
 import json
 import os
+import shlex
 import shutil
 import signal
+import subprocess
 import sys
 import time
 
@@ -45,7 +47,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from . import cli, data, distribute, explain, export, faithfulness  # noqa: E402
+from . import buckets, cli, data, distribute, explain, export, faithfulness  # noqa: E402
 from . import model as model_lib  # noqa: E402
 
 
@@ -154,29 +156,83 @@ def _check_config(config):
         )
 
 
-def training_stream(ids, labels, batch_size, seed, start_step=0):
+# Reviews are sorted by length inside windows of this many batches before they are batched, and
+# each batch is cut to the first length bucket that holds its longest review. IMDB's median review
+# is about 175 words: padded to 512 tokens, most of a step's work was padding.
+BUCKET_WINDOW = 32
+
+
+def token_lengths(ids):
+    """Each row's length up to its last token `(n,)` (TextVectorization pads at the end)."""
+    ids = np.asarray(ids)
+    present = ids != 0
+    last = ids.shape[1] - np.argmax(present[:, ::-1], axis=1)
+    return np.where(present.any(axis=1), last, 0).astype("int32")
+
+
+def _batches_cut_to_bucket(ids, labels, lengths, indices):
+    """Maps a dataset of example indices `(B,)` to `(ids (B, size), labels (B,))`, `size` the
+    first of `buckets.bucket_sizes(L)` that holds the batch's longest review."""
+    sizes = tf.constant(buckets.bucket_sizes(ids.shape[1]), tf.int32)
+
+    def gather(i):
+        longest = tf.reduce_max(tf.gather(lengths, i))
+        size = sizes[tf.minimum(tf.searchsorted(sizes, [longest])[0], len(sizes) - 1)]
+        return tf.gather(ids, i)[:, :size], tf.gather(labels, i)  # (B, size), (B,)
+
+    return indices.map(gather)
+
+
+def training_stream(ids, labels, batch_size, seed, start_step=0, window=BUCKET_WINDOW):
     """The infinite, deterministic stream of training batches, from batch `start_step` on.
 
-    Pass `p` over the data is the permutation `stateless_shuffle(seed, p)`: a pure
-    function of `(seed, p)`, so a resumed run sees exactly the batches an
-    uninterrupted one would.
+    Pass `p` over the data is one epoch of `len(ids) // batch_size` batches, a pure function of
+    `(seed, p)`: the examples in the order `stateless_shuffle(seed, p)` (the last
+    `len(ids) % batch_size` left out), sorted by length inside windows of `window` batches,
+    batched, the batches shuffled again, and each batch cut to its length bucket. So a resumed
+    run sees exactly the batches an uninterrupted one would, every epoch draws new batches, and
+    a batch's reviews have similar lengths.
     """
-    n = len(ids)
+    n, length = ids.shape
+    per_pass = n // batch_size
+    if per_pass < 1:
+        raise ValueError(
+            f"`batch_size` must be at most the number of training examples ({n}). "
+            f"Received: batch_size={batch_size}"
+        )
+    lengths = tf.constant(token_lengths(ids))
     ids, labels = tf.constant(ids), tf.constant(labels, tf.float32)
 
     def one_pass(p):
-        order = tf.random.experimental.stateless_shuffle(tf.range(n), seed=tf.stack([seed, p]))
-        return tf.data.Dataset.from_tensor_slices(order)
+        pass_seed = tf.stack([tf.cast(seed, tf.int64), p])
+        order = tf.random.experimental.stateless_shuffle(tf.range(n), seed=pass_seed)
+        order = order[: per_pass * batch_size]  # (P * B,)
+        window_of = tf.range(per_pass * batch_size) // (window * batch_size)
+        key = window_of * (length + 1) + tf.gather(lengths, order)  # window first, then length
+        order = tf.gather(order, tf.argsort(key, stable=True))
+        batches = tf.reshape(order, (per_pass, batch_size))  # (P, B)
+        shuffle_seed = tf.random.experimental.stateless_fold_in(pass_seed, 1)
+        batches = tf.gather(
+            batches, tf.random.experimental.stateless_shuffle(tf.range(per_pass), shuffle_seed)
+        )
+        return tf.data.Dataset.from_tensor_slices(batches)
 
-    indices = tf.data.Dataset.counter().flat_map(one_pass)  # example indices, forever
-    indices = indices.skip(start_step * batch_size).batch(batch_size)
-    stream = indices.map(lambda i: (tf.gather(ids, i), tf.gather(labels, i)))  # (B, L), (B,)
+    indices = tf.data.Dataset.counter().flat_map(one_pass).skip(start_step)  # (B,) each
+    stream = _batches_cut_to_bucket(ids, labels, lengths, indices)
     return _shard_by_data(stream.prefetch(tf.data.AUTOTUNE))
 
 
-def eval_dataset(ids, labels, batch_size):
-    dataset = tf.data.Dataset.from_tensor_slices((ids, labels.astype("float32")))
-    return _shard_by_data(dataset.batch(batch_size))
+def eval_dataset(ids, labels, batch_size, limit=None):
+    """The first `limit` examples (all by default), batched in order of length, each batch cut
+    to its length bucket. Metrics summed over the examples do not depend on the order."""
+    ids, labels = ids[:limit], labels[:limit]
+    lengths = token_lengths(ids)
+    order = np.argsort(lengths, kind="stable").astype("int32")
+    indices = tf.data.Dataset.from_tensor_slices(order).batch(batch_size)
+    dataset = _batches_cut_to_bucket(
+        tf.constant(ids), tf.constant(labels, tf.float32), tf.constant(lengths), indices
+    )
+    return _shard_by_data(dataset)
 
 
 def _shard_by_data(dataset):
@@ -239,6 +295,23 @@ class TrainingState(keras.callbacks.Callback):
         os.replace(temporary, self.seeds_path)
         step = _step(self.model)
         export.write_json_atomic(self.json_path, {"step": step, "train_seconds": self.seconds()})
+
+
+class ReviewsPerSecond(keras.callbacks.Callback):
+    """Puts `reviews/s` in the progress bar: the global batch over each step's wall time (the
+    bar shows its mean over the epoch so far)."""
+
+    def __init__(self, global_batch):
+        super().__init__()
+        self.global_batch = global_batch
+        self.started = None
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.started = time.perf_counter()
+
+    def on_train_batch_end(self, batch, logs=None):
+        if logs is not None and self.started is not None:
+            logs["reviews/s"] = self.global_batch / max(time.perf_counter() - self.started, 1e-9)
 
 
 def _step(model):
@@ -332,15 +405,19 @@ class Run:
         return os.path.join(self.checkpoints, "best.weights.h5")
 
 
-def train(config):
-    """The whole run: set up, data, model, fit, then report and export. Returns an exit code."""
+def train(config, argv=None):
+    """The whole run: set up, data, model, fit, then report and export. Returns an exit code.
+
+    `argv`, the flags given, goes to `metrics.json` with the code's git commit."""
     run = _start_run(config)
     splits, vectorizer, train_ids, validation_ids = _prepare_data(config, run)
     steps_per_epoch = max(1, len(train_ids) // run.global_batch)
     if config.max_steps is not None:
         steps_per_epoch = min(steps_per_epoch, config.max_steps)
     model, inspector = _build_model(config, run, vectorizer, train_ids, steps_per_epoch)
-    validation = eval_dataset(validation_ids, splits.validation_label, run.global_batch)
+    # Smoke runs (`--max_steps`) evaluate the first `max_steps` batches' worth of examples.
+    limit = None if config.max_steps is None else config.max_steps * run.global_batch
+    validation = eval_dataset(validation_ids, splits.validation_label, run.global_batch, limit)
     fitted = _fit(config, run, model, train_ids, splits.train_label, validation, steps_per_epoch)
     if fitted is None:
         return 130  # interrupted; the state is saved
@@ -351,7 +428,7 @@ def train(config):
     best_epoch = min(history, key=lambda row: row["val_loss"])["epoch"] if history else None
     return _report(
         config, run.output, model, inspector, vectorizer, splits, history, best_epoch,
-        train_seconds, stopped, validation, run.distribution,
+        train_seconds, stopped, validation, run.distribution, argv,
     )  # fmt: skip
 
 
@@ -501,6 +578,7 @@ def _fit(config, run, model, train_ids, train_labels, validation, steps_per_epoc
     best_so_far = min((row["val_loss"] for row in history), default=None)
     early_stopping = ResumableEarlyStopping(run.history, patience=config.patience, verbose=1)
     callbacks = [
+        ReviewsPerSecond(run.global_batch),
         state,
         keras.callbacks.CSVLogger(run.history, append=True),
         keras.callbacks.TensorBoard(os.path.join(run.output, "logs")),
@@ -513,7 +591,6 @@ def _fit(config, run, model, train_ids, train_labels, validation, steps_per_epoc
         ),
         early_stopping,
     ]
-    validation_steps = config.max_steps
     stopped = _stopped_early(history, config.patience)
     # SIGINT too: a process started in the background by a shell inherits SIGINT ignored.
     previous_handlers = {
@@ -547,7 +624,6 @@ def _fit(config, run, model, train_ids, train_labels, validation, steps_per_epoc
                     epochs=epochs,
                     steps_per_epoch=steps,
                     validation_data=validation,
-                    validation_steps=validation_steps,
                     callbacks=callbacks,
                     shuffle=False,  # the stream is already shuffled, deterministically
                     verbose=int(config.verbose) if config.verbose.isdigit() else config.verbose,
@@ -568,14 +644,15 @@ def _fit(config, run, model, train_ids, train_labels, validation, steps_per_epoc
 
 
 def _report(config, output, model, inspector, vectorizer, splits, history, best_epoch,
-            train_seconds, stopped, validation, distribution):  # fmt: skip
+            train_seconds, stopped, validation, distribution, argv):  # fmt: skip
     print("Evaluating the best epoch's weights on validation and test")
     steps = config.max_steps
     global_batch = distribution["global_batch_size"]
-    validation_loss, validation_accuracy = model.evaluate(validation, steps=steps, verbose=0)
+    limit = None if steps is None else steps * global_batch
+    validation_loss, validation_accuracy = model.evaluate(validation, verbose=0)
     test_ids = data.vectorize(vectorizer, splits.test_text)
-    test = eval_dataset(test_ids, splits.test_label, global_batch)
-    test_loss, test_accuracy = model.evaluate(test, steps=steps, verbose=0)
+    test = eval_dataset(test_ids, splits.test_label, global_batch, limit)
+    test_loss, test_accuracy = model.evaluate(test, verbose=0)
     num_test = len(test_ids) if steps is None else min(len(test_ids), steps * global_batch)
     num_validation = len(splits.validation_label)
     if steps is not None:
@@ -669,6 +746,8 @@ def _report(config, output, model, inspector, vectorizer, splits, history, best_
         "distribution": distribution,
         "history": history,
         "config": dataclasses.asdict(config),
+        "command": shlex.join(["python", "-m", "apps.train_sentiment", *(argv or [])]),
+        "git_commit": _git_commit(),
         "versions": {
             "python": sys.version.split()[0],
             "tensorflow": tf.__version__,
@@ -693,6 +772,26 @@ def _report(config, output, model, inspector, vectorizer, splits, history, best_
     for name, path in paths.items():
         print(f"  {name:20s} {path}")
     return 0
+
+
+def _git_commit():
+    """The checkout's commit, with `+changes` if its tracked files differ; None outside git."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if not os.path.isfile(os.path.join(root, "pyproject.toml")):
+        return None  # installed from a wheel: no checkout of this project here
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10
+        )
+        if commit.returncode != 0:
+            return None
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=root, capture_output=True, text=True, timeout=10,
+        )  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return commit.stdout.strip() + ("+changes" if dirty.stdout.strip() else "")
 
 
 def _check_export(path, model, vectorizer, texts):
@@ -747,7 +846,7 @@ def _check_same_run(config, config_path):
 def main(argv=None):
     try:
         config = parse_args(argv)
-        return train(config)
+        return train(config, argv=sys.argv[1:] if argv is None else list(argv))
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

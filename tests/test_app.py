@@ -3,6 +3,8 @@
 import collections
 import json
 import os
+import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -18,9 +20,10 @@ from apps import model as model_lib
 from keras_sdpa import ScaledDotProductAttention
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# A small, fast run: 2 epochs of 6 steps on real IMDB reviews.
+# A small, fast run: 2 epochs of 6 steps on real IMDB reviews, cut to 96 tokens, so that
+# batches run at the length buckets 64 and 96.
 SMALL_RUN = [
-    "--epochs", "2", "--max_steps", "6", "--batch_size", "32", "--sequence_length", "48",
+    "--epochs", "2", "--max_steps", "6", "--batch_size", "32", "--sequence_length", "96",
     "--vocab_size", "3000", "--embed_dim", "16", "--key_dim", "8", "--ff_dim", "32",
     "--save_every", "2", "--inspect_examples", "6", "--faithfulness_examples", "24",
     "--verbose", "0",
@@ -30,7 +33,8 @@ TEXTS = [
     b"Dull, predictable and far too long. I want my two hours back.",
 ]
 
-pytestmark = pytest.mark.slow
+# One worker runs the whole module under pytest-xdist, so its module fixtures are built once.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("app_run")]
 
 
 def _env():
@@ -85,6 +89,14 @@ def test_run_writes_every_artifact(run):
     assert metrics["config"]["num_heads"] == 2
     assert set(metrics["versions"]) == {"python", "tensorflow", "keras", "tensorflow_datasets"}
     assert metrics["train_seconds"] > 0
+    assert metrics["command"] == shlex.join(
+        ["python", "-m", "apps.train_sentiment", *SMALL_RUN, "--output", output]
+    )
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    if head.returncode == 0:
+        assert metrics["git_commit"].split("+")[0] == head.stdout.strip()
+    else:
+        assert metrics["git_commit"] is None
 
 
 def test_model_is_built_on_our_layer(trained):
@@ -344,7 +356,7 @@ def test_predict_cli_answers_every_input(run):
         assert answer["label"] in ("positive", "negative") and 0 <= answer["probability"] <= 1
     assert answers[1]["tokens"] == 0 and "note" in answers[1]
     assert answers[2]["text"].startswith("\ufffd")
-    assert answers[4]["tokens"] == 48  # truncated to sequence_length, not a crash
+    assert answers[4]["tokens"] == 96  # truncated to sequence_length, not a crash
     serve = tf.saved_model.load(os.path.join(output, "saved_model")).signatures["serving_default"]
     expected = float(serve(text=tf.constant([TEXTS[0]]))["probability"][0])
     np.testing.assert_allclose(answers[0]["probability"], expected, atol=1e-5)
@@ -474,6 +486,104 @@ def test_interrupt_then_resume_loses_nothing(run, tmp_path):
         [row["val_loss"] for row in run[1]["history"]],
         atol=1e-5,
     )
+
+
+def _synthetic_ids(lengths, width):
+    """Token ids `(n, width)` whose row i holds the token i + 1, `lengths[i]` times, then padding:
+    a batch's rows name the examples they came from."""
+    ids = np.zeros((len(lengths), width), "int32")
+    for i, length in enumerate(lengths):
+        ids[i, :length] = i + 1
+    return ids
+
+
+def _stream_batches(ids, labels, batch_size, seed, steps, start_step=0):
+    stream = train_sentiment.training_stream(ids, labels, batch_size, seed, start_step)
+    return [(x.numpy(), y.numpy()) for x, y in stream.take(steps)]
+
+
+def test_training_batches_are_cut_to_their_length_bucket():
+    """Each pass is the examples once each (less the remainder), in batches of similar length,
+    each cut to the first length bucket that holds its longest review, reshuffled every pass."""
+    rng = np.random.default_rng(0)
+    lengths = np.minimum(rng.lognormal(np.log(175), 0.7, size=1000).astype(int) + 1, 600)
+    ids = _synthetic_ids(lengths, 512)
+    labels = rng.integers(0, 2, size=1000)
+    batch_size, per_pass = 32, 1000 // 32
+    batches = _stream_batches(ids, labels, batch_size, seed=3, steps=2 * per_pass)
+    sizes = (64, 96, 128, 192, 256, 384, 512)
+    padded = 0
+    passes = []
+    for p in range(2):
+        seen = []
+        for x, y in batches[p * per_pass : (p + 1) * per_pass]:
+            rows = x[:, 0] - 1  # (B,), the examples' indices
+            seen.extend(rows.tolist())
+            np.testing.assert_array_equal(y, labels[rows])
+            np.testing.assert_array_equal(x, ids[rows, : x.shape[1]])  # nothing cut but padding
+            longest = min(lengths[rows].max(), 512)
+            assert x.shape[1] == next(size for size in sizes if size >= longest)
+            padded += x.size
+        assert len(seen) == len(set(seen)) == per_pass * batch_size
+        passes.append(seen)
+    assert passes[0] != passes[1] and sorted(passes[0]) != sorted(range(per_pass * batch_size))
+    # Sorted inside windows, batches are 0.48x the tokens of full-length ones, 83% of them
+    # words; batched in plain shuffled order, nearly every batch holds a review of 512 or more.
+    assert padded / (2 * per_pass * batch_size * 512) < 0.6
+    assert np.minimum(lengths, 512)[np.concatenate(passes)].sum() / padded > 0.75
+
+
+def test_training_stream_resumes_on_the_same_batches():
+    """The stream from step k is the uninterrupted stream's batches from k, across passes."""
+    lengths = np.random.default_rng(1).integers(1, 300, size=200)
+    ids, labels = _synthetic_ids(lengths, 256), np.arange(200) % 2
+    whole = _stream_batches(ids, labels, 16, seed=5, steps=30)
+    for start in (5, 12, 13):  # 12 batches a pass
+        resumed = _stream_batches(ids, labels, 16, seed=5, steps=30 - start, start_step=start)
+        for (a, b), (c, d) in zip(whole[start:], resumed, strict=True):
+            np.testing.assert_array_equal(a, c)
+            np.testing.assert_array_equal(b, d)
+    other = _stream_batches(ids, labels, 16, seed=6, steps=12)
+    assert any(a.shape != c.shape or (a != c).any() for (a, _), (c, _) in zip(whole, other))
+
+
+def test_prediction_does_not_depend_on_the_batch_length():
+    """A review's probability at its bucket's length == at the full sequence length, to 1e-5,
+    and the bucketed evaluation sees every example once."""
+    model, _ = model_lib.build_classifier(
+        vocab_size=300, sequence_length=256, embed_dim=16, num_heads=2, key_dim=8, ff_dim=16,
+        dropout=0.0, seed=4, bigram_vocab_size=50,
+    )  # fmt: skip
+    rng = np.random.default_rng(2)
+    lengths = rng.integers(1, 256, size=96)
+    ids = np.zeros((96, 256), "int32")
+    for i, length in enumerate(lengths):
+        ids[i, :length] = rng.integers(2, 300, size=length)
+    model.get_layer("embedding").adapt_bigrams(ids)
+    full = model.predict(ids, batch_size=96, verbose=0)[:, 0]
+    labels = (np.arange(96) % 2).astype("int64")
+    dataset = train_sentiment.eval_dataset(ids, labels, batch_size=16)
+    seen, widths = 0, set()
+    for x, y in dataset:
+        x = x.numpy()
+        widths.add(x.shape[1])
+        rows = [int(np.flatnonzero((ids[:, : x.shape[1]] == row).all(axis=1))[0]) for row in x]
+        np.testing.assert_array_equal(y.numpy(), labels[rows])
+        np.testing.assert_allclose(model(x, training=False)[:, 0], full[rows], atol=1e-5)
+        seen += len(rows)
+    assert seen == 96 and len(widths) >= 4  # several buckets, each compared with 256
+    limited = train_sentiment.eval_dataset(ids, labels, batch_size=16, limit=40)
+    assert sum(len(y) for _, y in limited) == 40
+
+
+def test_progress_bar_shows_reviews_per_second(capsys):
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    x, y = np.zeros((64, 3), "float32"), np.zeros((64, 1), "float32")
+    callback = train_sentiment.ReviewsPerSecond(global_batch=16)
+    model.fit(x, y, batch_size=16, epochs=1, verbose=1, callbacks=[callback])
+    shown = re.findall(r"reviews/s: ([0-9.e+]+)", capsys.readouterr().out)
+    assert shown and float(shown[-1]) > 0
 
 
 def test_resume_refuses_a_different_run(tmp_path, capsys):

@@ -19,7 +19,8 @@ import tensorflow as tf
 
 from apps import distribute, train_sentiment
 
-pytestmark = pytest.mark.slow
+# One worker runs the whole module under pytest-xdist, so its module fixtures are built once.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("distribute")]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # 2 epochs of 6 steps of 2 x 16 reviews, at a learning rate that moves the loss visibly.

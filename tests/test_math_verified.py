@@ -15,6 +15,9 @@ import pytest
 
 from apps import math_verified as mv
 
+# One worker runs the whole module under pytest-xdist, so the app's run is built once.
+pytestmark = pytest.mark.xdist_group("math_verified")
+
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):

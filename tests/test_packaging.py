@@ -8,7 +8,8 @@ import zipfile
 
 import pytest
 
-pytestmark = pytest.mark.slow
+# One worker runs the whole module under pytest-xdist, so its module fixtures are built once.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("wheel")]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -17,7 +17,8 @@ import tensorflow as tf
 
 from apps import buckets, data, export, predict
 
-pytestmark = pytest.mark.slow
+# One worker runs the whole module under pytest-xdist, so its module fixtures are built once.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("serving")]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SAVED_MODEL = os.path.join(ROOT, "saved_models", "imdb_sdpa", "saved_model")

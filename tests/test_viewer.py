@@ -18,7 +18,8 @@ from selenium.webdriver.support.ui import Select
 
 from apps import export, train_sentiment, viewer
 
-pytestmark = pytest.mark.slow
+# One worker runs the whole module under pytest-xdist, so its module fixtures are built once.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("viewer")]
 
 RUN = [
     "--epochs", "1", "--max_steps", "4", "--batch_size", "32", "--sequence_length", "40",
