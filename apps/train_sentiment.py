@@ -71,7 +71,8 @@ class Config:
     batch_size: int = 64
     epochs: int = 2  # the learning rate decays to 0 at the end of the last one
     learning_rate: float = 1e-3  # Adam, with cosine decay to 0 over the epochs
-    patience: int = 1  # early stopping on validation loss
+    monitor: str = "val_loss"  # early stopping and the kept epoch: val_loss or val_accuracy
+    patience: int = 1  # epochs without a better `monitor` before training stops
     seed: int = 0
     max_steps: int | None = None  # smoke runs: cap steps per epoch and evaluation batches
     save_every: int = 50  # steps between training-state saves (also at every epoch end)
@@ -92,10 +93,18 @@ class Config:
 _RUN_DEFINING = (
     "dataset", "validation_fraction", "vocab_size", "sequence_length", "bigram_vocab_size",
     "embed_dim", "num_heads", "key_dim", "ff_dim", "num_layers", "dropout", "batch_size",
-    "learning_rate", "seed", "max_steps", "epochs", "strategy", "logical_cpus",
+    "learning_rate", "seed", "max_steps", "epochs", "strategy", "logical_cpus", "monitor",
 )  # fmt: skip
 
 STRATEGIES = ("default", "mirrored", "multi_worker")
+MONITORS = {"val_loss": "min", "val_accuracy": "max"}  # the quantity and its better direction
+
+
+def _better(value, best, monitor):
+    """Whether `value` of `monitor` beats `best` (None: nothing to beat yet)."""
+    if best is None:
+        return True
+    return value < best if MONITORS[monitor] == "min" else value > best
 
 
 def parse_args(argv=None):
@@ -128,6 +137,11 @@ def _check_config(config):
         raise ValueError(
             "`--bigram_vocab_size` must be >= 0 (0 turns word pairs off). "
             f"Received: bigram_vocab_size={config.bigram_vocab_size}"
+        )
+    if config.monitor not in MONITORS:
+        raise ValueError(
+            f"`--monitor` must be one of {', '.join(MONITORS)}. "
+            f"Received: monitor={config.monitor!r}"
         )
     if config.strategy not in STRATEGIES:
         raise ValueError(
@@ -325,22 +339,22 @@ def _seed_states(model):
 
 
 class ResumableEarlyStopping(keras.callbacks.EarlyStopping):
-    """`EarlyStopping` on `val_loss` that replays the epochs in `history.csv` first.
+    """`EarlyStopping` on `monitor` that replays the epochs in `history.csv` first.
 
     Keras's callback starts counting afresh in every `fit`; replaying the logged
     epochs makes a resumed run stop exactly where an uninterrupted one would.
     """
 
-    def __init__(self, history_path, **kwargs):
-        super().__init__(monitor="val_loss", mode="min", **kwargs)
+    def __init__(self, history_path, monitor="val_loss", **kwargs):
+        super().__init__(monitor=monitor, mode=MONITORS[monitor], **kwargs)
         self.history_path = history_path
 
     def on_train_begin(self, logs=None):
         super().on_train_begin(logs)
         for row in read_history(self.history_path):
             self.wait += 1
-            if self.best is None or row["val_loss"] < self.best:
-                self.best, self.best_epoch, self.wait = row["val_loss"], row["epoch"], 0
+            if _better(row[self.monitor], self.best, self.monitor):
+                self.best, self.best_epoch, self.wait = row[self.monitor], row["epoch"], 0
 
 
 def read_history(path):
@@ -425,7 +439,7 @@ def train(config, argv=None):
     history = read_history(run.history)
     if os.path.exists(run.best_weights):
         model.load_weights(run.best_weights)
-    best_epoch = min(history, key=lambda row: row["val_loss"])["epoch"] if history else None
+    best_epoch = _best_row(history, config.monitor)["epoch"] if history else None
     return _report(
         config, run.output, model, inspector, vectorizer, splits, history, best_epoch,
         train_seconds, stopped, validation, run.distribution, argv,
@@ -575,8 +589,10 @@ def _fit(config, run, model, train_ids, train_labels, validation, steps_per_epoc
     if run.resuming:
         print(f"Resuming at epoch {first_epoch + 1}, step {step} ({done_in_epoch} into the epoch)")
 
-    best_so_far = min((row["val_loss"] for row in history), default=None)
-    early_stopping = ResumableEarlyStopping(run.history, patience=config.patience, verbose=1)
+    best_so_far = _best_row(history, config.monitor)[config.monitor] if history else None
+    early_stopping = ResumableEarlyStopping(
+        run.history, monitor=config.monitor, patience=config.patience, verbose=1
+    )
     callbacks = [
         ReviewsPerSecond(run.global_batch),
         state,
@@ -584,14 +600,15 @@ def _fit(config, run, model, train_ids, train_labels, validation, steps_per_epoc
         keras.callbacks.TensorBoard(os.path.join(run.output, "logs")),
         keras.callbacks.ModelCheckpoint(
             run.best_weights,
-            monitor="val_loss",
+            monitor=config.monitor,
+            mode=MONITORS[config.monitor],
             save_best_only=True,
             save_weights_only=True,
             initial_value_threshold=best_so_far,
         ),
         early_stopping,
     ]
-    stopped = _stopped_early(history, config.patience)
+    stopped = _stopped_early(history, config.patience, config.monitor)
     # SIGINT too: a process started in the background by a shell inherits SIGINT ignored.
     previous_handlers = {
         number: signal.signal(number, _raise_keyboard_interrupt)
@@ -814,13 +831,22 @@ def _write_bigrams(vectorizer, pairs, path):
     export.write_text_atomic(path, (f"{words[a]} {words[b]}\n" for a, b in pairs))
 
 
-def _stopped_early(history, patience):
+def _best_row(history, monitor):
+    """The first epoch's row with the best `monitor` (as Keras's callbacks keep it)."""
+    best = None
+    for row in history:
+        if best is None or _better(row[monitor], best[monitor], monitor):
+            best = row
+    return best
+
+
+def _stopped_early(history, patience, monitor="val_loss"):
     """Whether the logged epochs already ran out of patience (a finished, stopped run)."""
     best, wait = None, 0
     for row in history:
         wait += 1
-        if best is None or row["val_loss"] < best:
-            best, wait = row["val_loss"], 0
+        if _better(row[monitor], best, monitor):
+            best, wait = row[monitor], 0
         elif wait >= patience and row["epoch"] > 0:
             return True
     return False
