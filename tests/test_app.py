@@ -586,6 +586,37 @@ def test_progress_bar_shows_reviews_per_second(capsys):
     assert shown and float(shown[-1]) > 0
 
 
+@pytest.mark.parametrize("monitor", ["val_loss", "val_accuracy"])
+def test_early_stopping_replays_the_logged_epochs_on_its_monitor(monitor, tmp_path):
+    """Epoch 1 is best on `monitor` (loss falls then rises; accuracy peaks a different way);
+    after it, one epoch without improvement stops a patience-1 run, on resume as without it."""
+    rows = [  # epoch, val_loss, val_accuracy
+        (0, 0.30, 0.86), (1, 0.29, 0.88), (2, 0.31, 0.87),
+    ]  # fmt: skip
+    if monitor == "val_accuracy":  # best accuracy at epoch 2, where the loss is worst
+        rows = [(0, 0.30, 0.86), (1, 0.29, 0.87), (2, 0.31, 0.89)]
+    path = tmp_path / "history.csv"
+    lines = [f"{epoch},{loss},{accuracy}\n" for epoch, loss, accuracy in rows]
+    path.write_text("epoch,val_loss,val_accuracy\n" + "".join(lines))
+    history = train_sentiment.read_history(str(path))
+    best = 1 if monitor == "val_loss" else 2
+    assert train_sentiment._best_row(history, monitor)["epoch"] == best
+    assert train_sentiment._stopped_early(history, 1, monitor) == (monitor == "val_loss")
+    callback = train_sentiment.ResumableEarlyStopping(str(path), monitor=monitor, patience=1)
+    callback.set_model(keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)]))
+    callback.on_train_begin()
+    assert (callback.best_epoch, callback.wait) == (best, 2 - best)
+    assert callback.best == pytest.approx(
+        dict(zip(("val_loss", "val_accuracy"), rows[best][1:]))[monitor]
+    )
+
+
+def test_monitor_flag_is_checked(capsys):
+    with pytest.raises(SystemExit):
+        train_sentiment.parse_args(["--monitor", "accuracy"])
+    assert "`--monitor` must be one of val_loss, val_accuracy" in capsys.readouterr().err
+
+
 def test_resume_refuses_a_different_run(tmp_path, capsys):
     output = tmp_path / "imdb"
     (output / "checkpoints").mkdir(parents=True)
