@@ -71,6 +71,7 @@ class Config:
     batch_size: int = 64
     epochs: int = 2  # the learning rate decays to 0 at the end of the last one
     learning_rate: float = 1e-3  # Adam, with cosine decay to 0 over the epochs
+    weight_decay: float = 0.0  # decoupled (AdamW), times the learning rate; 0 = plain Adam
     monitor: str = "val_loss"  # early stopping and the kept epoch: val_loss or val_accuracy
     patience: int = 1  # epochs without a better `monitor` before training stops
     seed: int = 0
@@ -93,7 +94,8 @@ class Config:
 _RUN_DEFINING = (
     "dataset", "validation_fraction", "vocab_size", "sequence_length", "bigram_vocab_size",
     "embed_dim", "num_heads", "key_dim", "ff_dim", "num_layers", "dropout", "batch_size",
-    "learning_rate", "seed", "max_steps", "epochs", "strategy", "logical_cpus", "monitor",
+    "learning_rate", "weight_decay", "seed", "max_steps", "epochs", "strategy", "logical_cpus",
+    "monitor",
 )  # fmt: skip
 
 STRATEGIES = ("default", "mirrored", "multi_worker")
@@ -157,6 +159,10 @@ def _check_config(config):
     if config.learning_rate <= 0:
         raise ValueError(
             f"`--learning_rate` must be positive. Received: learning_rate={config.learning_rate}"
+        )
+    if config.weight_decay < 0:
+        raise ValueError(
+            f"`--weight_decay` must be >= 0. Received: weight_decay={config.weight_decay}"
         )
     if config.faithfulness_examples < 0:
         raise ValueError(
@@ -553,7 +559,7 @@ def _build_model(config, run, vectorizer, train_ids, steps_per_epoch):
         # The attention core is XLA-compiled on its own; the rest of the step runs on TF's
         # kernels (XLA's CPU random numbers make Keras's Dropout far slower under jit).
         model.compile(
-            optimizer=model_lib.Adam(schedule),
+            optimizer=model_lib.Adam(schedule, weight_decay=config.weight_decay or None),
             loss="binary_crossentropy",
             metrics=["accuracy"],
             jit_compile=False,

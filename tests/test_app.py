@@ -437,7 +437,9 @@ def test_no_data_and_no_network_says_where_tfds_looked(tmp_path, monkeypatch, ca
 def test_interrupt_then_resume_loses_nothing(run, tmp_path):
     """SIGINT mid-epoch, then --resume: the same final weights as the uninterrupted run."""
     output = str(tmp_path / "imdb")
-    command = [sys.executable, "-m", "apps.train_sentiment", *SMALL_RUN, "--output", output]
+    # The same training as `run`; the attention export and deletion tests are `run`'s to check.
+    tail = ["--inspect_examples", "0", "--faithfulness_examples", "0"]
+    command = [sys.executable, "-m", "apps.train_sentiment", *SMALL_RUN, *tail, "--output", output]
     process = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env(), cwd=ROOT
     )
@@ -611,10 +613,13 @@ def test_early_stopping_replays_the_logged_epochs_on_its_monitor(monitor, tmp_pa
     )
 
 
-def test_monitor_flag_is_checked(capsys):
+def test_monitor_and_weight_decay_flags_are_checked(capsys):
     with pytest.raises(SystemExit):
         train_sentiment.parse_args(["--monitor", "accuracy"])
     assert "`--monitor` must be one of val_loss, val_accuracy" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        train_sentiment.parse_args(["--weight_decay", "-0.1"])
+    assert "weight_decay=-0.1" in capsys.readouterr().err
 
 
 def test_resume_refuses_a_different_run(tmp_path, capsys):

@@ -81,7 +81,8 @@ def mirrored(tmp_path_factory):
 def one_device(tmp_path_factory):
     """The same run on one device at the same global batch, 32."""
     output = str(tmp_path_factory.mktemp("one_device") / "run")
-    args = _app("--output", output)
+    # Only its training is compared: the attention export and deletion tests are left out.
+    args = _app("--output", output, "--inspect_examples", "0", "--faithfulness_examples", "0")
     args[args.index("--batch_size") + 1] = "32"
     result = subprocess.run(
         args, capture_output=True, text=True, timeout=TIMEOUT, env=_env(), cwd=ROOT
