@@ -176,8 +176,9 @@ def vectorize(vectorizer, texts, batch_size=1024):
     return np.concatenate([batch.numpy() for batch in ds]).astype("int32")
 
 
-def read_bigrams(vectorizer, path):
-    """The word pairs of `bigrams.txt` ("not good" per line) as `(previous, word)` id pairs."""
+def read_ngrams(vectorizer, path):
+    """The word n-grams of `bigrams.txt` or `trigrams.txt` ("not good" per line) as id tuples,
+    `(previous, word)` or `(second, previous, word)`."""
     index = {word: i for i, word in enumerate(vectorizer.get_vocabulary())}
     with open(path, encoding="utf-8") as f:
         return [tuple(index[word] for word in line.split(" ")) for line in f.read().splitlines()]

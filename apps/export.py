@@ -118,6 +118,8 @@ def export_saved_model(model, inspector, vectorizer, path, buckets=LENGTH_BUCKET
     embedding = inspector.get_layer("embedding")
     if embedding.bigram_vocab_size:
         archive.track(embedding.bigram_lookup)
+    if embedding.trigram_vocab_size:
+        archive.track(embedding.trigram_lookup)
     text_spec = tf.TensorSpec([None], tf.string, name="text")
     classify = model_lib.compiled_classifier(model)  # ids (B, L) -> P(positive) (B,)
 
@@ -454,6 +456,11 @@ def write_model_card(metrics, path):
         pairs = (
             f" + the embedding of each word's pair with the word before it (the "
             f"{config['bigram_vocab_size']:,} most frequent pairs in train, `bigrams.txt`)"
+        )
+    if config.get("trigram_vocab_size"):
+        pairs += (
+            f" + the embedding of the word triple ending at each word (the "
+            f"{config['trigram_vocab_size']:,} most frequent in train, `trigrams.txt`)"
         )
     card = f"""# {config["dataset"]} sentiment classifier on keras-sdpa
 

@@ -36,6 +36,28 @@ def bigram_keys(ids, vocab_size):
     return ops.where(ops.logical_and(previous > 0, ids > 0), keys, ops.zeros_like(keys))
 
 
+def trigram_keys(ids, vocab_size):
+    """Each position's word triple `(word two back, previous word, word)` as one int64 key.
+
+    The key is `(second * vocab_size + previous) * vocab_size + word`; it is 0 at the first two
+    positions and wherever any of the three words is padding. (`vocab_size ** 3` fits int64 for
+    vocabularies up to 2 million words.)
+
+    Args:
+        ids: token ids `(B, L)`, 0 = padding.
+        vocab_size: the number of word ids (the vectorizer's vocabulary size).
+
+    Returns:
+        int64 keys `(B, L)`.
+    """
+    ids = ops.cast(ids, "int64")
+    previous = ops.pad(ids[:, :-1], [[0, 0], [1, 0]])  # (B, L), shifted right by one
+    second = ops.pad(ids[:, :-2], [[0, 0], [2, 0]])  # (B, L), shifted right by two
+    keys = (second * vocab_size + previous) * vocab_size + ids
+    present = ops.logical_and(ops.logical_and(second > 0, previous > 0), ids > 0)
+    return ops.where(present, keys, ops.zeros_like(keys))
+
+
 @keras.saving.register_keras_serializable(package="apps")
 class Adam(keras.optimizers.Adam):
     """`keras.optimizers.Adam`, with the rows of a sparse gradient summed before the update.
@@ -65,16 +87,26 @@ class TokenAndPositionEmbedding(keras.layers.Layer):
     With `bigram_vocab_size > 0`, each position also adds the embedding of its word pair
     (previous word, word), looked up by `keras.layers.IntegerLookup` among the
     `bigram_vocab_size` most frequent pairs of the training set (`adapt_bigrams`);
-    rarer pairs share one out-of-vocabulary vector. The sequence stays one vector per
-    word, so the attention weights are still over words.
+    rarer pairs share one out-of-vocabulary vector. `trigram_vocab_size > 0` does the same
+    for the word triple that ends at each position (`adapt_trigrams`). The sequence stays one
+    vector per word, so the attention weights are still over words.
     """
 
-    def __init__(self, vocab_size, sequence_length, embed_dim, bigram_vocab_size=0, **kwargs):
+    def __init__(
+        self,
+        vocab_size,
+        sequence_length,
+        embed_dim,
+        bigram_vocab_size=0,
+        trigram_vocab_size=0,
+        **kwargs,
+    ):
         super().__init__(**kwargs)
         self.vocab_size = vocab_size
         self.sequence_length = sequence_length
         self.embed_dim = embed_dim
         self.bigram_vocab_size = bigram_vocab_size
+        self.trigram_vocab_size = trigram_vocab_size
         self.token_embedding = keras.layers.Embedding(
             vocab_size, embed_dim, mask_zero=True, name="token_embedding"
         )
@@ -91,6 +123,16 @@ class TokenAndPositionEmbedding(keras.layers.Layer):
             )
             self.bigram_embedding = keras.layers.Embedding(
                 bigram_vocab_size + 2, embed_dim, name="bigram_embedding"
+            )
+        if trigram_vocab_size:
+            self.trigram_lookup = keras.layers.IntegerLookup(
+                max_tokens=trigram_vocab_size + 2,
+                mask_token=0,
+                vocabulary_dtype="int64",
+                name="trigram_lookup",
+            )
+            self.trigram_embedding = keras.layers.Embedding(
+                trigram_vocab_size + 2, embed_dim, name="trigram_embedding"
             )
 
     def adapt_bigrams(self, ids, batch_size=1024):
@@ -110,11 +152,33 @@ class TokenAndPositionEmbedding(keras.layers.Layer):
             [previous * self.vocab_size + word for previous, word in pairs]
         )
 
+    def adapt_trigrams(self, ids, batch_size=1024):
+        """Sets the triple vocabulary: the most frequent triples in token ids `(n, L)`."""
+        keys = tf.data.Dataset.from_tensor_slices(ids).batch(batch_size)
+        self.trigram_lookup.adapt(keys.map(lambda batch: trigram_keys(batch, self.vocab_size)))
+
+    @property
+    def trigrams(self):
+        """The triple vocabulary as `(second, previous, word)` id triples, most frequent first."""
+        keys = self.trigram_lookup.get_vocabulary(include_special_tokens=False)
+        triples = []
+        for key in keys:
+            rest, word = divmod(int(key), self.vocab_size)
+            triples.append((*divmod(rest, self.vocab_size), word))
+        return triples
+
+    def set_trigrams(self, triples):
+        """Sets the triple vocabulary from `(second, previous, word)` id triples."""
+        v = self.vocab_size
+        self.trigram_lookup.set_vocabulary([(a * v + b) * v + c for a, b, c in triples])
+
     def build(self, ids_shape):
         self.token_embedding.build(ids_shape)
         self.position_embedding.build((self.sequence_length,))
         if self.bigram_vocab_size:
             self.bigram_embedding.build(ids_shape)
+        if self.trigram_vocab_size:
+            self.trigram_embedding.build(ids_shape)
 
     def call(self, ids):
         positions = ops.arange(ops.shape(ids)[-1])  # (L,)
@@ -122,6 +186,9 @@ class TokenAndPositionEmbedding(keras.layers.Layer):
         if self.bigram_vocab_size:
             pairs = self.bigram_lookup(bigram_keys(ids, self.vocab_size))  # (B, L)
             x = x + self.bigram_embedding(pairs)
+        if self.trigram_vocab_size:
+            triples = self.trigram_lookup(trigram_keys(ids, self.vocab_size))  # (B, L)
+            x = x + self.trigram_embedding(triples)
         return x
 
     def compute_mask(self, ids, mask=None):
@@ -137,6 +204,7 @@ class TokenAndPositionEmbedding(keras.layers.Layer):
             "sequence_length": self.sequence_length,
             "embed_dim": self.embed_dim,
             "bigram_vocab_size": self.bigram_vocab_size,
+            "trigram_vocab_size": self.trigram_vocab_size,
         }
 
 
@@ -251,6 +319,7 @@ def build_classifier(
     dropout=0.1,
     seed=0,
     bigram_vocab_size=0,
+    trigram_vocab_size=0,
 ):
     """Returns `(model, inspector)`, two functional models over the same weights.
 
@@ -262,7 +331,12 @@ def build_classifier(
     on the training ids before training.
     """
     embedding = TokenAndPositionEmbedding(
-        vocab_size, sequence_length, embed_dim, bigram_vocab_size, name="embedding"
+        vocab_size,
+        sequence_length,
+        embed_dim,
+        bigram_vocab_size,
+        trigram_vocab_size,
+        name="embedding",
     )
     embedding_dropout = keras.layers.Dropout(dropout, seed=seed, name="embedding_dropout")
     blocks = [

@@ -77,10 +77,14 @@ def load_run(run):
         num_layers=config["num_layers"],
         dropout=0.0,
         bigram_vocab_size=config["bigram_vocab_size"],
+        trigram_vocab_size=config.get("trigram_vocab_size", 0),
     )
     if config["bigram_vocab_size"]:
-        pairs = data.read_bigrams(vectorizer, os.path.join(run, "bigrams.txt"))
+        pairs = data.read_ngrams(vectorizer, os.path.join(run, "bigrams.txt"))
         model.get_layer("embedding").set_bigrams(pairs)
+    if config.get("trigram_vocab_size"):
+        triples = data.read_ngrams(vectorizer, os.path.join(run, "trigrams.txt"))
+        model.get_layer("embedding").set_trigrams(triples)
     keras_path = os.path.join(run, "model.keras")
     if os.path.isfile(keras_path):
         trained = keras.saving.load_model(keras_path, compile=False)

@@ -16,6 +16,7 @@ steps), reports on the test split once at the end, and writes to `--output`:
     model.keras          the trained Keras model (token ids -> P(positive))
     vocabulary.txt       the TextVectorization vocabulary
     bigrams.txt          the word pairs that have their own embedding, most frequent first
+    trigrams.txt         the same for word triples (with --trigram_vocab_size)
     metrics.json         what this run measured, with its config and versions
     training_curves.png  loss and accuracy per epoch
     history.csv          the same numbers, one row per epoch
@@ -60,6 +61,7 @@ class Config:
     vocab_size: int = 10000  # TextVectorization max_tokens
     sequence_length: int = 512  # tokens kept per review (TextVectorization output_sequence_length)
     bigram_vocab_size: int = 20000  # most frequent word pairs embedded; 0 = words only
+    trigram_vocab_size: int = 0  # most frequent word triples embedded; 0 = none
     # model
     embed_dim: int = 64  # E
     num_heads: int = 2  # N, in the blocks and in the pooling
@@ -93,6 +95,7 @@ class Config:
 # Flags that shape the data, the model or the step sequence; a resumed run must match them.
 _RUN_DEFINING = (
     "dataset", "validation_fraction", "vocab_size", "sequence_length", "bigram_vocab_size",
+    "trigram_vocab_size",
     "embed_dim", "num_heads", "key_dim", "ff_dim", "num_layers", "dropout", "batch_size",
     "learning_rate", "weight_decay", "seed", "max_steps", "epochs", "strategy", "logical_cpus",
     "monitor",
@@ -144,6 +147,11 @@ def _check_config(config):
         raise ValueError(
             f"`--monitor` must be one of {', '.join(MONITORS)}. "
             f"Received: monitor={config.monitor!r}"
+        )
+    if config.trigram_vocab_size < 0:
+        raise ValueError(
+            "`--trigram_vocab_size` must be >= 0 (0 turns word triples off). "
+            f"Received: trigram_vocab_size={config.trigram_vocab_size}"
         )
     if config.strategy not in STRATEGIES:
         raise ValueError(
@@ -421,6 +429,10 @@ class Run:
         return os.path.join(self.output, "bigrams.txt")
 
     @property
+    def trigrams(self):
+        return os.path.join(self.output, "trigrams.txt")
+
+    @property
     def best_weights(self):
         return os.path.join(self.checkpoints, "best.weights.h5")
 
@@ -550,6 +562,7 @@ def _build_model(config, run, vectorizer, train_ids, steps_per_epoch):
             dropout=config.dropout,
             seed=config.seed,
             bigram_vocab_size=config.bigram_vocab_size,
+            trigram_vocab_size=config.trigram_vocab_size,
         )
         # Cosine decay to zero over the planned steps: a function of the optimizer's own
         # step, so a resumed run follows the same schedule.
@@ -568,13 +581,21 @@ def _build_model(config, run, vectorizer, train_ids, steps_per_epoch):
     if config.bigram_vocab_size:
         embedding = model.get_layer("embedding")
         if run.resuming and os.path.exists(run.bigrams):
-            pairs = data.read_bigrams(vectorizer, run.bigrams)
+            pairs = data.read_ngrams(vectorizer, run.bigrams)
             embedding.set_bigrams(pairs)
         else:
             embedding.adapt_bigrams(train_ids)
             pairs = embedding.bigrams
-            _write_bigrams(vectorizer, pairs, run.bigrams)
+            _write_ngrams(vectorizer, pairs, run.bigrams)
         print(f"{len(pairs)} word pairs have their own embedding")
+    if config.trigram_vocab_size:
+        embedding = model.get_layer("embedding")
+        if run.resuming and os.path.exists(run.trigrams):
+            embedding.set_trigrams(data.read_ngrams(vectorizer, run.trigrams))
+        else:
+            embedding.adapt_trigrams(train_ids)
+            _write_ngrams(vectorizer, embedding.trigrams, run.trigrams)
+        print(f"{len(embedding.trigrams)} word triples have their own embedding")
     return model, inspector
 
 
@@ -697,6 +718,8 @@ def _report(config, output, model, inspector, vectorizer, splits, history, best_
     paths["vocabulary"] = os.path.join(output, "vocabulary.txt")
     if config.bigram_vocab_size:
         paths["bigrams"] = os.path.join(output, "bigrams.txt")
+    if config.trigram_vocab_size:
+        paths["trigrams"] = os.path.join(output, "trigrams.txt")
     paths["history"] = os.path.join(output, "history.csv")
     paths["tensorboard"] = os.path.join(output, "logs")
     if history:
@@ -831,10 +854,10 @@ def _write_vocabulary(vectorizer, path):
     export.write_text_atomic(path, (f"{token}\n" for token in vectorizer.get_vocabulary()[2:]))
 
 
-def _write_bigrams(vectorizer, pairs, path):
-    """One pair per line ("not good"), most frequent first: the lookup's own order."""
+def _write_ngrams(vectorizer, ngrams, path):
+    """One n-gram per line ("not good"), most frequent first: the lookup's own order."""
     words = vectorizer.get_vocabulary()
-    export.write_text_atomic(path, (f"{words[a]} {words[b]}\n" for a, b in pairs))
+    export.write_text_atomic(path, (" ".join(words[i] for i in ngram) + "\n" for ngram in ngrams))
 
 
 def _best_row(history, monitor):

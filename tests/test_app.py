@@ -208,6 +208,47 @@ def test_bigram_embedding_keeps_the_most_frequent_pairs_through_save_and_load(tm
     assert np.abs(model.predict(ids, verbose=0) - loaded.predict(ids, verbose=0)).max() > 1e-4
 
 
+def test_trigram_keys_join_each_word_with_the_two_before():
+    rng = np.random.default_rng(1)
+    ids = rng.integers(1, 50, size=(4, 9))
+    ids[0, 5:] = 0
+    ids[1, :] = 0
+    ids[2, 3] = 0  # a gap: no triple may span it
+    keys = model_lib.trigram_keys(ids, 50).numpy()
+    expected = np.zeros_like(keys)
+    for b, row in enumerate(ids):
+        for t in range(2, len(row)):
+            if row[t - 2] and row[t - 1] and row[t]:
+                expected[b, t] = (row[t - 2] * 50 + row[t - 1]) * 50 + row[t]
+    np.testing.assert_array_equal(keys, expected)
+    assert keys.dtype == np.int64
+
+
+def test_trigram_embedding_keeps_the_most_frequent_triples_through_save_and_load(tmp_path):
+    # Triple counts: (3, 4, 5) three times, (2, 3, 4) twice; the rest once.
+    ids = np.array(
+        [[3, 4, 5, 0, 0], [3, 4, 5, 0, 0], [3, 4, 5, 6, 0], [2, 3, 4, 0, 0], [2, 3, 4, 8, 9]]
+    )
+    model, _ = model_lib.build_classifier(
+        vocab_size=10, sequence_length=5, embed_dim=8, key_dim=4, ff_dim=8,
+        bigram_vocab_size=2, trigram_vocab_size=2,
+    )  # fmt: skip
+    embedding = model.get_layer("embedding")
+    embedding.adapt_bigrams(ids)
+    embedding.adapt_trigrams(ids)
+    assert embedding.trigrams == [(3, 4, 5), (2, 3, 4)]
+    looked_up = embedding.trigram_lookup(model_lib.trigram_keys(ids[4:5], 10)).numpy()
+    np.testing.assert_array_equal(looked_up, [[0, 0, 3, 1, 1]])  # (2, 3, 4) is 3; rarer: 1
+    path = str(tmp_path / "model.keras")
+    model.save(path)
+    loaded = keras.saving.load_model(path)
+    assert loaded.get_layer("embedding").trigrams == embedding.trigrams
+    np.testing.assert_allclose(loaded.predict(ids, verbose=0), model.predict(ids, verbose=0))
+    table = embedding.trigram_embedding.embeddings
+    table.assign(np.zeros(table.shape, "float32"))
+    assert np.abs(model.predict(ids, verbose=0) - loaded.predict(ids, verbose=0)).max() > 1e-4
+
+
 @pytest.mark.parametrize("length", [48, 256])
 def test_compiled_classifier_in_steps_matches_the_model(length):
     """The serving head loops over rows in steps of `step_rows(L)` once a batch needs more
