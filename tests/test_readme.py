@@ -47,6 +47,32 @@ def test_experiment_table_matches_its_metrics_files():
         assert test == _percent(metrics["test_accuracy"])
 
 
+def test_seed_table_is_recomputed_from_its_metrics_files():
+    """Every row of the sweep table: mean, sample std and min of the seeds' own metrics.json."""
+    import statistics
+
+    folder = ROOT / "saved_models/experiments/seeds"
+    table = (folder / "README.md").read_text()
+    rows = re.findall(
+        r"^\| `([^`]+)` \| `[^`]*` \| ([\d, ]+) \| ([^|]+) \| ([^|]+) \| ([\d.]+) \|$",
+        table,
+        flags=re.M,
+    )
+    configurations = [path for path in folder.iterdir() if path.is_dir()]
+    assert len(rows) == len(configurations) >= 1
+    for name, seeds, validation, test, minutes in rows:
+        runs = [json.loads(path.read_text()) for path in sorted((folder / name).glob("*.json"))]
+        assert sorted(int(seed) for seed in seeds.split(", ")) == sorted(
+            run["config"]["seed"] for run in runs
+        )
+        for cell, key in ((validation, "validation_accuracy"), (test, "test_accuracy")):
+            values = [100 * run[key] for run in runs]
+            std = statistics.stdev(values) if len(values) > 1 else 0.0
+            expected = f"{statistics.fmean(values):.2f} ± {std:.2f} (min {min(values):.2f})"
+            assert cell.strip() == expected, (name, key)
+        assert float(minutes) == round(statistics.fmean(r["train_seconds"] for r in runs) / 60, 1)
+
+
 def test_math_section_quotes_the_committed_measurements():
     """The README's math section quotes the metrics.json that apps.math_verified wrote."""
     from apps import math_verified as math_app

@@ -1,0 +1,77 @@
+"""`apps.sweep`: its flags, its table against the numbers recomputed by hand, and a sweep that
+continues where it stopped."""
+
+import json
+import os
+
+import pytest
+
+from apps import sweep
+
+
+def _metrics(seed, validation, test, seconds, flags="--dropout 0.4"):
+    return {
+        "validation_accuracy": validation,
+        "test_accuracy": test,
+        "train_seconds": seconds,
+        "config": {"seed": seed},
+        "command": f"python -m apps.train_sentiment {flags} --seed {seed} --output /tmp/x",
+    }
+
+
+def test_table_gives_mean_sample_std_and_min_per_configuration(tmp_path):
+    folder = tmp_path / "seeds"
+    for seed, (validation, test) in enumerate([(0.90, 0.89), (0.92, 0.905), (0.91, 0.9)]):
+        (folder / "wide").mkdir(parents=True, exist_ok=True)
+        (folder / "wide" / f"seed{seed}.metrics.json").write_text(
+            json.dumps(_metrics(seed, validation, test, 60.0 * (seed + 1)))
+        )
+    (folder / "one").mkdir()
+    (folder / "one" / "seed10.metrics.json").write_text(json.dumps(_metrics(10, 0.5, 0.25, 30)))
+    table = open(sweep.write_table(str(folder))).read()
+    # Validation 90, 92, 91: mean 91, sample std 1; test 89, 90.5, 90: mean 89.83, std 0.76.
+    assert (
+        "| `wide` | `--dropout 0.4` | 0, 1, 2 | 91.00 ± 1.00 (min 90.00) | "
+        "89.83 ± 0.76 (min 89.00) | 2.0 |"
+    ) in table
+    assert "| `one` | `--dropout 0.4` | 10 | 50.00 ± 0.00 (min 50.00) | 25.00 ± 0.00" in table
+
+
+def test_a_recorded_seed_is_not_run_again(tmp_path, monkeypatch):
+    folder, runs = tmp_path / "seeds", tmp_path / "runs"
+    (folder / "cfg").mkdir(parents=True)
+    (folder / "cfg" / "seed0.metrics.json").write_text(json.dumps(_metrics(0, 0.9, 0.9, 1)))
+    commands = []
+
+    def train(command, cwd):  # stands in for the app's process: writes what it would
+        commands.append(command)
+        output = command[command.index("--output") + 1]
+        os.makedirs(output)
+        seed = int(command[command.index("--seed") + 1])
+        with open(os.path.join(output, "metrics.json"), "w") as f:
+            json.dump(_metrics(seed, 0.8, 0.8, 1), f)
+        return 0
+
+    monkeypatch.setattr(sweep.subprocess, "call", train)
+    code = sweep.main(["cfg", "--seeds", "0", "1", "--runs", str(runs), "--folder", str(folder),
+                       "--", "--dropout", "0.4"])  # fmt: skip
+    assert code == 0
+    assert len(commands) == 1 and commands[0][-4:] == ["--seed", "1", "--output",
+                                                       str(runs / "cfg" / "seed1")]  # fmt: skip
+    assert commands[0][3:5] == ["--dropout", "0.4"]
+    assert (folder / "cfg" / "seed1.metrics.json").exists()
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        ([], "a configuration `name` is required"),
+        (["a/b"], "Received: name='a/b'"),
+        (["cfg", "--", "--seed", "3"], "pass seeds with --seeds"),
+    ],
+    ids=["no_name", "path", "seed_flag"],
+)
+def test_bad_arguments(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        sweep.parse_args(argv)
+    assert message in capsys.readouterr().err
