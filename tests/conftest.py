@@ -1,4 +1,7 @@
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -10,6 +13,19 @@ os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=1")
 # Under pytest-xdist each worker computes on one thread: the two workers fill the two cores.
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("TF_NUM_INTRAOP_THREADS", "1")
+# One XLA compilation cache for the whole session (TensorFlow's persistent cache, as
+# `apps.predict --xla_cache` uses it): the app's runs in the workers and in the processes the
+# tests start compile the same programs. The controller makes the folder before the workers
+# start, and they inherit it; it is removed when the session ends. Measured: the suite 466 s
+# -> 433 s, 13.3 -> 12.3 CPU-minutes.
+if "KERAS_SDPA_TEST_XLA_CACHE" not in os.environ:
+    os.environ["KERAS_SDPA_TEST_XLA_CACHE"] = tempfile.mkdtemp(prefix="keras_sdpa_xla_")
+    atexit.register(shutil.rmtree, os.environ["KERAS_SDPA_TEST_XLA_CACHE"], ignore_errors=True)
+if "tf_xla_persistent_cache_directory" not in os.environ.get("TF_XLA_FLAGS", ""):
+    os.environ["TF_XLA_FLAGS"] = (
+        os.environ.get("TF_XLA_FLAGS", "")
+        + f" --tf_xla_persistent_cache_directory={os.environ['KERAS_SDPA_TEST_XLA_CACHE']}"
+    ).strip()
 
 # The app's tests read IMDB through TFDS. On the project's machines it is prepared at
 # ../shared/data/tensorflow_datasets (no network); elsewhere TFDS downloads it.

@@ -21,10 +21,11 @@ from keras_sdpa import ScaledDotProductAttention
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # A small, fast run: 2 epochs of 6 steps on real IMDB reviews, cut to 96 tokens, so that
-# batches run at the length buckets 64 and 96.
+# batches run at the length buckets 64 and 96, with word pairs and triples.
 SMALL_RUN = [
     "--epochs", "2", "--max_steps", "6", "--batch_size", "32", "--sequence_length", "96",
     "--vocab_size", "3000", "--embed_dim", "16", "--key_dim", "8", "--ff_dim", "32",
+    "--bigram_vocab_size", "20000", "--trigram_vocab_size", "5000",
     "--save_every", "2", "--inspect_examples", "6", "--faithfulness_examples", "24",
     "--verbose", "0",
 ]  # fmt: skip
@@ -67,7 +68,7 @@ def trained(run):
 
 # What a run must leave, named here rather than read from the app's own list.
 EXPECTED_ARTIFACTS = {
-    "attention_heatmaps.png", "attention.html", "attention.jsonl", "bigrams.txt",
+    "attention_heatmaps.png", "attention.html", "attention.jsonl", "bigrams.txt", "trigrams.txt",
     "history.csv", "model.keras", "metrics.json", "README.md", "saved_model", "logs",
     "training_curves.png", "vocabulary.txt", "faithfulness.json", "faithfulness.md",
     "faithfulness.png", "serving.json",
@@ -82,7 +83,8 @@ def test_run_writes_every_artifact(run):
     assert set(metrics["artifacts"].values()) == EXPECTED_ARTIFACTS
     assert not os.path.exists(os.path.join(output, "checkpoints"))  # finished runs clean up
     assert metrics["epochs_run"] == 2 and len(metrics["history"]) == 2
-    assert metrics["train_steps"] == 12
+    # The optimizer's count in the best epoch's restored state: 6 steps an epoch.
+    assert metrics["train_steps"] == 6 * metrics["best_epoch"]
     assert metrics["test_examples"] == 6 * 32
     assert metrics["validation_examples"] == 6 * 32
     assert metrics["train_examples"] == 22500  # 25,000 minus the 10% validation carve-out
@@ -147,6 +149,29 @@ def test_bigrams_are_the_most_frequent_pairs_in_train(run, trained):
     assert len(pairs) == metrics["config"]["bigram_vocab_size"] < len(keys)
     assert kept == sorted(kept, reverse=True)  # most frequent first
     left_out = np.setdiff1d(keys, [a * len(words) + b for a, b in pairs])
+    assert max(count[k] for k in left_out.tolist()) <= kept[-1]
+
+
+def test_trigrams_are_the_most_frequent_triples_in_train(run, trained):
+    output, metrics = run
+    model, vectorizer = trained
+    triples = model.get_layer("embedding").trigrams
+    words = vectorizer.get_vocabulary()
+    with open(os.path.join(output, "trigrams.txt"), encoding="utf-8") as f:
+        assert f.read().splitlines() == [" ".join(words[i] for i in t) for t in triples]
+    # Counted independently with NumPy over the run's training ids.
+    splits = data.load_splits(seed=metrics["config"]["seed"])
+    ids = data.vectorize(vectorizer, splits.train_text).astype("int64")
+    a, b, c = ids[:, :-2].ravel(), ids[:, 1:-1].ravel(), ids[:, 2:].ravel()
+    real = (a > 0) & (b > 0) & (c > 0)
+    v = len(words)
+    keys, counts = np.unique((a[real] * v + b[real]) * v + c[real], return_counts=True)
+    count = dict(zip(keys.tolist(), counts.tolist()))
+    chosen = [(x * v + y) * v + z for x, y, z in triples]
+    kept = [count[k] for k in chosen]
+    assert len(triples) == metrics["config"]["trigram_vocab_size"] < len(keys)
+    assert kept == sorted(kept, reverse=True)  # most frequent first
+    left_out = np.setdiff1d(keys, chosen)
     assert max(count[k] for k in left_out.tolist()) <= kept[-1]
 
 
@@ -516,12 +541,15 @@ def test_interrupt_then_resume_loses_nothing(run, tmp_path):
     assert f"step {interrupted_at}".encode() in resumed.stdout
     with open(os.path.join(output, "metrics.json")) as f:
         metrics = json.load(f)
-    assert metrics["train_steps"] == 12 and metrics["epochs_run"] == 2
+    assert metrics["train_steps"] == 6 * metrics["best_epoch"] and metrics["epochs_run"] == 2
+    assert metrics["best_epoch"] == run[1]["best_epoch"]
     uninterrupted = keras.saving.load_model(os.path.join(run[0], "model.keras"))
     continued = keras.saving.load_model(os.path.join(output, "model.keras"))
     # The resumed run read its word pairs back from bigrams.txt, in the same order.
     pairs = uninterrupted.get_layer("embedding").bigrams
     assert len(pairs) == 20000 and continued.get_layer("embedding").bigrams == pairs
+    triples = uninterrupted.get_layer("embedding").trigrams
+    assert len(triples) == 5000 and continued.get_layer("embedding").trigrams == triples
     for a, b in zip(uninterrupted.get_weights(), continued.get_weights()):
         np.testing.assert_allclose(a, b, atol=1e-5)
     np.testing.assert_allclose(

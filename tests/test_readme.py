@@ -73,6 +73,25 @@ def test_seed_table_is_recomputed_from_its_metrics_files():
         assert float(minutes) == round(statistics.fmean(r["train_seconds"] for r in runs) / 60, 1)
 
 
+def test_readme_quotes_the_best_configuration_from_its_seed_files():
+    """The README's figures for the best configuration so far are its seeds' metrics.json."""
+    import statistics
+
+    folder = ROOT / "saved_models/experiments/seeds/pairs200k_tri200k_vocab30k_drop04_wd05"
+    runs = [json.loads(path.read_text()) for path in sorted(folder.glob("*.json"))]
+    tests = [100 * run["test_accuracy"] for run in runs]
+    text = " ".join(README.read_text().split())
+    assert len(runs) == 3
+    assert (
+        f"{statistics.fmean(tests):.2f} ± {statistics.stdev(tests):.2f}% on test "
+        f"(min {min(tests):.2f}%), in {statistics.fmean(r['train_seconds'] for r in runs) / 60:.1f}"
+    ) in text
+    aopc = ", ".join(
+        f"{run['faithfulness']['comprehensiveness_aopc']['attention']['mean']:.3f}" for run in runs
+    )
+    assert f"AOPC ({aopc} over the seeds)" in text
+
+
 def test_math_section_quotes_the_committed_measurements():
     """The README's math section quotes the metrics.json that apps.math_verified wrote."""
     from apps import math_verified as math_app

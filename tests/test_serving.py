@@ -39,6 +39,14 @@ def _python(script, stdin=None, timeout=600):
     return result.stdout.decode()
 
 
+def _without_session_xla_cache():
+    """The environment without the test session's own XLA cache (tests/conftest.py), which
+    `apps.predict` would keep instead of its `--xla_cache`."""
+    env = dict(os.environ)
+    env.pop("TF_XLA_FLAGS", None)
+    return env
+
+
 @pytest.fixture(scope="module")
 def reviews_by_bucket():
     """Real test reviews: for every length bucket, reviews whose tokens fall in it."""
@@ -283,7 +291,7 @@ def test_predict_reads_a_file_and_answers_in_input_order(tmp_path):
     result = subprocess.run(
         [sys.executable, "-c", script, "--model", SAVED_MODEL, "--input", str(path), "--json",
          "--batch_size", "64", "--xla_cache", str(tmp_path / "xla")],
-        capture_output=True, timeout=900, cwd=ROOT,
+        capture_output=True, timeout=900, cwd=ROOT, env=_without_session_xla_cache(),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr.decode()[-3000:]
     answers = [json.loads(line) for line in result.stdout.decode().splitlines()]
