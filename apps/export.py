@@ -462,6 +462,11 @@ def write_model_card(metrics, path):
             f" + the embedding of the word triple ending at each word (the "
             f"{config['trigram_vocab_size']:,} most frequent in train, `trigrams.txt`)"
         )
+    if config.get("naive_bayes_alpha"):
+        pairs += (
+            " + a learned projection of their naive-Bayes log-count ratios (counted on the "
+            f"training labels, smoothing {config['naive_bayes_alpha']:g})"
+        )
     card = f"""# {config["dataset"]} sentiment classifier on keras-sdpa
 
 Written by `python -m apps.train_sentiment`; every number below comes from this folder's

@@ -1,7 +1,8 @@
 """The sentiment classifier, built from `keras_sdpa.ScaledDotProductAttention`.
 
     token ids (B, L) -> Embedding(mask_zero=True) + positions  (B, L, E)
-                        (+ word-pair embedding, optional)
+                        (+ word-pair and word-triple embeddings, optional)
+                        (+ naive-Bayes log-count ratios, projected, optional)
                      -> num_layers x TransformerBlock           (B, L, E)  self-attention
                      -> AttentionPooling                        (B, E)     a learned query attends
                      -> Dense(1, sigmoid)                       (B, 1)     P(positive)
@@ -11,6 +12,7 @@ whose weights say directly which tokens the classifier looked at.
 """
 
 import keras
+import numpy as np
 import tensorflow as tf
 from keras import ops
 
@@ -58,6 +60,38 @@ def trigram_keys(ids, vocab_size):
     return ops.where(present, keys, ops.zeros_like(keys))
 
 
+def naive_bayes_ratios(indices, labels, size, alpha=1.0):
+    """Naive-Bayes log-count ratios `(size,)` of feature indices, from labelled documents.
+
+    Wang & Manning (2012), "Baselines and bigrams": with `p` (`q`) the number of positive
+    (negative) documents that contain a feature, plus `alpha`,
+    `r = log(p / ||p||_1) - log(q / ||q||_1)`. A feature counts once per document, however
+    often it occurs there. Index 0 (padding, no n-gram) gets 0.
+
+    Args:
+        indices: int feature indices `(n, L)` in `[0, size)`, 0 = nothing there.
+        labels: 0/1 labels `(n,)`.
+        size: the number of feature indices.
+        alpha: additive smoothing, > 0.
+
+    Returns:
+        float32 ratios `(size,)`.
+    """
+    indices = np.asarray(indices, dtype=np.int64)
+    labels = np.asarray(labels)
+    document = np.repeat(np.arange(len(indices), dtype=np.int64), indices.shape[1])  # (n*L,)
+    flat = indices.reshape(-1)
+    present = flat > 0
+    # One (document, feature) pair per feature a document contains.
+    pairs = np.unique(document[present] * size + flat[present])
+    document, feature = np.divmod(pairs, size)
+    positive = np.bincount(feature, weights=labels[document] == 1, minlength=size) + alpha
+    negative = np.bincount(feature, weights=labels[document] == 0, minlength=size) + alpha
+    ratios = np.log(positive / positive.sum()) - np.log(negative / negative.sum())
+    ratios[0] = 0.0
+    return ratios.astype("float32")
+
+
 @keras.saving.register_keras_serializable(package="apps")
 class Adam(keras.optimizers.Adam):
     """`keras.optimizers.Adam`, with the rows of a sparse gradient summed before the update.
@@ -90,6 +124,13 @@ class TokenAndPositionEmbedding(keras.layers.Layer):
     rarer pairs share one out-of-vocabulary vector. `trigram_vocab_size > 0` does the same
     for the word triple that ends at each position (`adapt_trigrams`). The sequence stays one
     vector per word, so the attention weights are still over words.
+
+    With `naive_bayes=True`, each position also adds a learned projection of its features'
+    naive-Bayes log-count ratios (`naive_bayes_ratios`): the word's, and the pair's and the
+    triple's where those are embedded. The ratios are fixed tables, set from the training
+    labels by `adapt_naive_bayes` and saved with the weights; the projection is trained. They
+    enter each position like the embeddings do, so the pooling attention still decides how
+    much each position's evidence counts.
     """
 
     def __init__(
@@ -99,6 +140,7 @@ class TokenAndPositionEmbedding(keras.layers.Layer):
         embed_dim,
         bigram_vocab_size=0,
         trigram_vocab_size=0,
+        naive_bayes=False,
         **kwargs,
     ):
         super().__init__(**kwargs)
@@ -107,6 +149,7 @@ class TokenAndPositionEmbedding(keras.layers.Layer):
         self.embed_dim = embed_dim
         self.bigram_vocab_size = bigram_vocab_size
         self.trigram_vocab_size = trigram_vocab_size
+        self.naive_bayes = naive_bayes
         self.token_embedding = keras.layers.Embedding(
             vocab_size, embed_dim, mask_zero=True, name="token_embedding"
         )
@@ -134,6 +177,49 @@ class TokenAndPositionEmbedding(keras.layers.Layer):
             self.trigram_embedding = keras.layers.Embedding(
                 trigram_vocab_size + 2, embed_dim, name="trigram_embedding"
             )
+        if naive_bayes:
+            self.naive_bayes_projection = keras.layers.Dense(
+                embed_dim, use_bias=False, name="naive_bayes_projection"
+            )
+
+    def _naive_bayes_tables(self):
+        """`(name, size)` of each ratio table: words, then pairs and triples if embedded."""
+        tables = [("word_ratios", self.vocab_size)]
+        if self.bigram_vocab_size:
+            tables.append(("bigram_ratios", self.bigram_vocab_size + 2))
+        if self.trigram_vocab_size:
+            tables.append(("trigram_ratios", self.trigram_vocab_size + 2))
+        return tables
+
+    def _feature_indices(self, ids):
+        """Each position's index into each ratio table, `[(B, L), ...]` as `_naive_bayes_tables`."""
+        indices = [ids]
+        if self.bigram_vocab_size:
+            indices.append(self.bigram_lookup(bigram_keys(ids, self.vocab_size)))
+        if self.trigram_vocab_size:
+            indices.append(self.trigram_lookup(trigram_keys(ids, self.vocab_size)))
+        return indices
+
+    def adapt_naive_bayes(self, ids, labels, alpha=1.0, batch_size=1024):
+        """Sets the ratio tables from training token ids `(n, L)` and their 0/1 labels `(n,)`.
+
+        Call it after the pair and triple vocabularies are set: the ratios are per looked-up
+        index."""
+        if not self.naive_bayes:
+            raise ValueError(
+                "`adapt_naive_bayes` needs a layer built with naive_bayes=True. "
+                f"Received: naive_bayes={self.naive_bayes}"
+            )
+        if alpha <= 0:
+            raise ValueError(f"`alpha` must be > 0. Received: alpha={alpha}")
+        columns = [[] for _ in self._naive_bayes_tables()]
+        for start in range(0, len(ids), batch_size):
+            batch = tf.constant(ids[start : start + batch_size])
+            for column, indices in zip(columns, self._feature_indices(batch)):
+                column.append(np.asarray(indices))
+        for (name, size), column in zip(self._naive_bayes_tables(), columns):
+            ratios = naive_bayes_ratios(np.concatenate(column), labels, size, alpha)
+            getattr(self, name).assign(ratios)
 
     def adapt_bigrams(self, ids, batch_size=1024):
         """Sets the pair vocabulary: the most frequent pairs in token ids `(n, L)`."""
@@ -179,16 +265,34 @@ class TokenAndPositionEmbedding(keras.layers.Layer):
             self.bigram_embedding.build(ids_shape)
         if self.trigram_vocab_size:
             self.trigram_embedding.build(ids_shape)
+        if self.naive_bayes:
+            for name, size in self._naive_bayes_tables():
+                table = self.add_weight(
+                    shape=(size,), initializer="zeros", trainable=False, name=name
+                )
+                setattr(self, name, table)
+            self.naive_bayes_projection.build((*ids_shape, len(self._naive_bayes_tables())))
 
     def call(self, ids):
         positions = ops.arange(ops.shape(ids)[-1])  # (L,)
         x = self.token_embedding(ids) + self.position_embedding(positions)  # (B, L, E)
+        indices = self._feature_indices(ids)  # words, then pairs and triples: [(B, L), ...]
+        ngram_embeddings = []
         if self.bigram_vocab_size:
-            pairs = self.bigram_lookup(bigram_keys(ids, self.vocab_size))  # (B, L)
-            x = x + self.bigram_embedding(pairs)
+            ngram_embeddings.append(self.bigram_embedding)
         if self.trigram_vocab_size:
-            triples = self.trigram_lookup(trigram_keys(ids, self.vocab_size))  # (B, L)
-            x = x + self.trigram_embedding(triples)
+            ngram_embeddings.append(self.trigram_embedding)
+        for embedding, ngrams in zip(ngram_embeddings, indices[1:]):
+            x = x + embedding(ngrams)
+        if self.naive_bayes:
+            ratios = ops.stack(
+                [
+                    ops.take(getattr(self, name), index, axis=0)
+                    for (name, _), index in zip(self._naive_bayes_tables(), indices)
+                ],
+                axis=-1,
+            )  # (B, L, tables)
+            x = x + self.naive_bayes_projection(ratios)
         return x
 
     def compute_mask(self, ids, mask=None):
@@ -205,6 +309,7 @@ class TokenAndPositionEmbedding(keras.layers.Layer):
             "embed_dim": self.embed_dim,
             "bigram_vocab_size": self.bigram_vocab_size,
             "trigram_vocab_size": self.trigram_vocab_size,
+            "naive_bayes": self.naive_bayes,
         }
 
 
@@ -320,6 +425,7 @@ def build_classifier(
     seed=0,
     bigram_vocab_size=0,
     trigram_vocab_size=0,
+    naive_bayes=False,
 ):
     """Returns `(model, inspector)`, two functional models over the same weights.
 
@@ -328,7 +434,8 @@ def build_classifier(
     `inspector` returns a dict: `probability` `(B, 1)`, `attention` (the blocks' weights,
     `(B, num_layers, N, L, L)`) and `pooling` (the pooling weights, `(B, N, L)`).
     With `bigram_vocab_size > 0`, call `model.get_layer("embedding").adapt_bigrams(ids)`
-    on the training ids before training.
+    on the training ids before training (`adapt_trigrams` likewise, then
+    `adapt_naive_bayes(ids, labels)` with `naive_bayes=True`).
     """
     embedding = TokenAndPositionEmbedding(
         vocab_size,
@@ -336,6 +443,7 @@ def build_classifier(
         embed_dim,
         bigram_vocab_size,
         trigram_vocab_size,
+        naive_bayes,
         name="embedding",
     )
     embedding_dropout = keras.layers.Dropout(dropout, seed=seed, name="embedding_dropout")

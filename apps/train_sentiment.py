@@ -62,6 +62,9 @@ class Config:
     sequence_length: int = 512  # tokens kept per review (TextVectorization output_sequence_length)
     bigram_vocab_size: int = 20000  # most frequent word pairs embedded; 0 = words only
     trigram_vocab_size: int = 0  # most frequent word triples embedded; 0 = none
+    # > 0: each position adds its word's (and pair's, triple's) naive-Bayes log-count ratio,
+    # counted on the training labels with this additive smoothing; 0 = none
+    naive_bayes_alpha: float = 0.0
     # model
     embed_dim: int = 64  # E
     num_heads: int = 2  # N, in the blocks and in the pooling
@@ -95,7 +98,7 @@ class Config:
 # Flags that shape the data, the model or the step sequence; a resumed run must match them.
 _RUN_DEFINING = (
     "dataset", "validation_fraction", "vocab_size", "sequence_length", "bigram_vocab_size",
-    "trigram_vocab_size",
+    "trigram_vocab_size", "naive_bayes_alpha",
     "embed_dim", "num_heads", "key_dim", "ff_dim", "num_layers", "dropout", "batch_size",
     "learning_rate", "weight_decay", "seed", "max_steps", "epochs", "strategy", "logical_cpus",
     "monitor",
@@ -167,6 +170,11 @@ def _check_config(config):
     if config.learning_rate <= 0:
         raise ValueError(
             f"`--learning_rate` must be positive. Received: learning_rate={config.learning_rate}"
+        )
+    if config.naive_bayes_alpha < 0:
+        raise ValueError(
+            "`--naive_bayes_alpha` must be >= 0 (0 turns the naive-Bayes ratios off). "
+            f"Received: naive_bayes_alpha={config.naive_bayes_alpha}"
         )
     if config.weight_decay < 0:
         raise ValueError(
@@ -446,7 +454,9 @@ def train(config, argv=None):
     steps_per_epoch = max(1, len(train_ids) // run.global_batch)
     if config.max_steps is not None:
         steps_per_epoch = min(steps_per_epoch, config.max_steps)
-    model, inspector = _build_model(config, run, vectorizer, train_ids, steps_per_epoch)
+    model, inspector = _build_model(
+        config, run, vectorizer, train_ids, splits.train_label, steps_per_epoch
+    )
     # Smoke runs (`--max_steps`) evaluate the first `max_steps` batches' worth of examples.
     limit = None if config.max_steps is None else config.max_steps * run.global_batch
     validation = eval_dataset(validation_ids, splits.validation_label, run.global_batch, limit)
@@ -546,9 +556,9 @@ def _prepare_data(config, run):
     return splits, vectorizer, train_ids, validation_ids
 
 
-def _build_model(config, run, vectorizer, train_ids, steps_per_epoch):
+def _build_model(config, run, vectorizer, train_ids, train_labels, steps_per_epoch):
     """The compiled classifier and its inspector, in the strategy's scope, with the word-pair
-    vocabulary set."""
+    and word-triple vocabularies and the naive-Bayes ratios set."""
     # Variables, the model, its attention layers and the optimizer all live in the scope.
     with run.strategy.scope():
         model, inspector = model_lib.build_classifier(
@@ -563,6 +573,7 @@ def _build_model(config, run, vectorizer, train_ids, steps_per_epoch):
             seed=config.seed,
             bigram_vocab_size=config.bigram_vocab_size,
             trigram_vocab_size=config.trigram_vocab_size,
+            naive_bayes=config.naive_bayes_alpha > 0,
         )
         # Cosine decay to zero over the planned steps: a function of the optimizer's own
         # step, so a resumed run follows the same schedule.
@@ -596,6 +607,13 @@ def _build_model(config, run, vectorizer, train_ids, steps_per_epoch):
             embedding.adapt_trigrams(train_ids)
             _write_ngrams(vectorizer, embedding.trigrams, run.trigrams)
         print(f"{len(embedding.trigrams)} word triples have their own embedding")
+    if config.naive_bayes_alpha:
+        # From the training split's labels only; a resumed run counts the same again (and
+        # its restored weights hold the same tables).
+        model.get_layer("embedding").adapt_naive_bayes(
+            train_ids, train_labels, config.naive_bayes_alpha
+        )
+        print(f"Naive-Bayes log-count ratios counted on {len(train_ids)} training reviews")
     return model, inspector
 
 
