@@ -51,3 +51,47 @@ def _seeded_by_test_name(request):
     import keras
 
     keras.utils.set_random_seed(zlib.crc32(request.node.nodeid.encode()) % (2**31))
+
+
+# The module groups, slowest first: each is one unit of work for one worker, so the longest
+# start first and the single tests fill the other worker around them. Seconds of one worker,
+# from `pytest --durations` on 2 cores: distribute ~350 (three app runs, one of them two
+# processes), app ~300 (two runs and an interrupted one), viewer ~110, serving ~90, the rest
+# under a minute each. `--no-loadscope-reorder` (pyproject.toml) keeps this order; xdist's own
+# reorder puts the groups with the most tests first, whatever they cost.
+GROUPS_SLOWEST_FIRST = (
+    "test_distribute", "test_app", "test_viewer", "test_serving", "test_math_verified",
+    "test_faithfulness", "test_packaging",
+)  # fmt: skip
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under `--dist loadgroup`, a test shares a worker with its module's expensive fixtures
+    only if it uses one of them, and the groups run slowest first.
+
+    A test that uses a module-scoped fixture defined in its own module (a trained run, a
+    built export, a browser) gets `xdist_group(<module>)`, so that fixture is built once, on
+    one worker. Every other test is distributed on its own, so that one worker does not also
+    carry the module's quick tests behind its slow fixtures. A test that reaches such a
+    fixture only through `request.getfixturevalue` carries the group mark itself."""
+    for item in items:
+        if item.get_closest_marker("xdist_group") or not hasattr(item, "_fixtureinfo"):
+            continue
+        module = item.module.__name__
+        for name in item.fixturenames:
+            definitions = item._fixtureinfo.name2fixturedefs.get(name)
+            if not definitions:
+                continue
+            definition = definitions[-1]
+            if definition.scope == "module" and definition.func.__module__ == module:
+                item.add_marker(pytest.mark.xdist_group(module.rsplit(".", 1)[-1]))
+                break
+
+    def rank(item):
+        mark = item.get_closest_marker("xdist_group")
+        group = (mark.args[0] if mark.args else mark.kwargs.get("name")) if mark else None
+        if group in GROUPS_SLOWEST_FIRST:
+            return GROUPS_SLOWEST_FIRST.index(group)
+        return len(GROUPS_SLOWEST_FIRST) + (group is None)
+
+    items.sort(key=rank)  # stable: collection order within each rank

@@ -34,8 +34,9 @@ TEXTS = [
     b"Dull, predictable and far too long. I want my two hours back.",
 ]
 
-# One worker runs the whole module under pytest-xdist, so its module fixtures are built once.
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("app_run")]
+# Under pytest-xdist, the tests that use this module's module fixtures share one worker
+# (tests/conftest.py), so each fixture is built once.
+pytestmark = pytest.mark.slow
 
 
 def _env():

@@ -19,8 +19,9 @@ import tensorflow as tf
 
 from apps import distribute, train_sentiment
 
-# One worker runs the whole module under pytest-xdist, so its module fixtures are built once.
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("distribute")]
+# Under pytest-xdist, the tests that use this module's module fixtures share one worker
+# (tests/conftest.py), so each fixture is built once.
+pytestmark = pytest.mark.slow
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # 2 epochs of 6 steps of 2 x 16 reviews, at a learning rate that moves the loss visibly.
@@ -33,6 +34,8 @@ RUN = [
     "--dropout", "0",  # replicas draw their own dropout masks: without it, 2 x 16 == 1 x 32
 ]  # fmt: skip
 TIMEOUT = 600
+# For the runs of which only the training is compared: no attention export, no deletion tests.
+TRAINING_ONLY = ["--inspect_examples", "0", "--faithfulness_examples", "0"]
 
 
 def _env(**extra):
@@ -81,8 +84,7 @@ def mirrored(tmp_path_factory):
 def one_device(tmp_path_factory):
     """The same run on one device at the same global batch, 32."""
     output = str(tmp_path_factory.mktemp("one_device") / "run")
-    # Only its training is compared: the attention export and deletion tests are left out.
-    args = _app("--output", output, "--inspect_examples", "0", "--faithfulness_examples", "0")
+    args = _app("--output", output, *TRAINING_ONLY)
     args[args.index("--batch_size") + 1] = "32"
     result = subprocess.run(
         args, capture_output=True, text=True, timeout=TIMEOUT, env=_env(), cwd=ROOT
@@ -158,7 +160,7 @@ def test_multi_worker_on_loopback_ends_with_identical_weights(mirrored, tmp_path
             tf_config = json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}})
             workers.append(
                 subprocess.Popen(
-                    _app("--strategy", "multi_worker", "--output", output),
+                    _app("--strategy", "multi_worker", "--output", output, *TRAINING_ONLY),
                     stdout=subprocess.PIPE,
                     stderr=subprocess.PIPE,
                     text=True,

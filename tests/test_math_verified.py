@@ -15,8 +15,7 @@ import pytest
 
 from apps import math_verified as mv
 
-# One worker runs the whole module under pytest-xdist, so the app's run is built once.
-pytestmark = pytest.mark.xdist_group("math_verified")
+# Under pytest-xdist, the tests that use `run` share one worker (tests/conftest.py).
 
 
 @pytest.fixture(scope="module")

@@ -73,7 +73,11 @@ def test_embedding_adds_the_projected_ratios_of_words_pairs_and_triples(tmp_path
 
     # The layer's output is the embeddings plus the projection of each position's ratios.
     features = np.stack(
-        [tables["word_ratios"][IDS], tables["bigram_ratios"][pairs], tables["trigram_ratios"][triples]],
+        [
+            tables["word_ratios"][IDS],
+            tables["bigram_ratios"][pairs],
+            tables["trigram_ratios"][triples],
+        ],
         axis=-1,
     )  # (n, L, 3)
     kernel = embedding.naive_bayes_projection.kernel.numpy()  # (3, E)
@@ -103,7 +107,6 @@ def test_embedding_adds_the_projected_ratios_of_words_pairs_and_triples(tmp_path
 
 def test_ratio_tables_are_not_trained():
     model, _ = _classifier(naive_bayes=True)
-    embedding = model.get_layer("embedding")
     model(IDS)
     trainable = {w.path for w in model.trainable_weights}
     assert "embedding/word_ratios" not in trainable

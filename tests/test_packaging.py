@@ -8,8 +8,9 @@ import zipfile
 
 import pytest
 
-# One worker runs the whole module under pytest-xdist, so its module fixtures are built once.
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("wheel")]
+# Under pytest-xdist, the tests that use this module's module fixtures share one worker
+# (tests/conftest.py), so each fixture is built once.
+pytestmark = pytest.mark.slow
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -17,8 +17,9 @@ import tensorflow as tf
 
 from apps import buckets, data, export, predict
 
-# One worker runs the whole module under pytest-xdist, so its module fixtures are built once.
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("serving")]
+# Under pytest-xdist, the tests that use this module's module fixtures share one worker
+# (tests/conftest.py), so each fixture is built once.
+pytestmark = pytest.mark.slow
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SAVED_MODEL = os.path.join(ROOT, "saved_models", "imdb_sdpa", "saved_model")
@@ -152,6 +153,7 @@ print(json.dumps({{
     assert out["labels_equal"]
 
 
+@pytest.mark.xdist_group("test_serving")  # reaches `fresh_export` by getfixturevalue
 @pytest.mark.parametrize("which", ["committed", "fresh"])
 def test_saved_model_holds_each_graph_once(which, request):
     """Each signature's graph is stored once, and the custom gradients' functions not at all

@@ -18,8 +18,9 @@ from selenium.webdriver.support.ui import Select
 
 from apps import export, train_sentiment, viewer
 
-# One worker runs the whole module under pytest-xdist, so its module fixtures are built once.
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("viewer")]
+# Under pytest-xdist, the tests that use this module's module fixtures share one worker
+# (tests/conftest.py), so each fixture is built once.
+pytestmark = pytest.mark.slow
 
 RUN = [
     "--epochs", "1", "--max_steps", "4", "--batch_size", "32", "--sequence_length", "40",
