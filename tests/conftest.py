@@ -65,6 +65,7 @@ GROUPS_SLOWEST_FIRST = (
 )  # fmt: skip
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the group marks
 def pytest_collection_modifyitems(config, items):
     """Under `--dist loadgroup`, a test shares a worker with its module's expensive fixtures
     only if it uses one of them, and the groups run slowest first.
