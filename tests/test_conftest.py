@@ -8,7 +8,7 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-MODULE = '''
+MODULE = """
 import os
 import pytest
 
@@ -28,7 +28,7 @@ def test_uses_the_fixture(built, index):
 @pytest.mark.parametrize("index", range(6))
 def test_on_its_own(index, request):
     assert request.node.get_closest_marker("xdist_group") is None
-'''
+"""
 
 
 def test_tests_sharing_a_module_fixture_build_it_once_on_two_workers(tmp_path):

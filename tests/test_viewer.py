@@ -1,11 +1,10 @@
 """The attention viewer in a real browser: headless Chromium, driven by Selenium.
 
-The page under test is the one the training app wrote for a few real IMDB test reviews,
-from a model with two blocks and two heads. Every check compares what the page shows
-with the app's `attention.jsonl`. Chromium and its driver come from Debian's `chromium`
-and `chromium-driver` packages, which `.ci/run` installs; without them these tests fail
-with a message that says so (`apps.viewer.chromium`).
-"""
+The page under test is the one the training app's export writes for a few real IMDB test
+reviews, from a classifier with two blocks and two heads. Every check compares what the page
+shows with the `attention.jsonl` written beside it. Chromium and its driver come from Debian's
+`chromium` and `chromium-driver` packages, which `.ci/run` installs; without them these tests
+fail with a message that says so (`apps.viewer.chromium`)."""
 
 import json
 import os
@@ -16,18 +15,12 @@ import pytest
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import Select
 
-from apps import export, train_sentiment, viewer
+from apps import data, export, viewer
+from apps import model as model_lib
 
 # Under pytest-xdist, the tests that use this module's module fixtures share one worker
 # (tests/conftest.py), so each fixture is built once.
 pytestmark = pytest.mark.slow
-
-RUN = [
-    "--epochs", "1", "--max_steps", "4", "--batch_size", "32", "--sequence_length", "40",
-    "--vocab_size", "2000", "--embed_dim", "16", "--key_dim", "8", "--ff_dim", "32",
-    "--num_layers", "2", "--num_heads", "2", "--inspect_examples", "12",
-    "--faithfulness_examples", "0", "--verbose", "0",
-]  # fmt: skip
 
 # Everything the page shows for the current review, read in one script call.
 READ_TOKENS = """
@@ -41,11 +34,28 @@ return Array.from(document.querySelectorAll("#tokens .tok")).map(s => ({
 
 @pytest.fixture(scope="module")
 def page(tmp_path_factory):
-    output = tmp_path_factory.mktemp("viewer") / "run"
-    assert train_sentiment.main([*RUN, "--output", str(output)]) == 0
-    with open(output / "attention.jsonl") as f:
+    """`attention.html` and `attention.jsonl` as a training run's report writes them, for 12
+    real test reviews (`export.inspect_records` with the model: gradients and deletion tests).
+
+    The classifier's weights are as initialized: the page shows whatever its records hold, and
+    `tests/test_app.py` checks the page a real run writes against its model."""
+    texts, labels, _ = data.load_test_split("imdb_reviews")
+    vectorizer = data.make_vectorizer(2000, 40)
+    vectorizer.adapt(texts[:2000])
+    model, inspector = model_lib.build_classifier(
+        vocab_size=vectorizer.vocabulary_size(), sequence_length=40, embed_dim=16,
+        num_heads=2, key_dim=8, ff_dim=32, num_layers=2, dropout=0.0, seed=0,
+    )  # fmt: skip
+    chosen = export.inspection_sample(len(texts), 12, seed=0)
+    records = export.inspect_records(
+        inspector, vectorizer, texts[chosen], labels[chosen], chosen, model=model
+    )
+    output = tmp_path_factory.mktemp("viewer")
+    jsonl = export.write_attention_jsonl(records, str(output / "attention.jsonl"))
+    html = export.write_attention_html(records, str(output / "attention.html"))
+    with open(jsonl) as f:
         records = [json.loads(line) for line in f]
-    return output / "attention.html", records
+    return output / os.path.basename(html), records
 
 
 @pytest.fixture(scope="module")
