@@ -712,10 +712,11 @@ def _report(config, output, model, inspector, vectorizer, splits, history, best_
     global_batch = distribution["global_batch_size"]
     limit = None if steps is None else steps * global_batch
     validation_loss, validation_accuracy = model.evaluate(validation, verbose=0)
-    test_ids = data.vectorize(vectorizer, splits.test_text)
-    test = eval_dataset(test_ids, splits.test_label, global_batch, limit)
+    # Smoke runs evaluate the first `limit` test reviews: only those are tokenized.
+    test_ids = data.vectorize(vectorizer, splits.test_text[:limit])
+    test = eval_dataset(test_ids, splits.test_label[: len(test_ids)], global_batch, limit)
     test_loss, test_accuracy = model.evaluate(test, verbose=0)
-    num_test = len(test_ids) if steps is None else min(len(test_ids), steps * global_batch)
+    num_test = len(test_ids)
     num_validation = len(splits.validation_label)
     if steps is not None:
         num_validation = min(num_validation, steps * global_batch)

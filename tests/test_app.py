@@ -501,7 +501,7 @@ def test_no_data_and_no_network_says_where_tfds_looked(tmp_path, monkeypatch, ca
     assert "Traceback" not in err
 
 
-def test_interrupt_then_resume_loses_nothing(run, tmp_path):
+def test_interrupt_then_resume_loses_nothing(run, tmp_path, capsys):
     """SIGINT mid-epoch, then --resume: the same final weights as the uninterrupted run."""
     output = str(tmp_path / "imdb")
     # The same training as `run`; the attention export and deletion tests are `run`'s to check.
@@ -531,9 +531,11 @@ def test_interrupt_then_resume_loses_nothing(run, tmp_path):
         interrupted_at = json.load(f)["step"]
     assert 2 <= interrupted_at < 12
 
-    # Without --resume the app refuses to overwrite the interrupted run.
-    refused = subprocess.run(command, capture_output=True, env=_env(), cwd=ROOT, timeout=300)
-    assert refused.returncode == 2 and b"--resume" in refused.stderr
+    # Without --resume the app refuses to overwrite the interrupted run (in this process: it
+    # refuses before it reads any data).
+    capsys.readouterr()
+    assert train_sentiment.main([*SMALL_RUN, *tail, "--output", output]) == 2
+    assert "--resume" in capsys.readouterr().err
 
     resumed = subprocess.run(
         [*command, "--resume"], capture_output=True, env=_env(), cwd=ROOT, timeout=600
