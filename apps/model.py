@@ -131,6 +131,15 @@ class TokenAndPositionEmbedding(keras.layers.Layer):
     labels by `adapt_naive_bayes` and saved with the weights; the projection is trained. They
     enter each position like the embeddings do, so the pooling attention still decides how
     much each position's evidence counts.
+
+    The ratios are cross-fitted over `naive_bayes_folds` folds, so that no review reads ratios
+    counted on its own label. A review's fold is its number of tokens modulo the folds
+    (`naive_bayes_fold`: a function of the review alone, so training and serving agree, and
+    padding does not change it), and it reads the tables counted on the other folds' reviews.
+    Tables counted on every review, the review's own included, let the model learn the
+    training labels from the ratios of the n-grams only that review has: measured, 98.5%
+    training accuracy and 89.56% validation after one epoch, against 82.9% and 91.00% without
+    the ratios. `naive_bayes_folds=1` counts every review for the one table.
     """
 
     def __init__(
@@ -141,6 +150,7 @@ class TokenAndPositionEmbedding(keras.layers.Layer):
         bigram_vocab_size=0,
         trigram_vocab_size=0,
         naive_bayes=False,
+        naive_bayes_folds=5,
         **kwargs,
     ):
         super().__init__(**kwargs)
@@ -150,6 +160,11 @@ class TokenAndPositionEmbedding(keras.layers.Layer):
         self.bigram_vocab_size = bigram_vocab_size
         self.trigram_vocab_size = trigram_vocab_size
         self.naive_bayes = naive_bayes
+        if naive_bayes_folds < 1:
+            raise ValueError(
+                f"`naive_bayes_folds` must be >= 1. Received: naive_bayes_folds={naive_bayes_folds}"
+            )
+        self.naive_bayes_folds = naive_bayes_folds
         self.token_embedding = keras.layers.Embedding(
             vocab_size, embed_dim, mask_zero=True, name="token_embedding"
         )
@@ -200,8 +215,16 @@ class TokenAndPositionEmbedding(keras.layers.Layer):
             indices.append(self.trigram_lookup(trigram_keys(ids, self.vocab_size)))
         return indices
 
+    def naive_bayes_fold(self, ids):
+        """Each review's fold `(B,)` int32: its number of tokens modulo `naive_bayes_folds`."""
+        return ops.mod(
+            ops.sum(ops.cast(ops.not_equal(ids, 0), "int32"), axis=-1), self.naive_bayes_folds
+        )
+
     def adapt_naive_bayes(self, ids, labels, alpha=1.0, batch_size=1024):
-        """Sets the ratio tables from training token ids `(n, L)` and their 0/1 labels `(n,)`.
+        """Sets the ratio tables from training token ids `(n, L)` and their 0/1 labels `(n,)`:
+        for each fold, the ratios counted on the reviews of the other folds (of all, with one
+        fold).
 
         Call it after the pair and triple vocabularies are set: the ratios are per looked-up
         index."""
@@ -217,9 +240,15 @@ class TokenAndPositionEmbedding(keras.layers.Layer):
             batch = tf.constant(ids[start : start + batch_size])
             for column, indices in zip(columns, self._feature_indices(batch)):
                 column.append(np.asarray(indices))
+        labels = np.asarray(labels)
+        folds = np.asarray(self.naive_bayes_fold(ids))  # (n,)
         for (name, size), column in zip(self._naive_bayes_tables(), columns):
-            ratios = naive_bayes_ratios(np.concatenate(column), labels, size, alpha)
-            getattr(self, name).assign(ratios)
+            indices = np.concatenate(column)  # (n, L)
+            tables = []
+            for fold in range(self.naive_bayes_folds):
+                counted = folds != fold if self.naive_bayes_folds > 1 else slice(None)
+                tables.append(naive_bayes_ratios(indices[counted], labels[counted], size, alpha))
+            getattr(self, name).assign(np.stack(tables))  # (folds, size)
 
     def adapt_bigrams(self, ids, batch_size=1024):
         """Sets the pair vocabulary: the most frequent pairs in token ids `(n, L)`."""
@@ -268,7 +297,10 @@ class TokenAndPositionEmbedding(keras.layers.Layer):
         if self.naive_bayes:
             for name, size in self._naive_bayes_tables():
                 table = self.add_weight(
-                    shape=(size,), initializer="zeros", trainable=False, name=name
+                    shape=(self.naive_bayes_folds, size),
+                    initializer="zeros",
+                    trainable=False,
+                    name=name,
                 )
                 setattr(self, name, table)
             self.naive_bayes_projection.build((*ids_shape, len(self._naive_bayes_tables())))
@@ -285,10 +317,15 @@ class TokenAndPositionEmbedding(keras.layers.Layer):
         for embedding, ngrams in zip(ngram_embeddings, indices[1:]):
             x = x + embedding(ngrams)
         if self.naive_bayes:
+            fold = ops.cast(self.naive_bayes_fold(ids), "int64")[:, None]  # (B, 1)
             ratios = ops.stack(
                 [
-                    ops.take(getattr(self, name), index, axis=0)
-                    for (name, _), index in zip(self._naive_bayes_tables(), indices)
+                    # Row `fold` of the (folds, size) table, as one flat lookup.
+                    ops.take(
+                        ops.reshape(getattr(self, name), (-1,)),
+                        fold * size + ops.cast(index, "int64"),
+                    )  # (B, L)
+                    for (name, size), index in zip(self._naive_bayes_tables(), indices)
                 ],
                 axis=-1,
             )  # (B, L, tables)
@@ -310,6 +347,7 @@ class TokenAndPositionEmbedding(keras.layers.Layer):
             "bigram_vocab_size": self.bigram_vocab_size,
             "trigram_vocab_size": self.trigram_vocab_size,
             "naive_bayes": self.naive_bayes,
+            "naive_bayes_folds": self.naive_bayes_folds,
         }
 
 
@@ -426,6 +464,7 @@ def build_classifier(
     bigram_vocab_size=0,
     trigram_vocab_size=0,
     naive_bayes=False,
+    naive_bayes_folds=5,
 ):
     """Returns `(model, inspector)`, two functional models over the same weights.
 
@@ -444,6 +483,7 @@ def build_classifier(
         bigram_vocab_size,
         trigram_vocab_size,
         naive_bayes,
+        naive_bayes_folds,
         name="embedding",
     )
     embedding_dropout = keras.layers.Dropout(dropout, seed=seed, name="embedding_dropout")

@@ -65,6 +65,7 @@ class Config:
     # > 0: each position adds its word's (and pair's, triple's) naive-Bayes log-count ratio,
     # counted on the training labels with this additive smoothing; 0 = none
     naive_bayes_alpha: float = 0.0
+    naive_bayes_folds: int = 5  # cross-fitted: a review reads ratios counted on other folds
     # model
     embed_dim: int = 64  # E
     num_heads: int = 2  # N, in the blocks and in the pooling
@@ -98,7 +99,7 @@ class Config:
 # Flags that shape the data, the model or the step sequence; a resumed run must match them.
 _RUN_DEFINING = (
     "dataset", "validation_fraction", "vocab_size", "sequence_length", "bigram_vocab_size",
-    "trigram_vocab_size", "naive_bayes_alpha",
+    "trigram_vocab_size", "naive_bayes_alpha", "naive_bayes_folds",
     "embed_dim", "num_heads", "key_dim", "ff_dim", "num_layers", "dropout", "batch_size",
     "learning_rate", "weight_decay", "seed", "max_steps", "epochs", "strategy", "logical_cpus",
     "monitor",
@@ -128,7 +129,7 @@ def parse_args(argv=None):
 def _check_config(config):
     positive = (
         "vocab_size", "sequence_length", "embed_dim", "num_heads", "key_dim", "ff_dim",
-        "num_layers", "batch_size", "epochs", "patience", "save_every",
+        "num_layers", "batch_size", "epochs", "patience", "save_every", "naive_bayes_folds",
     )  # fmt: skip
     for name in positive:
         if getattr(config, name) <= 0:
@@ -574,6 +575,7 @@ def _build_model(config, run, vectorizer, train_ids, train_labels, steps_per_epo
             bigram_vocab_size=config.bigram_vocab_size,
             trigram_vocab_size=config.trigram_vocab_size,
             naive_bayes=config.naive_bayes_alpha > 0,
+            naive_bayes_folds=config.naive_bayes_folds,
         )
         # Cosine decay to zero over the planned steps: a function of the optimizer's own
         # step, so a resumed run follows the same schedule.

@@ -54,30 +54,39 @@ def _classifier(**kwargs):
     )
 
 
-def test_embedding_adds_the_projected_ratios_of_words_pairs_and_triples(tmp_path):
-    model, _ = _classifier(bigram_vocab_size=3, trigram_vocab_size=2, naive_bayes=True)
+@pytest.mark.parametrize("folds", [1, 2])
+def test_embedding_adds_the_projected_ratios_of_words_pairs_and_triples(folds, tmp_path):
+    model, _ = _classifier(
+        bigram_vocab_size=3, trigram_vocab_size=2, naive_bayes=True, naive_bayes_folds=folds
+    )
     embedding = model.get_layer("embedding")
     embedding.adapt_bigrams(IDS)
     embedding.adapt_trigrams(IDS)
     embedding.adapt_naive_bayes(IDS, LABELS, alpha=0.5)
 
+    # A review's fold is its number of tokens modulo the folds: lengths 4 3 4 5 3 5.
+    fold = np.array([4, 3, 4, 5, 3, 5]) % folds
+    np.testing.assert_array_equal(embedding.naive_bayes_fold(IDS), fold)
     pairs = embedding.bigram_lookup(model_lib.bigram_keys(IDS, 10)).numpy()  # (n, L)
     triples = embedding.trigram_lookup(model_lib.trigram_keys(IDS, 10)).numpy()
-    tables = {
-        "word_ratios": reference_ratios(IDS, LABELS, 10, 0.5),
-        "bigram_ratios": reference_ratios(pairs, LABELS, 5, 0.5),
-        "trigram_ratios": reference_ratios(triples, LABELS, 4, 0.5),
+    features = {
+        "word_ratios": (IDS, 10),
+        "bigram_ratios": (pairs, 5),
+        "trigram_ratios": (triples, 4),
     }
-    for name, expected in tables.items():
-        np.testing.assert_allclose(getattr(embedding, name).numpy(), expected, rtol=1e-5)
+    tables = {}
+    for name, (indices, size) in features.items():
+        # Fold k's table counts the reviews of the other folds (all of them, with one fold).
+        counted = [fold != k if folds > 1 else np.ones(len(IDS), bool) for k in range(folds)]
+        tables[name] = np.stack(
+            [reference_ratios(indices[c], LABELS[c], size, 0.5) for c in counted]
+        )  # (folds, size)
+        np.testing.assert_allclose(getattr(embedding, name).numpy(), tables[name], rtol=1e-5)
 
-    # The layer's output is the embeddings plus the projection of each position's ratios.
-    features = np.stack(
-        [
-            tables["word_ratios"][IDS],
-            tables["bigram_ratios"][pairs],
-            tables["trigram_ratios"][triples],
-        ],
+    # The layer's output is the embeddings plus the projection of each position's ratios,
+    # read from its review's fold's tables.
+    ratios = np.stack(
+        [tables[name][fold[:, None], indices] for name, (indices, _) in features.items()],
         axis=-1,
     )  # (n, L, 3)
     kernel = embedding.naive_bayes_projection.kernel.numpy()  # (3, E)
@@ -87,9 +96,11 @@ def test_embedding_adds_the_projected_ratios_of_words_pairs_and_triples(tmp_path
         + positions[None]
         + embedding.bigram_embedding.embeddings.numpy()[pairs]
         + embedding.trigram_embedding.embeddings.numpy()[triples]
-        + features @ kernel
+        + ratios @ kernel
     )
     np.testing.assert_allclose(embedding(IDS).numpy(), expected, rtol=1e-5, atol=1e-6)
+    # Padding changes no review's fold, so no review's result (the buckets cut it away).
+    np.testing.assert_allclose(embedding(IDS[:, :5]).numpy(), expected[:, :5], rtol=1e-5, atol=1e-6)
 
     # The tables are weights: they survive the Keras save and load.
     path = str(tmp_path / "model.keras")
@@ -101,7 +112,7 @@ def test_embedding_adds_the_projected_ratios_of_words_pairs_and_triples(tmp_path
         )
     np.testing.assert_allclose(loaded.predict(IDS, verbose=0), model.predict(IDS, verbose=0))
     # The ratios reach the prediction: zeroing them changes it.
-    embedding.word_ratios.assign(np.zeros(10, "float32"))
+    embedding.word_ratios.assign(np.zeros((folds, 10), "float32"))
     assert np.abs(model.predict(IDS, verbose=0) - loaded.predict(IDS, verbose=0)).max() > 1e-4
 
 
@@ -120,3 +131,5 @@ def test_adapt_naive_bayes_refuses_a_layer_without_it_and_a_bad_alpha():
     model, _ = _classifier(naive_bayes=True)
     with pytest.raises(ValueError, match="alpha=0"):
         model.get_layer("embedding").adapt_naive_bayes(IDS, LABELS, alpha=0)
+    with pytest.raises(ValueError, match="naive_bayes_folds=0"):
+        _classifier(naive_bayes=True, naive_bayes_folds=0)
