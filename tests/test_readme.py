@@ -47,6 +47,23 @@ def test_experiment_table_matches_its_metrics_files():
         assert test == _percent(metrics["test_accuracy"])
 
 
+def test_interrupted_screens_table_matches_their_history_files():
+    """The epoch-1 figures of the screens stopped early are the app's own history.csv."""
+    import csv
+
+    folder = ROOT / "saved_models/experiments/interrupted"
+    table = (folder / "README.md").read_text()
+    rows = re.findall(r"^\| `([^`]+)` \| [^|]+ \| ([\d.]+%) \| ([\d.]+%) \|$", table, flags=re.M)
+    assert len(rows) == len(list(folder.glob("*.history.csv"))) >= 1
+    for name, accuracy, validation in rows:
+        with open(folder / f"{name}.history.csv") as f:
+            first = next(csv.DictReader(f))
+        assert accuracy == _percent(float(first["accuracy"]))
+        assert validation == _percent(float(first["val_accuracy"]))
+        config = json.loads((folder / f"{name}.config.json").read_text())
+        assert config["naive_bayes_alpha"] > 0 and "naive_bayes_folds" not in config
+
+
 def test_seed_table_is_recomputed_from_its_metrics_files():
     """Every row of the sweep table: mean, sample std and min of the seeds' own metrics.json."""
     import statistics
