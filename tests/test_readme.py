@@ -109,6 +109,21 @@ def test_readme_quotes_the_best_configuration_from_its_seed_files():
     assert f"AOPC ({aopc} over the seeds)" in text
 
 
+def test_readme_quotes_the_naive_bayes_screen_from_its_seed_file():
+    name = "nbcv5_pairs200k_tri200k_vocab30k_drop04_wd05"
+    run = json.loads(
+        (ROOT / f"saved_models/experiments/seeds/{name}/seed0.metrics.json").read_text()
+    )
+    assert run["config"]["naive_bayes_alpha"] == 1 and run["config"]["naive_bayes_folds"] == 5
+    aopc = run["faithfulness"]["comprehensiveness_aopc"]["attention"]["mean"]
+    text = " ".join(README.read_text().split())
+    assert (
+        f"read {_percent(run['validation_accuracy'])} on validation but "
+        f"{_percent(run['test_accuracy'])} on test (seed 0, `{name}`), with an attention AOPC of "
+        f"{aopc:.3f}"
+    ) in text
+
+
 def test_math_section_quotes_the_committed_measurements():
     """The README's math section quotes the metrics.json that apps.math_verified wrote."""
     from apps import math_verified as math_app
