@@ -99,6 +99,21 @@ def load_test_split(dataset="imdb_reviews", data_dir=None):
     return batch[text_key], batch[label_key].astype("int64"), split
 
 
+def load_unlabeled(dataset="imdb_reviews", data_dir=None):
+    """The raw texts of the dataset's `unsupervised` split (IMDB's 50,000 unlabelled reviews),
+    for counts that need no label; a `ValueError` if the dataset has no such split."""
+    import tensorflow_datasets as tfds
+
+    builder, text_key, _ = _prepared_builder(dataset, data_dir)
+    if "unsupervised" not in builder.info.splits:
+        raise ValueError(
+            f"`--vocabulary_source train+unsupervised` needs a dataset with an `unsupervised` "
+            f"split. Received: dataset={dataset!r} with splits {sorted(builder.info.splits)}"
+        )
+    batch = tfds.as_numpy(builder.as_dataset(split="unsupervised", batch_size=-1))
+    return batch[text_key]
+
+
 def _prepared_builder(dataset, data_dir):
     """The TFDS builder of `dataset`, prepared in `data_dir` (or downloaded), and its
     (text, label) feature names; a `ValueError` a user can act on when that fails."""

@@ -62,6 +62,9 @@ class Config:
     sequence_length: int = 512  # tokens kept per review (TextVectorization output_sequence_length)
     bigram_vocab_size: int = 20000  # most frequent word pairs embedded; 0 = words only
     trigram_vocab_size: int = 0  # most frequent word triples embedded; 0 = none
+    # where the word, pair and triple vocabularies are counted: train, or train+unsupervised
+    # (TFDS's unlabelled split: IMDB's 50,000 reviews without a label; never the test split)
+    vocabulary_source: str = "train"
     # > 0: each position adds its word's (and pair's, triple's) naive-Bayes log-count ratio,
     # counted on the training labels with this additive smoothing; 0 = none
     naive_bayes_alpha: float = 0.0
@@ -99,13 +102,14 @@ class Config:
 # Flags that shape the data, the model or the step sequence; a resumed run must match them.
 _RUN_DEFINING = (
     "dataset", "validation_fraction", "vocab_size", "sequence_length", "bigram_vocab_size",
-    "trigram_vocab_size", "naive_bayes_alpha", "naive_bayes_folds",
+    "trigram_vocab_size", "naive_bayes_alpha", "naive_bayes_folds", "vocabulary_source",
     "embed_dim", "num_heads", "key_dim", "ff_dim", "num_layers", "dropout", "batch_size",
     "learning_rate", "weight_decay", "seed", "max_steps", "epochs", "strategy", "logical_cpus",
     "monitor",
 )  # fmt: skip
 
 STRATEGIES = ("default", "mirrored", "multi_worker")
+VOCABULARY_SOURCES = ("train", "train+unsupervised")
 MONITORS = {"val_loss": "min", "val_accuracy": "max"}  # the quantity and its better direction
 
 
@@ -171,6 +175,11 @@ def _check_config(config):
     if config.learning_rate <= 0:
         raise ValueError(
             f"`--learning_rate` must be positive. Received: learning_rate={config.learning_rate}"
+        )
+    if config.vocabulary_source not in VOCABULARY_SOURCES:
+        raise ValueError(
+            f"`--vocabulary_source` must be one of {', '.join(VOCABULARY_SOURCES)}. "
+            f"Received: vocabulary_source={config.vocabulary_source!r}"
         )
     if config.naive_bayes_alpha < 0:
         raise ValueError(
@@ -451,12 +460,12 @@ def train(config, argv=None):
 
     `argv`, the flags given, goes to `metrics.json` with the code's git commit."""
     run = _start_run(config)
-    splits, vectorizer, train_ids, validation_ids = _prepare_data(config, run)
+    splits, vectorizer, train_ids, validation_ids, counted_ids = _prepare_data(config, run)
     steps_per_epoch = max(1, len(train_ids) // run.global_batch)
     if config.max_steps is not None:
         steps_per_epoch = min(steps_per_epoch, config.max_steps)
     model, inspector = _build_model(
-        config, run, vectorizer, train_ids, splits.train_label, steps_per_epoch
+        config, run, vectorizer, train_ids, splits.train_label, counted_ids, steps_per_epoch
     )
     # Smoke runs (`--max_steps`) evaluate the first `max_steps` batches' worth of examples.
     limit = None if config.max_steps is None else config.max_steps * run.global_batch
@@ -528,8 +537,9 @@ def _start_run(config):
 
 
 def _prepare_data(config, run):
-    """The TFDS splits, the vectorizer (adapted on train, or the interrupted run's), and the
-    train and validation token ids."""
+    """The TFDS splits, the vectorizer (adapted on `--vocabulary_source`, or the interrupted
+    run's), the train and validation token ids, and the token ids the pair and triple
+    vocabularies are counted on (train's, with the unlabelled reviews' after them)."""
     keras.utils.set_random_seed(config.seed)
     data_dir = data.resolve_data_dir(config.data_dir)
     print(f"Loading {config.dataset} with tensorflow-datasets (data_dir={data_dir or 'default'})")
@@ -544,20 +554,33 @@ def _prepare_data(config, run):
         f"seed {config.seed}), test {len(splits.test_text)} "
         f"({splits.test_split} split, for the final report only)"
     )
+    counted_text = splits.train_text
+    if config.vocabulary_source == "train+unsupervised" and not run.resuming:
+        unlabeled = data.load_unlabeled(config.dataset, data_dir)
+        # IMDB's unlabelled split repeats some labelled reviews word for word (270 of the test
+        # split's, 27 of validation's): those stay out, so no held-out text is counted.
+        held_out = {*splits.validation_text, *splits.test_text}
+        unlabeled = np.array([text for text in unlabeled if text not in held_out], dtype=object)
+        print(f"Counting the vocabularies on train and {len(unlabeled)} unlabelled reviews")
+        counted_text = np.concatenate([splits.train_text, unlabeled])
     if run.resuming and os.path.exists(run.vocabulary):
         vectorizer = data.make_vectorizer(
             config.vocab_size, config.sequence_length, vocabulary=run.vocabulary
         )
     else:
         vectorizer = data.make_vectorizer(config.vocab_size, config.sequence_length)
-        vectorizer.adapt(tf.data.Dataset.from_tensor_slices(splits.train_text).batch(1024))
+        vectorizer.adapt(tf.data.Dataset.from_tensor_slices(counted_text).batch(1024))
         _write_vocabulary(vectorizer, run.vocabulary)
     train_ids = data.vectorize(vectorizer, splits.train_text)  # (n, L)
     validation_ids = data.vectorize(vectorizer, splits.validation_text)
-    return splits, vectorizer, train_ids, validation_ids
+    counted_ids = train_ids
+    if len(counted_text) > len(splits.train_text):
+        extra = data.vectorize(vectorizer, counted_text[len(splits.train_text) :])
+        counted_ids = np.concatenate([train_ids, extra])  # (n + unlabelled, L)
+    return splits, vectorizer, train_ids, validation_ids, counted_ids
 
 
-def _build_model(config, run, vectorizer, train_ids, train_labels, steps_per_epoch):
+def _build_model(config, run, vectorizer, train_ids, train_labels, counted_ids, steps_per_epoch):
     """The compiled classifier and its inspector, in the strategy's scope, with the word-pair
     and word-triple vocabularies and the naive-Bayes ratios set."""
     # Variables, the model, its attention layers and the optimizer all live in the scope.
@@ -597,7 +620,7 @@ def _build_model(config, run, vectorizer, train_ids, train_labels, steps_per_epo
             pairs = data.read_ngrams(vectorizer, run.bigrams)
             embedding.set_bigrams(pairs)
         else:
-            embedding.adapt_bigrams(train_ids)
+            embedding.adapt_bigrams(counted_ids)
             pairs = embedding.bigrams
             _write_ngrams(vectorizer, pairs, run.bigrams)
         print(f"{len(pairs)} word pairs have their own embedding")
@@ -606,7 +629,7 @@ def _build_model(config, run, vectorizer, train_ids, train_labels, steps_per_epo
         if run.resuming and os.path.exists(run.trigrams):
             embedding.set_trigrams(data.read_ngrams(vectorizer, run.trigrams))
         else:
-            embedding.adapt_trigrams(train_ids)
+            embedding.adapt_trigrams(counted_ids)
             _write_ngrams(vectorizer, embedding.trigrams, run.trigrams)
         print(f"{len(embedding.trigrams)} word triples have their own embedding")
     if config.naive_bayes_alpha:

@@ -729,3 +729,39 @@ def test_adam_sums_repeated_rows_of_a_sparse_gradient():
         alpha = lr * np.sqrt(1 - beta_2**step) / (1 - beta_1**step)
         weights = weights - alpha * m / (np.sqrt(v) + epsilon)
         np.testing.assert_allclose(embedding.embeddings.numpy(), weights, atol=1e-5)
+
+
+def test_vocabularies_counted_on_train_and_the_unlabelled_reviews(tmp_path, capsys):
+    """`--vocabulary_source train+unsupervised` counts the words on train and TFDS's 50,000
+    unlabelled reviews, and hands the pair and triple counts both: train's ids, then theirs."""
+    config = train_sentiment.parse_args(
+        ["--vocab_size", "2000", "--sequence_length", "32", "--output", str(tmp_path / "a"),
+         "--vocabulary_source", "train+unsupervised"]
+    )  # fmt: skip
+    run = train_sentiment.Run(None, {}, 32, config.output, str(tmp_path / "a" / "c"), False)
+    os.makedirs(config.output)
+    splits, vectorizer, train_ids, _, counted_ids = train_sentiment._prepare_data(config, run)
+    unlabeled = data.load_unlabeled("imdb_reviews")
+    assert len(unlabeled) == 50000
+    # Less the unlabelled reviews that repeat a validation or test review word for word.
+    test_texts = set(data.load_test_split("imdb_reviews")[0])
+    held_out = test_texts | set(splits.validation_text)
+    unlabeled = np.array([text for text in unlabeled if text not in held_out], dtype=object)
+    assert len(unlabeled) < 50000 - 270 and len(counted_ids) == len(train_ids) + len(unlabeled)
+    np.testing.assert_array_equal(counted_ids[: len(train_ids)], train_ids)
+    np.testing.assert_array_equal(counted_ids[-64:], data.vectorize(vectorizer, unlabeled[-64:]))
+    # The vocabulary is the most frequent words of train and the unlabelled reviews together.
+    words = collections.Counter()
+    texts = np.concatenate([splits.train_text, unlabeled])
+    for start in range(0, len(texts), 4096):
+        for text in data.standardize(tf.constant(texts[start : start + 4096])).numpy():
+            words.update(text.decode().split())
+    expected = [word for word, _ in words.most_common(2000 - 2)]
+    assert vectorizer.get_vocabulary()[2:200] == expected[:198]
+    assert f"{len(unlabeled)} unlabelled reviews" in capsys.readouterr().out
+
+
+def test_vocabulary_source_is_checked(capsys):
+    with pytest.raises(SystemExit):
+        train_sentiment.parse_args(["--vocabulary_source", "test"])
+    assert "vocabulary_source='test'" in capsys.readouterr().err
