@@ -65,28 +65,34 @@ GROUPS_SLOWEST_FIRST = (
 )  # fmt: skip
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the group marks
-def pytest_collection_modifyitems(config, items):
+def pytest_itemcollected(item):
     """Under `--dist loadgroup`, a test shares a worker with its module's expensive fixtures
-    only if it uses one of them, and the groups run slowest first.
+    only if it uses one of them.
 
     A test that uses a module-scoped fixture defined in its own module (a trained run, a
     built export, a browser) gets `xdist_group(<module>)`, so that fixture is built once, on
     one worker. Every other test is distributed on its own, so that one worker does not also
     carry the module's quick tests behind its slow fixtures. A test that reaches such a
-    fixture only through `request.getfixturevalue` carries the group mark itself."""
-    for item in items:
-        if item.get_closest_marker("xdist_group") or not hasattr(item, "_fixtureinfo"):
+    fixture only through `request.getfixturevalue` carries the group mark itself.
+
+    The mark is set as each test is collected, before any `pytest_collection_modifyitems`:
+    xdist reads the marks in its own. (Under pytest 9.2 xdist 3.8 groups nothing at all,
+    pytest-dev/pytest-xdist#1386, so the `dev` extra keeps pytest below 9.2.)"""
+    if item.get_closest_marker("xdist_group") or not hasattr(item, "_fixtureinfo"):
+        return
+    module = item.module.__name__
+    for name in item.fixturenames:
+        definitions = item._fixtureinfo.name2fixturedefs.get(name)
+        if not definitions:
             continue
-        module = item.module.__name__
-        for name in item.fixturenames:
-            definitions = item._fixtureinfo.name2fixturedefs.get(name)
-            if not definitions:
-                continue
-            definition = definitions[-1]
-            if definition.scope == "module" and definition.func.__module__ == module:
-                item.add_marker(pytest.mark.xdist_group(module.rsplit(".", 1)[-1]))
-                break
+        definition = definitions[-1]
+        if definition.scope == "module" and definition.func.__module__ == module:
+            item.add_marker(pytest.mark.xdist_group(module.rsplit(".", 1)[-1]))
+            return
+
+
+def pytest_collection_modifyitems(config, items):
+    """The groups run slowest first (`GROUPS_SLOWEST_FIRST`), then the single tests."""
 
     def rank(item):
         mark = item.get_closest_marker("xdist_group")
