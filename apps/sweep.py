@@ -49,7 +49,6 @@ def parse_args(argv=None):
 
 def run_seeds(name, seeds, flags, runs, folder):
     """Runs every seed not yet recorded; returns the exit code of the first that failed, or 0."""
-    os.makedirs(os.path.join(folder, name), exist_ok=True)
     for seed in seeds:
         kept = os.path.join(folder, name, f"seed{seed}.metrics.json")
         if os.path.exists(kept):
@@ -64,6 +63,9 @@ def run_seeds(name, seeds, flags, runs, folder):
         if code != 0:
             print(f"{name} seed {seed}: the run exited {code}", file=sys.stderr)
             return code
+        # Made only now: a configuration whose first seed failed leaves no empty folder behind,
+        # which the table would list with no seeds.
+        os.makedirs(os.path.join(folder, name), exist_ok=True)
         shutil.copyfile(os.path.join(output, "metrics.json"), kept)
         print(f"{name} seed {seed}: kept {kept}")
     return 0

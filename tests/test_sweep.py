@@ -62,6 +62,15 @@ def test_a_recorded_seed_is_not_run_again(tmp_path, monkeypatch):
     assert (folder / "cfg" / "seed1.metrics.json").exists()
 
 
+def test_a_first_seed_that_fails_leaves_no_configuration_folder(tmp_path, monkeypatch):
+    folder, runs = tmp_path / "seeds", tmp_path / "runs"
+    folder.mkdir()
+    monkeypatch.setattr(sweep.subprocess, "call", lambda command, cwd: 130)  # Ctrl-C
+    code = sweep.main(["cfg", "--seeds", "0", "--runs", str(runs), "--folder", str(folder)])
+    assert code == 130
+    assert not (folder / "cfg").exists()
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
