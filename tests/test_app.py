@@ -463,8 +463,21 @@ def test_predict_cli_text_arguments_and_errors(run):
         (["--vocab_size", "2"], "vocab_size=2"),
         (["--inspect_examples", "-1"], "inspect_examples=-1"),
         (["--bigram_vocab_size", "-5"], "bigram_vocab_size=-5"),
+        (["--naive_bayes_alpha", "-1"], "naive_bayes_alpha=-1.0"),
+        (["--naive_bayes_folds", "0"], "naive_bayes_folds=0"),
     ],
-    ids=["heads", "dropout", "lr", "batch", "max_steps", "vocab", "inspect", "bigrams"],
+    ids=[
+        "heads",
+        "dropout",
+        "lr",
+        "batch",
+        "max_steps",
+        "vocab",
+        "inspect",
+        "bigrams",
+        "nb_alpha",
+        "nb_folds",
+    ],
 )
 def test_train_rejects_bad_flags_with_argparse_errors(flags, match, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
