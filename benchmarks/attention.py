@@ -17,6 +17,13 @@ Usage:
     python benchmarks/attention.py                       # B=4 E=256 N=4 H=64, T=S in 128..4096
     python benchmarks/attention.py --lengths 512 2048 --rounds 5
     python benchmarks/attention.py --output BENCHMARKS.md
+    python benchmarks/attention.py --policy mixed_bfloat16 --lengths 512 2048
+    python benchmarks/attention.py --jit_compile --lengths 512   # the whole step under XLA
+
+`--policy` sets Keras's dtype policy before the layers are built (the core pair gets
+inputs in the policy's compute dtype); `--jit_compile` compiles each whole step, peer
+included, with `tf.function(jit_compile=True)`, as `model.compile(jit_compile=True)` does.
+The header names the CPU and whether it has AMX or AVX-512 BF16 units.
 """
 
 import argparse
@@ -33,7 +40,7 @@ IMPLS = ["sdpa_layer", "keras_mha", "sdpa_core", "keras_ops"]
 PEERS = {"sdpa_layer": "keras_mha", "sdpa_core": "keras_ops"}
 
 
-def make_step(impl, length, which):
+def make_step(impl, length, which, policy="float32", jit_compile=False):
     """A compiled call of one implementation and pass (`fwd` or `fwd_bwd`) on fixed inputs."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     os.environ.setdefault("KERAS_BACKEND", "tensorflow")
@@ -42,8 +49,12 @@ def make_step(impl, length, which):
 
     import keras_sdpa
 
+    keras.config.set_dtype_policy(policy)
+    compute = keras.config.dtype_policy().compute_dtype
     x = tf.random.normal((B, length, E), seed=1)
-    q, k, v = (tf.random.normal((B, length, N, H), seed=seed) for seed in (2, 3, 4))
+    q, k, v = (
+        tf.cast(tf.random.normal((B, length, N, H), seed=seed), compute) for seed in (2, 3, 4)
+    )
     if impl in ("sdpa_layer", "keras_mha"):
         cls = (
             keras_sdpa.ScaledDotProductAttention
@@ -69,15 +80,15 @@ def make_step(impl, length, which):
         def forward(q, k, v):
             return attend(q, k, v)
 
-    @tf.function
+    @tf.function(jit_compile=jit_compile)
     def run_forward():
         return forward(*inputs)
 
-    @tf.function
+    @tf.function(jit_compile=jit_compile)
     def run_backward():
         with tf.GradientTape() as tape:
             tape.watch(inputs)
-            loss = tf.reduce_sum(forward(*inputs))
+            loss = tf.reduce_sum(tf.cast(forward(*inputs), "float32"))
         return tape.gradient(loss, inputs + variables)
 
     fn = run_forward if which == "fwd" else run_backward
@@ -118,9 +129,9 @@ def alternate(ours, peer, rounds, repeats):
     }
 
 
-def peak_memory(impl, length, which):
+def peak_memory(impl, length, which, policy, jit_compile):
     """Runs in a child process: the peak resident memory of one call, compilation included."""
-    step = make_step(impl, length, which)
+    step = make_step(impl, length, which, policy, jit_compile)
     base = _rss_mib()  # inputs and weights are in; nothing traced or run yet
     sampler = _PeakSampler()
     step()
@@ -169,8 +180,32 @@ def matmul_gflops():
     return 2 * 2048**3 / statistics.median(times) / 1e9
 
 
-def run_child(impl, length, which):
-    cmd = [sys.executable, __file__, "--child", impl, str(length), which]
+def cpu_name():
+    """The CPU's model name and its bfloat16 matrix units, from /proc/cpuinfo (Linux)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = f.read()
+    except OSError:
+        return "unknown CPU"
+    model = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in info.splitlines()
+            if line.startswith("model name")
+        ),
+        "unknown CPU",
+    )
+    flags = set(next((line for line in info.splitlines() if line.startswith("flags")), "").split())
+    units = [name for flag, name in (("amx_bf16", "AMX-BF16"), ("avx512_bf16", "AVX-512 BF16"))
+             if flag in flags]  # fmt: skip
+    return f"{model}, {os.cpu_count()} logical CPUs, " + (
+        " and ".join(units) if units else "no AMX or AVX-512 BF16"
+    )
+
+
+def run_child(impl, length, which, policy, jit_compile):
+    cmd = [sys.executable, __file__, "--child", impl, str(length), which, "--policy", policy]
+    cmd += ["--jit_compile"] if jit_compile else []
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         tail = (proc.stderr.strip().splitlines() or ["killed"])[-1]
@@ -212,12 +247,19 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=5, help="alternating rounds")
     parser.add_argument("--repeats", type=int, default=3, help="calls per round")
     parser.add_argument("--output", help="also write the table to this Markdown file")
+    parser.add_argument(
+        "--policy", default="float32", help="Keras dtype policy, e.g. mixed_bfloat16"
+    )
+    parser.add_argument(
+        "--jit_compile", action="store_true", help="compile each whole step with XLA"
+    )
     parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         impl, length, which = args.child
-        print(json.dumps(peak_memory(impl, int(length), which)))
+        print(json.dumps(peak_memory(impl, int(length), which, args.policy, args.jit_compile)))
         return
+    print(cpu_name())
 
     peak = matmul_gflops()
     print(f"float32 matmul rate of this machine (2048^3, TensorFlow): {peak:.1f} GFLOP/s")
@@ -226,7 +268,9 @@ def main(argv=None):
         for which in ("fwd", "fwd_bwd"):
             for impl in IMPLS:
                 print(f"peak memory T=S={length:5d} {which:7s} {impl:11s} ...", end=" ", flush=True)
-                memory[(impl, length, which)] = run_child(impl, length, which)
+                memory[(impl, length, which)] = run_child(
+                    impl, length, which, args.policy, args.jit_compile
+                )
                 print(memory[(impl, length, which)], flush=True)
     times = {}
     for length in args.lengths:
@@ -235,8 +279,8 @@ def main(argv=None):
                 print(f"time T=S={length:5d} {which:7s} {ours} vs {peer} ...", end=" ", flush=True)
                 try:
                     result = alternate(
-                        make_step(ours, length, which),
-                        make_step(peer, length, which),
+                        make_step(ours, length, which, args.policy, args.jit_compile),
+                        make_step(peer, length, which, args.policy, args.jit_compile),
                         args.rounds,
                         args.repeats,
                     )
@@ -245,7 +289,9 @@ def main(argv=None):
                 times[(ours, length, which)] = result
                 print(result, flush=True)
     text = table(times, memory, args.lengths, peak)
+    step = "the whole step under `jit_compile=True`" if args.jit_compile else "`tf.function`"
     header = (
+        f"{cpu_name()}. Policy `{args.policy}`, {step}. "
         f"B={B}, E={E}, N={N}, H={H}. Times: {args.rounds} alternating rounds of ours and the "
         f"peer in one process after one warm-up call each, {args.repeats} calls a round "
         f"(median); ratio = ours / peer (below 1 is faster), the median of the per-round "
@@ -257,8 +303,24 @@ def main(argv=None):
     print()
     print(header)
     print(text)
-    if args.output:
-        command = "python benchmarks/attention.py " + " ".join(argv if argv else sys.argv[1:])
+    command = "python benchmarks/attention.py " + " ".join(argv if argv else sys.argv[1:])
+    if args.output and (args.policy != "float32" or args.jit_compile):
+        # Each policy and compilation has its own section; the float32 table stays on top.
+        from features import replace_section
+
+        name = args.policy + ("-jit" if args.jit_compile else "")
+        title = f"## Attention under `{args.policy}`" + (
+            ", whole step under XLA" if args.jit_compile else ""
+        )
+        section = f"{title}\n\nProduced by:\n\n    {command.strip()}\n\n{header}\n{text}\n"
+        replace_section(
+            args.output,
+            f"<!-- attention-{name}:start -->",
+            f"<!-- attention-{name}:end -->",
+            section,
+        )
+        print(f"\nwrote {os.path.abspath(args.output)}")
+    elif args.output:
         notes = ""  # later sections (long sequences, notes) survive a rewrite of the table
         if os.path.exists(args.output):
             with open(args.output) as f:

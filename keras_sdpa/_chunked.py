@@ -25,6 +25,8 @@ def attend(
     cap,
     dropout_rate,
     chunk_size,
+    operand=None,
+    logit_scale=None,
 ):
     """softmax(logits) v in blocks of `C = chunk_size` queries and keys.
 
@@ -44,9 +46,14 @@ def attend(
     Dropout draws each block's keep-mask from a stateless Philox stream keyed by
     the seed and the block's indices, and the gradient draws the same mask again.
 
+    `operand` and `logit_scale` are as in `keras_sdpa._dense.attend`: with bfloat16 or
+    float16 inputs the block products multiply in that precision and accumulate in float32,
+    and the running maximum, sums, output and gradients are carried in float32.
+
     Returns the output `(B, K, G, T, Hv)`.
     """
     groups = q.shape[2]
+    compute = q.dtype if operand is None else tf.float32
     c = chunk_size
     t, s = tf.shape(q)[3], tf.shape(k)[2]
     num_q = (t + c - 1) // c
@@ -79,15 +86,19 @@ def attend(
     def query_range(j):
         return query_block_range(j, num_q, c, is_causal, window)
 
+    def matmul(a, b, transpose_b=False):
+        return M.matmul(a, b, operand, transpose_b)
+
     def forward(q_blocks, k_blocks, v_blocks, bias_grid):
         def block_logits(i, j, q_i):
             bias_ij = None if bias_grid is None else _block(bias_grid, bias_pattern, i, j)
-            raw = tf.matmul(M.to_rows(q_i), tf.gather(k_blocks, j), transpose_b=True)
-            return M.logits(M.from_rows(raw, groups), bias_ij, cap)  # (B, K, G, C, C)
+            raw = matmul(M.to_rows(q_i), tf.gather(k_blocks, j), transpose_b=True)
+            raw = M.scaled(M.from_rows(raw, groups), logit_scale)
+            return M.logits(raw, bias_ij, cap)  # (B, K, G, C, C)
 
         def query_block(i, outs, lses):
             q_i = tf.gather(q_blocks, i)  # (B, K, G, C, H)
-            row = tf.zeros_like(q_i[..., :1])  # (B, K, G, C, 1)
+            row = tf.zeros_like(q_i[..., :1], dtype=compute)  # (B, K, G, C, 1)
 
             def key_block(j, m, total, acc):
                 scores = block_logits(i, j, q_i)  # (B, K, G, C, C)
@@ -99,7 +110,7 @@ def attend(
                 total_new = total * correction + tf.reduce_sum(p, axis=-1, keepdims=True)
                 if scale_keep is not None:
                     p = tf.where(keep_block(i, j, tf.shape(p)), p * scale_keep, 0.0)
-                update = M.from_rows(tf.matmul(M.to_rows(p), tf.gather(v_blocks, j)), groups)
+                update = M.from_rows(matmul(M.to_rows(p), tf.gather(v_blocks, j)), groups)
                 acc_new = acc * correction + update  # (B, K, G, C, Hv)
                 # Broadcasting with a mask block can hide a size known before (K = 1): the
                 # loop's carried shapes must stay as they entered.
@@ -109,7 +120,7 @@ def attend(
 
             lo, hi = key_range(i)
             v_shape = tf.shape(v_blocks)
-            acc = tf.zeros(tf.concat([tf.shape(q_i)[:4], v_shape[-1:]], 0), q_i.dtype)
+            acc = tf.zeros(tf.concat([tf.shape(q_i)[:4], v_shape[-1:]], 0), compute)
             _, m, total, acc = tf.while_loop(
                 lambda j, *_: j < hi,
                 key_block,
@@ -126,8 +137,8 @@ def attend(
             query_block,
             (
                 tf.constant(0),
-                tf.TensorArray(q_blocks.dtype, size=num_q, element_shape=None),
-                tf.TensorArray(q_blocks.dtype, size=num_q, element_shape=None),
+                tf.TensorArray(compute, size=num_q, element_shape=None),
+                tf.TensorArray(compute, size=num_q, element_shape=None),
             ),
         )
         out_blocks, lse_blocks = outs.stack(), lses.stack()  # (nq, B, K, G, C, Hv), (…, C, 1)
@@ -144,7 +155,7 @@ def attend(
                     scores = block_logits(i, j, q_i)
                     p = tf.where(allowed(i, j), tf.exp(scores - lse_i), 0.0)  # (B, K, G, C, C)
                     d_p = M.from_rows(
-                        tf.matmul(M.to_rows(d_out_i), tf.gather(v_blocks, j), transpose_b=True),
+                        matmul(M.to_rows(d_out_i), tf.gather(v_blocks, j), transpose_b=True),
                         groups,
                     )
                     if scale_keep is not None:
@@ -153,7 +164,7 @@ def attend(
                     if cap is not None:
                         d_scores = d_scores * M.cap_derivative(scores, cap)
                     d_q_new = d_q + M.from_rows(
-                        tf.matmul(M.to_rows(d_scores), tf.gather(k_blocks, j)), groups
+                        matmul(M.to_rows(d_scores), tf.gather(k_blocks, j)), groups
                     )
                     d_q_new.set_shape(d_q.shape)  # as it entered the loop (see the forward)
                     if bias_grid is not None:
@@ -162,9 +173,11 @@ def attend(
 
                 lo, hi = key_range(i)
                 _, d_q, d_bias = tf.while_loop(
-                    lambda j, *_: j < hi, key_block, (lo, tf.zeros_like(q_i), d_bias)
+                    lambda j, *_: j < hi,
+                    key_block,
+                    (lo, tf.zeros_like(q_i, dtype=compute), d_bias),
                 )
-                return i + 1, d_qs.write(i, d_q), d_bias
+                return i + 1, d_qs.write(i, M.scaled(d_q, logit_scale)), d_bias
 
             def d_key_block(j, d_ks, d_vs):  # dk_j = sum_i dS_ij^T q_i, dv_j = sum_i P_ij^T dO_i
                 k_j, v_j = tf.gather(k_blocks, j), tf.gather(v_blocks, j)
@@ -175,7 +188,8 @@ def attend(
                     q_i, d_out_i = tf.gather(q_blocks, i), tf.gather(d_out_blocks, i)
                     rows_q, rows_d_out = M.to_rows(q_i), M.to_rows(d_out_i)
                     lse_t = M.keys_first(tf.gather(lse_blocks, i))  # (B, K, 1, G, C)
-                    raw_t = tf.matmul(k_j, rows_q, transpose_b=True)  # (B, K, C_k, G * C_q)
+                    raw_t = matmul(k_j, rows_q, transpose_b=True)  # (B, K, C_k, G * C_q)
+                    raw_t = M.scaled(raw_t, logit_scale)
                     shape_t = tf.concat([tf.shape(raw_t)[:3], [groups, c]], 0)
                     bias_t = None
                     if bias_grid is not None:
@@ -189,15 +203,15 @@ def attend(
                         shape = tf.concat([shape_t[:2], [groups, c, c]], 0)
                         keep_t = M.keys_first(keep_block(i, j, shape))
                         applied_t = tf.where(keep_t, p_t * scale_keep, 0.0)
-                    d_v_new = d_v + tf.matmul(tf.reshape(applied_t, tf.shape(raw_t)), rows_d_out)
-                    d_p_t = tf.reshape(tf.matmul(v_j, rows_d_out, transpose_b=True), shape_t)
+                    d_v_new = d_v + matmul(tf.reshape(applied_t, tf.shape(raw_t)), rows_d_out)
+                    d_p_t = tf.reshape(matmul(v_j, rows_d_out, transpose_b=True), shape_t)
                     if keep_t is not None:
                         d_p_t = tf.where(keep_t, d_p_t * scale_keep, 0.0)
                     row_dot_t = M.keys_first(tf.gather(row_dot, i))
                     d_scores_t = p_t * (d_p_t - row_dot_t)
                     if cap is not None:
                         d_scores_t = d_scores_t * M.cap_derivative(scores_t, cap)
-                    d_k_new = d_k + tf.matmul(tf.reshape(d_scores_t, tf.shape(raw_t)), rows_q)
+                    d_k_new = d_k + matmul(tf.reshape(d_scores_t, tf.shape(raw_t)), rows_q)
                     d_k_new.set_shape(d_k.shape)  # as they entered the loop (see the forward)
                     d_v_new.set_shape(d_v.shape)
                     return i + 1, d_k_new, d_v_new
@@ -206,11 +220,11 @@ def attend(
                 _, d_k, d_v = tf.while_loop(
                     lambda i, *_: i < hi,
                     query_block,
-                    (lo, tf.zeros_like(k_j), tf.zeros_like(v_j)),
+                    (lo, tf.zeros_like(k_j, dtype=compute), tf.zeros_like(v_j, dtype=compute)),
                 )
-                return j + 1, d_ks.write(j, d_k), d_vs.write(j, d_v)
+                return j + 1, d_ks.write(j, M.scaled(d_k, logit_scale)), d_vs.write(j, d_v)
 
-            array = lambda size: tf.TensorArray(q_blocks.dtype, size=size)  # noqa: E731
+            array = lambda size: tf.TensorArray(compute, size=size)  # noqa: E731
             # Block counts from the shapes this function sees, not the forward's tensors:
             # under an outer XLA program a TensorArray's size must be a compile-time constant.
             num_q, num_k = tf.shape(d_out_blocks)[0], tf.shape(k_blocks)[0]
@@ -222,7 +236,11 @@ def attend(
             _, d_ks, d_vs = tf.while_loop(
                 lambda j, *_: j < num_k, d_key_block, (tf.constant(0), array(num_k), array(num_k))
             )
-            grads = [d_qs.stack(), d_ks.stack(), d_vs.stack()]
+            grads = [
+                tf.cast(d_qs.stack(), q_blocks.dtype),
+                tf.cast(d_ks.stack(), k_blocks.dtype),
+                tf.cast(d_vs.stack(), v_blocks.dtype),
+            ]
             if bias_grid is not None:
                 grads.append(d_bias)
             return grads

@@ -48,6 +48,8 @@ def attend(
     window,
     cap,
     return_weights,
+    operand=None,
+    logit_scale=None,
 ):
     """softmax(logits) v on grouped tensors, with a hand-written gradient.
 
@@ -63,10 +65,20 @@ def attend(
       (`P^T dO`, `dS^T Q`), so the gradient recomputes `P^T` from `K Q^T` and
       the saved log-sum-exp, in the layout those two products want.
 
+    With `operand` (bfloat16 or float16 inputs) every product multiplies in that precision
+    and accumulates in float32 (`M.matmul`), `q` arrives unscaled and `logit_scale`
+    multiplies the float32 products `q k^T` instead; the softmax and everything around it
+    stay float32, and the gradients are returned in the inputs' dtypes.
+
     Returns the output `(B, K, G, T, Hv)` and the weights `(B, K, G, T, S)` or None.
     """
     groups = q.shape[2]
+    compute = q.dtype if operand is None else tf.float32
     t, s = tf.shape(q)[3], tf.shape(k)[2]
+
+    def matmul(a, b, transpose_b=False):
+        return M.matmul(a, b, operand, transpose_b)
+
     constraint = M.band(tf.range(t), tf.range(s), is_causal, window)  # (T, S) or None
     if constraint is not None:
         constraint = constraint[None, None, None]  # (1, 1, 1, T, S)
@@ -76,7 +88,7 @@ def attend(
     # T=S=192, H=32: 69 against 51 ms).
     penalty, any_allowed = None, None
     if allowed is not None:
-        penalty = tf.where(allowed, tf.constant(0.0, q.dtype), M.MASK_PENALTY)
+        penalty = tf.where(allowed, tf.constant(0.0, compute), M.MASK_PENALTY)
         any_allowed = tf.reduce_any(allowed, axis=-1, keepdims=True)  # (…, T|1, 1)
     penalty_t = M.keys_first(penalty)  # (…, S, G, T)
     keep_t = M.keys_first(keep)
@@ -84,18 +96,19 @@ def attend(
     scale_keep = None if keep is None else 1.0 / (1.0 - dropout_rate)
 
     def forward(q, k, v, bias):
-        raw = M.from_rows(tf.matmul(M.to_rows(q), k, transpose_b=True), groups)  # (B, K, G, T, S)
+        raw = M.from_rows(matmul(M.to_rows(q), k, transpose_b=True), groups)  # (B, K, G, T, S)
+        raw = M.scaled(raw, logit_scale)
         scores = M.logits(raw, bias, cap)
         exp, inv_total, lse = softmax_parts(scores, penalty, any_allowed)
         applied = exp if keep is None else tf.where(keep, exp * scale_keep, 0.0)
-        out = M.from_rows(tf.matmul(M.to_rows(applied), v), groups) * inv_total  # (B, K, G, T, Hv)
+        out = M.from_rows(matmul(M.to_rows(applied), v), groups) * inv_total  # (B, K, G, T, Hv)
         weights = exp * inv_total if return_weights else None  # (B, K, G, T, S)
 
         def grad(d_out, d_weights=None):
             # rowsum(P * dP) == rowsum(dO * O), a (T, Hv) product, not a (T, S) one.
             row_dot = tf.reduce_sum(d_out * out, axis=-1, keepdims=True)  # (B, K, G, T, 1)
             rows_d_out = M.to_rows(d_out)  # (B, K, G * T, Hv)
-            d_probs = M.from_rows(tf.matmul(rows_d_out, v, transpose_b=True), groups)
+            d_probs = M.from_rows(matmul(rows_d_out, v, transpose_b=True), groups)
             if keep is not None:
                 d_probs = tf.where(keep, d_probs * scale_keep, 0.0)
             probs = exp * inv_total  # (B, K, G, T, S)
@@ -105,18 +118,19 @@ def attend(
             d_scores = probs * (d_probs - row_dot)  # (B, K, G, T, S)
             if cap is not None:
                 d_scores = d_scores * M.cap_derivative(scores, cap)
-            d_q = M.from_rows(tf.matmul(M.to_rows(d_scores), k), groups)  # (B, K, G, T, H)
+            d_q = M.from_rows(matmul(M.to_rows(d_scores), k), groups)  # (B, K, G, T, H)
+            d_q = M.scaled(d_q, logit_scale)
 
             # The same in the (S, G, T) layout, for d_k and d_v.
-            raw_t = tf.matmul(k, M.to_rows(q), transpose_b=True)  # (B, K, S, G * T)
+            raw_t = M.scaled(matmul(k, M.to_rows(q), transpose_b=True), logit_scale)
             raw_t = tf.reshape(raw_t, tf.stack([tf.shape(k)[0], tf.shape(k)[1], s, groups, t]))
             scores_t = M.logits(raw_t, bias_t, cap)  # (B, K, S, G, T)
             masked_t = scores_t if penalty_t is None else scores_t + penalty_t
             probs_t = tf.exp(masked_t - M.keys_first(lse))
             applied_t = probs_t if keep_t is None else tf.where(keep_t, probs_t * scale_keep, 0.0)
-            d_v = tf.matmul(_keys_rows(applied_t), rows_d_out)  # (B, K, S, Hv)
+            d_v = matmul(_keys_rows(applied_t), rows_d_out)  # (B, K, S, Hv)
             d_probs_t = tf.reshape(
-                tf.matmul(v, rows_d_out, transpose_b=True), tf.shape(probs_t)
+                matmul(v, rows_d_out, transpose_b=True), tf.shape(probs_t)
             )  # (B, K, S, G, T)
             if keep_t is not None:
                 d_probs_t = tf.where(keep_t, d_probs_t * scale_keep, 0.0)
@@ -125,8 +139,8 @@ def attend(
             d_scores_t = probs_t * (d_probs_t - M.keys_first(row_dot))
             if cap is not None:
                 d_scores_t = d_scores_t * M.cap_derivative(scores_t, cap)
-            d_k = tf.matmul(_keys_rows(d_scores_t), M.to_rows(q))  # (B, K, S, H)
-            grads = [d_q, d_k, d_v]
+            d_k = M.scaled(matmul(_keys_rows(d_scores_t), M.to_rows(q)), logit_scale)
+            grads = [tf.cast(d_q, q.dtype), tf.cast(d_k, k.dtype), tf.cast(d_v, v.dtype)]
             if bias is not None:
                 grads.append(M.sum_to_bias(d_scores, tf.shape(bias), bias_pattern))
             return grads

@@ -18,9 +18,23 @@ The logits of a row are, in this order:
     1. s = scale * q k^T + bias
     2. s = cap * tanh(s / cap)                    (the soft cap of Gemma 2)
     3. masked: boolean mask, causal, window       (a masked key gets weight 0)
+
+The products (`q k^T`, `p v` and the gradient's) go through `matmul`: for float32 and
+float64 inputs it is `tf.matmul`; for bfloat16 and float16 inputs it multiplies in that
+precision and accumulates in float32, and everything between the products (the scale, the
+bias, the cap, the masks, the softmax) stays float32.
 """
 
 import tensorflow as tf
+from tensorflow.compiler.tf2xla.python import xla
+
+try:
+    from tensorflow.compiler.xla import xla_data_pb2
+except ImportError:  # TensorFlow releases that ship XLA as `local_xla`
+    from local_xla.xla import xla_data_pb2
+
+# Inputs in these dtypes are multiplied in their own precision, with float32 accumulation.
+HALF_DTYPES = (tf.bfloat16, tf.float16)
 
 # Stands in for -inf on masked logits: finite, so `logits - max` never makes a NaN.
 MASKED_SCORE = -3.0e38
@@ -97,6 +111,33 @@ def cap_derivative(capped, cap):
     """d(cap * tanh(x / cap)) / dx = 1 - tanh^2, from the capped logits themselves."""
     ratio = capped / cap
     return 1.0 - ratio * ratio
+
+
+def matmul(a, b, operand=None, transpose_b=False):
+    """`a @ b`, or `a @ b^T` with `transpose_b`, over the leading (batch) axes.
+
+    With `operand=None` this is `tf.matmul`. With `operand` bfloat16 or float16, both sides
+    are rounded to it and XLA's dot returns float32 (`preferred_element_type`): the products
+    take half-precision operands and accumulate in float32, as FlashAttention, cuDNN and
+    torch's SDPA multiply, and an accelerator's bfloat16/float16 units do the work. The
+    float32 operands of a product (the softmax weights, the output's gradient) are rounded
+    to `operand` only there.
+    """
+    if operand is None:
+        return tf.matmul(a, b, transpose_b=transpose_b)
+    rank = a.shape.rank
+    dims = xla_data_pb2.DotDimensionNumbers()
+    dims.lhs_contracting_dimensions.append(rank - 1)
+    dims.rhs_contracting_dimensions.append(rank - 1 if transpose_b else rank - 2)
+    dims.lhs_batch_dimensions.extend(range(rank - 2))
+    dims.rhs_batch_dimensions.extend(range(rank - 2))
+    a, b = tf.cast(a, operand), tf.cast(b, operand)
+    return xla.dot_general(a, b, dims, preferred_element_type=tf.float32)
+
+
+def scaled(x, scale):
+    """`x * scale`, or `x` itself when `scale` is None (the scale was folded into `q`)."""
+    return x if scale is None else x * scale
 
 
 def to_rows(x):

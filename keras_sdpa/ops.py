@@ -72,9 +72,13 @@ def scaled_dot_product_attention(
     reads key head `n // (N // K)`, as `keras.layers.GroupQueryAttention` does,
     and the keys are never repeated in memory.
 
-    Scores and softmax are computed in float32 for `float16`, `bfloat16` and
-    `float32` inputs (so mixed precision cannot overflow them), and in float64
-    for float64 inputs; the results are cast back to the dtype of `query`.
+    Precision: for `bfloat16` and `float16` inputs the products (`Q K^T`, `P V`
+    and the gradient's four) multiply in that precision and accumulate in
+    float32, as FlashAttention and cuDNN do; the scale, bias, soft cap, masks
+    and the softmax run in float32, so mixed precision cannot overflow them, and
+    `P` is rounded to the input's precision only as the operand of `P V`.
+    `float32` inputs run in float32 and `float64` inputs in float64 throughout.
+    The results are cast back to the dtype of `query`.
 
     A query row whose keys are all masked gets zero weights and a zero output.
     Every argument works on both paths, forward and gradient, and the gradient
@@ -286,13 +290,20 @@ def _attention(
     dtype = query.dtype
     compute = tf.float64 if dtype == tf.float64 else tf.float32  # never below float32
     groups = num_heads // num_kv_heads
-    # (Q K^T) * scale == (Q * scale) K^T: scaling the (T, H) queries is cheaper
-    # than scaling the (T, S) logits, and is the same number.
-    q = tf.transpose(tf.cast(query, compute), [0, 2, 1, 3]) * scale  # (B, N, T, H)
+    if dtype in M.HALF_DTYPES:
+        # The products take the half-precision operands and accumulate in float32; the
+        # scale multiplies their float32 result, so it never rounds to the input's precision.
+        operand, logit_scale = dtype, scale
+        q = tf.transpose(query, [0, 2, 1, 3])  # (B, N, T, H)
+    else:
+        # (Q K^T) * scale == (Q * scale) K^T: scaling the (T, H) queries is cheaper
+        # than scaling the (T, S) logits, and is the same number.
+        operand, logit_scale = None, None
+        q = tf.transpose(tf.cast(query, compute), [0, 2, 1, 3]) * scale  # (B, N, T, H)
     shape = tf.shape(q)
     q = tf.reshape(q, tf.stack([shape[0], num_kv_heads, groups, shape[2], shape[3]]))
-    k = tf.transpose(tf.cast(key, compute), [0, 2, 1, 3])  # (B, K, S, H)
-    v = tf.transpose(tf.cast(value, compute), [0, 2, 1, 3])  # (B, K, S, Hv)
+    k = tf.transpose(tf.cast(key, operand or compute), [0, 2, 1, 3])  # (B, K, S, H)
+    v = tf.transpose(tf.cast(value, operand or compute), [0, 2, 1, 3])  # (B, K, S, Hv)
     mask = M.grouped(mask, mask_pattern, num_kv_heads, groups)  # (B|1, K|1, G|1, T|1, S|1)
     if bias is not None:
         bias = M.grouped(tf.cast(bias, compute), bias_pattern, num_kv_heads, groups)
@@ -319,6 +330,8 @@ def _attention(
             window=window,
             cap=cap,
             return_weights=return_weights,
+            operand=operand,
+            logit_scale=logit_scale,
         )
 
     def chunked():
@@ -336,6 +349,8 @@ def _attention(
             cap=cap,
             dropout_rate=dropout_rate,
             chunk_size=chunk_size,
+            operand=operand,
+            logit_scale=logit_scale,
         )
         return out, None
 
