@@ -34,6 +34,9 @@ from keras_sdpa import _masking as M
 
 # implementation="auto" goes chunked above this many bytes of float32 scores (B * N * T * S * 4).
 _AUTO_CHUNKED_BYTES = 1 << 28
+# Inside a caller's XLA step with an unknown batch size, "auto" goes chunked above this many
+# bytes of one example's float32 scores (N * T * S * 4): 256 MiB at a batch of 8.
+_AUTO_CHUNKED_BYTES_PER_EXAMPLE = _AUTO_CHUNKED_BYTES // 8
 # Blocks of 2048: at T=4096 on 2 CPU cores, 1.08x the dense time (1024 blocks: 1.34x).
 _DEFAULT_CHUNK_SIZE = 2048
 
@@ -117,7 +120,11 @@ def scaled_dot_product_attention(
             a window rules out. `"auto"` (default) picks chunked when the
             float32 logits would exceed 256 MiB, decided in the compiled
             program from the actual sizes, so it holds for unknown lengths
-            too. `return_weights` needs the whole matrix and always runs dense.
+            too. Inside a caller's `jit_compile=True` step whose batch size is
+            unknown (Keras's `fit`), it decides while tracing, from one
+            example's scores: chunked past 32 MiB (256 MiB at a batch of 8);
+            there, unknown lengths stay dense, since XLA cannot compile the
+            chunked path's block loops without them. `return_weights` needs the whole matrix and always runs dense.
         chunk_size: block size of the chunked path. Defaults to 2048, or with a
             `sliding_window` of `W` to the power of two at or above `W / 2`
             (at least 128), so that the skipped blocks are most of them.
@@ -238,10 +245,17 @@ def _choose_path(implementation, query, key, return_weights, chunk_size):
     sizes = [query.shape[0], query.shape[2], query.shape[1], key.shape[1]]  # B, N, T, S
     if any(size is None for size in sizes):
         if _inside_xla():
-            # Inside a caller's XLA program (`model.compile(jit_compile=True)`) the
-            # chunked branch of a run-time choice cannot compile: its gradient needs
-            # sizes that XLA only sees as parameters there. Dense, as before.
-            return "dense"
+            # Inside a caller's XLA program (`model.compile(jit_compile=True)`) a run-time
+            # choice cannot compile: the gradient of its `tf.cond` needs shapes that XLA
+            # only sees as parameters there. With T and S known (a fixed sequence length,
+            # the batch left unknown, as Keras traces `fit`), the choice is made here from
+            # one example's scores; with unknown lengths the chunked path cannot compile
+            # at all there (its block counts must be constants), so it stays dense.
+            _, n, t, s = sizes
+            if t is None or s is None:
+                return "dense"
+            large = n * t * s * 4 > _AUTO_CHUNKED_BYTES_PER_EXAMPLE
+            return "chunked" if large and max(t, s) > chunk_size else "dense"
         return "auto"  # decided at run time, from the actual sizes
     large = math.prod(sizes) * 4 > _AUTO_CHUNKED_BYTES
     return "chunked" if large and max(sizes[2], sizes[3]) > chunk_size else "dense"

@@ -294,8 +294,8 @@ def test_auto_decides_at_run_time_for_unknown_lengths(monkeypatch):
 def test_auto_under_fit_with_unknown_lengths(monkeypatch):
     """A functional model with `Input((None, E))` trains; "auto" is left to run time there.
 
-    Inside a caller's XLA step (`jit_compile=True`) the choice falls back to dense,
-    since the chunked branch of a run-time choice cannot compile inside it.
+    Inside a caller's XLA step (`jit_compile=True`) with unknown lengths the choice falls
+    back to dense: neither a run-time choice nor the chunked path compiles there.
     """
     chosen = []
     choose = ops._choose_path
@@ -313,6 +313,36 @@ def test_auto_under_fit_with_unknown_lengths(monkeypatch):
             history = model.fit(x, x.mean(1), batch_size=4, epochs=2, verbose=0)
             assert np.isfinite(history.history["loss"]).all()
         assert want in chosen, (jit_compile, chosen)
+
+
+def test_auto_goes_chunked_inside_a_jit_compiled_fit_with_a_fixed_length(monkeypatch):
+    """`Input((T, E))` under `jit_compile=True`: Keras traces `fit` with an unknown batch, and
+    "auto" chooses from one example's scores. Past the bar it trains on the chunked path,
+    to the same weights as the dense path (one epoch, 1e-5)."""
+    chosen = []
+    choose = ops._choose_path
+    monkeypatch.setattr(ops, "_choose_path", lambda *a: chosen.append(choose(*a)) or chosen[-1])
+    monkeypatch.setattr(ops, "_AUTO_CHUNKED_BYTES_PER_EXAMPLE", 4 * 2 * 24 * 24)  # past T=24
+    length = 40
+    x = random((8, length, E), 41)
+    weights = {}
+    for implementation in ("auto", "dense"):
+        chosen.clear()
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((length, E))
+        attention = ScaledDotProductAttention(
+            num_heads=2, key_dim=4, chunk_size=16, implementation=implementation
+        )
+        y = attention(inputs, inputs, use_causal_mask=True)
+        model = keras.Model(inputs, keras.layers.GlobalAveragePooling1D()(y))
+        model.compile(keras.optimizers.SGD(0.1), "mse", jit_compile=True)
+        # Batches of 3, 3 and 2 from `tf.data`: the traced batch size is unknown.
+        data = tf.data.Dataset.from_tensor_slices((x, x.mean(1))).batch(3)
+        model.fit(data, epochs=1, verbose=0, shuffle=False)
+        weights[implementation] = [w.numpy() for w in model.weights]
+        assert chosen and set(chosen) == {"chunked" if implementation == "auto" else "dense"}
+    for auto, dense in zip(weights["auto"], weights["dense"]):
+        np.testing.assert_allclose(auto, dense, atol=1e-5)
 
 
 def test_other_backends_are_refused_with_the_variable_to_set(monkeypatch):
