@@ -124,7 +124,8 @@ def scaled_dot_product_attention(
             unknown (Keras's `fit`), it decides while tracing, from one
             example's scores: chunked past 32 MiB (256 MiB at a batch of 8);
             there, unknown lengths stay dense, since XLA cannot compile the
-            chunked path's block loops without them. `return_weights` needs the whole matrix and always runs dense.
+            chunked path's block loops without them. `return_weights` needs
+            the whole matrix and always runs dense.
         chunk_size: block size of the chunked path. Defaults to 2048, or with a
             `sliding_window` of `W` to the power of two at or above `W / 2`
             (at least 128), so that the skipped blocks are most of them.
