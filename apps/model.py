@@ -495,7 +495,8 @@ def build_classifier(
     ]
     pooling = AttentionPooling(num_heads, key_dim, name="pooling")
     pooled_dropout = keras.layers.Dropout(dropout, seed=seed)
-    classifier = keras.layers.Dense(1, activation="sigmoid", name="classifier")
+    # float32 under a mixed-precision policy too, so the probability is float32 (Keras's guide).
+    classifier = keras.layers.Dense(1, activation="sigmoid", name="classifier", dtype="float32")
 
     def forward(with_scores):
         """The classifier over shared layers; with the attention weights for the inspector."""

@@ -77,6 +77,9 @@ class Config:
     num_layers: int = 1  # self-attention blocks
     dropout: float = 0.2
     # training
+    # Keras's dtype policy for the run: mixed_bfloat16 or mixed_float16 (loss-scaled), with the
+    # classifier's output and the variables in float32; None = float32 throughout
+    mixed_precision: str | None = None
     batch_size: int = 64
     epochs: int = 2  # the learning rate decays to 0 at the end of the last one
     learning_rate: float = 1e-3  # Adam, with cosine decay to 0 over the epochs
@@ -105,11 +108,12 @@ _RUN_DEFINING = (
     "trigram_vocab_size", "naive_bayes_alpha", "naive_bayes_folds", "vocabulary_source",
     "embed_dim", "num_heads", "key_dim", "ff_dim", "num_layers", "dropout", "batch_size",
     "learning_rate", "weight_decay", "seed", "max_steps", "epochs", "strategy", "logical_cpus",
-    "monitor",
+    "monitor", "mixed_precision",
 )  # fmt: skip
 
 STRATEGIES = ("default", "mirrored", "multi_worker")
 VOCABULARY_SOURCES = ("train", "train+unsupervised")
+MIXED_PRECISION = ("mixed_bfloat16", "mixed_float16")
 MONITORS = {"val_loss": "min", "val_accuracy": "max"}  # the quantity and its better direction
 
 
@@ -175,6 +179,11 @@ def _check_config(config):
     if config.learning_rate <= 0:
         raise ValueError(
             f"`--learning_rate` must be positive. Received: learning_rate={config.learning_rate}"
+        )
+    if config.mixed_precision is not None and config.mixed_precision not in MIXED_PRECISION:
+        raise ValueError(
+            f"`--mixed_precision` must be one of {', '.join(MIXED_PRECISION)} (or left out). "
+            f"Received: mixed_precision={config.mixed_precision!r}"
         )
     if config.vocabulary_source not in VOCABULARY_SOURCES:
         raise ValueError(
@@ -459,6 +468,25 @@ def train(config, argv=None):
     """The whole run: set up, data, model, fit, then report and export. Returns an exit code.
 
     `argv`, the flags given, goes to `metrics.json` with the code's git commit."""
+    with _dtype_policy(config.mixed_precision or "float32"):
+        return _train(config, argv)
+
+
+@contextlib.contextmanager
+def _dtype_policy(name):
+    """Keras's global dtype policy set to `name` for the layers built inside, then restored.
+
+    Under `mixed_float16`, `model.compile` wraps the optimizer in Keras's
+    `LossScaleOptimizer` itself (its `auto_scale_loss`)."""
+    previous = keras.config.dtype_policy()
+    keras.config.set_dtype_policy(name)
+    try:
+        yield
+    finally:
+        keras.config.set_dtype_policy(previous)
+
+
+def _train(config, argv):
     run = _start_run(config)
     splits, vectorizer, train_ids, validation_ids, counted_ids = _prepare_data(config, run)
     steps_per_epoch = max(1, len(train_ids) // run.global_batch)

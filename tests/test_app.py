@@ -465,6 +465,7 @@ def test_predict_cli_text_arguments_and_errors(run):
         (["--bigram_vocab_size", "-5"], "bigram_vocab_size=-5"),
         (["--naive_bayes_alpha", "-1"], "naive_bayes_alpha=-1.0"),
         (["--naive_bayes_folds", "0"], "naive_bayes_folds=0"),
+        (["--mixed_precision", "float8"], "mixed_precision='float8'"),
     ],
     ids=[
         "heads",
@@ -477,6 +478,7 @@ def test_predict_cli_text_arguments_and_errors(run):
         "bigrams",
         "nb_alpha",
         "nb_folds",
+        "mixed_precision",
     ],
 )
 def test_train_rejects_bad_flags_with_argparse_errors(flags, match, tmp_path, capsys):
@@ -778,3 +780,21 @@ def test_vocabulary_source_is_checked(capsys):
     with pytest.raises(SystemExit):
         train_sentiment.parse_args(["--vocabulary_source", "test"])
     assert "vocabulary_source='test'" in capsys.readouterr().err
+
+
+def test_mixed_precision_builds_half_precision_layers_with_a_float32_probability():
+    """Under `--mixed_precision` the classifier's layers compute in bfloat16 and its core gets
+    bfloat16 operands, while the probability and the variables stay float32; the global
+    policy is restored after the run."""
+    before = keras.config.dtype_policy().name
+    with train_sentiment._dtype_policy("mixed_bfloat16"):
+        model, inspector = model_lib.build_classifier(
+            vocab_size=50, sequence_length=16, embed_dim=8, num_heads=2, key_dim=4, ff_dim=8
+        )
+        ids = np.random.default_rng(0).integers(1, 50, (3, 16))
+        probability, pooling = model(ids), inspector(ids)["pooling"]
+    assert keras.config.dtype_policy().name == before
+    assert model.get_layer("block_0").compute_dtype == "bfloat16"
+    assert pooling.dtype == "bfloat16"  # the pooling attention ran on bfloat16 operands
+    assert probability.dtype == "float32"
+    assert {w.dtype for w in model.weights if w.dtype.startswith("float")} == {"float32"}
