@@ -41,8 +41,9 @@ IMPLS = ["sdpa_chunked", "sdpa_dense", "keras_mha"]
 START, END = "<!-- long-sequences:start -->", "<!-- long-sequences:end -->"
 
 
-def make_step(impl, length, chunk_size):
-    """A compiled forward+backward step of one implementation at `T=S=length`."""
+def make_step(impl, length, chunk_size, dtype=None):
+    """A compiled forward+backward step of one implementation at `T=S=length`; `dtype` is
+    the layer's dtype policy (None: Keras's global one)."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     os.environ.setdefault("KERAS_BACKEND", "tensorflow")
     import keras
@@ -52,13 +53,14 @@ def make_step(impl, length, chunk_size):
 
     x = tf.random.normal((B, length, E), seed=1)
     if impl == "keras_mha":
-        layer = keras.layers.MultiHeadAttention(num_heads=N, key_dim=H)
+        layer = keras.layers.MultiHeadAttention(num_heads=N, key_dim=H, dtype=dtype)
     else:
         layer = keras_sdpa.ScaledDotProductAttention(
             num_heads=N,
             key_dim=H,
             implementation=impl.removeprefix("sdpa_"),
             chunk_size=chunk_size,
+            dtype=dtype,
         )
     layer(x[:, :8], x[:, :8])  # build
 
@@ -66,7 +68,7 @@ def make_step(impl, length, chunk_size):
     def step():
         with tf.GradientTape() as tape:
             tape.watch(x)
-            loss = tf.reduce_sum(layer(x, x))
+            loss = tf.reduce_sum(tf.cast(layer(x, x), "float32"))
         return tape.gradient(loss, [x, *layer.trainable_variables])
 
     return lambda: step()[0].numpy()
