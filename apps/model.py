@@ -363,9 +363,13 @@ class TransformerBlock(keras.layers.Layer):
         self.dropout = dropout
         self.seed = seed
         self.supports_masking = True  # the output keeps the input's padding mask
+        # A single head of our layer has no W_O unless asked (the derivation's head); the
+        # residual needs the block's width back, as MultiHeadAttention always gives it.
+        projection = {"output_projection": True} if num_heads == 1 else {}
         self.attention = ScaledDotProductAttention(
-            num_heads=num_heads, key_dim=key_dim, dropout=dropout, seed=seed, name="attention"
-        )
+            num_heads=num_heads, key_dim=key_dim, dropout=dropout, seed=seed, name="attention",
+            **projection,
+        )  # fmt: skip
         self.attention_norm = keras.layers.LayerNormalization(epsilon=1e-6, name="attention_norm")
         self.ff_inner = keras.layers.Dense(ff_dim, activation="gelu", name="ff_inner")
         self.ff_norm = keras.layers.LayerNormalization(epsilon=1e-6, name="ff_norm")

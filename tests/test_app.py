@@ -798,3 +798,14 @@ def test_mixed_precision_builds_half_precision_layers_with_a_float32_probability
     assert pooling.dtype == "bfloat16"  # the pooling attention ran on bfloat16 operands
     assert probability.dtype == "float32"
     assert {w.dtype for w in model.weights if w.dtype.startswith("float")} == {"float32"}
+
+
+def test_one_head_builds_and_classifies():
+    """`--num_heads 1`: the block's single head projects back to the embedding width (our
+    layer's single head has no `W_O` by default, and the residual needs one)."""
+    model, inspector = model_lib.build_classifier(
+        vocab_size=50, sequence_length=16, embed_dim=8, num_heads=1, key_dim=4, ff_dim=8
+    )
+    ids = np.random.default_rng(0).integers(1, 50, (3, 16))
+    assert model(ids).shape == (3, 1)
+    assert inspector(ids)["pooling"].shape == (3, 1, 16)
