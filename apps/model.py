@@ -423,12 +423,13 @@ class AttentionPooling(keras.layers.Layer):
     the classifier's own account of which tokens it used.
     """
 
-    def __init__(self, num_heads, key_dim, **kwargs):
+    def __init__(self, num_heads, key_dim, scale=None, **kwargs):
         super().__init__(**kwargs)
         self.num_heads = num_heads
         self.key_dim = key_dim
+        self.scale = scale  # of the logits; None = 1 / sqrt(key_dim)
         self.attention = ScaledDotProductAttention(
-            num_heads=num_heads, key_dim=key_dim, name="attention"
+            num_heads=num_heads, key_dim=key_dim, scale=scale, name="attention"
         )
 
     def build(self, x_shape):
@@ -452,7 +453,12 @@ class AttentionPooling(keras.layers.Layer):
         return None
 
     def get_config(self):
-        return {**super().get_config(), "num_heads": self.num_heads, "key_dim": self.key_dim}
+        return {
+            **super().get_config(),
+            "num_heads": self.num_heads,
+            "key_dim": self.key_dim,
+            "scale": self.scale,
+        }
 
 
 def build_classifier(
@@ -469,8 +475,12 @@ def build_classifier(
     trigram_vocab_size=0,
     naive_bayes=False,
     naive_bayes_folds=5,
+    pooling_scale=None,
 ):
     """Returns `(model, inspector)`, two functional models over the same weights.
+
+    `pooling_scale` multiplies the pooling attention's logits (None: `1 / sqrt(key_dim)`);
+    a larger one makes the pooling sharper from the start.
 
     `model` maps token ids `(B, L)`, any `L <= sequence_length`, to `P(positive)` `(B, 1)`
     and is the one trained.
@@ -497,7 +507,7 @@ def build_classifier(
         )
         for index in range(num_layers)
     ]
-    pooling = AttentionPooling(num_heads, key_dim, name="pooling")
+    pooling = AttentionPooling(num_heads, key_dim, scale=pooling_scale, name="pooling")
     pooled_dropout = keras.layers.Dropout(dropout, seed=seed)
     # float32 under a mixed-precision policy too, so the probability is float32 (Keras's guide).
     classifier = keras.layers.Dense(1, activation="sigmoid", name="classifier", dtype="float32")

@@ -75,6 +75,7 @@ class Config:
     key_dim: int = 32  # H
     ff_dim: int = 128  # feed-forward width in each block
     num_layers: int = 1  # self-attention blocks
+    pooling_scale: float | None = None  # the pooling attention's logit scale; None = 1/sqrt(H)
     dropout: float = 0.2
     # training
     # Keras's dtype policy for the run: mixed_bfloat16 or mixed_float16 (loss-scaled), with the
@@ -108,7 +109,7 @@ _RUN_DEFINING = (
     "trigram_vocab_size", "naive_bayes_alpha", "naive_bayes_folds", "vocabulary_source",
     "embed_dim", "num_heads", "key_dim", "ff_dim", "num_layers", "dropout", "batch_size",
     "learning_rate", "weight_decay", "seed", "max_steps", "epochs", "strategy", "logical_cpus",
-    "monitor", "mixed_precision",
+    "monitor", "mixed_precision", "pooling_scale",
 )  # fmt: skip
 
 STRATEGIES = ("default", "mirrored", "multi_worker")
@@ -184,6 +185,11 @@ def _check_config(config):
         raise ValueError(
             f"`--mixed_precision` must be one of {', '.join(MIXED_PRECISION)} (or left out). "
             f"Received: mixed_precision={config.mixed_precision!r}"
+        )
+    if config.pooling_scale is not None and not config.pooling_scale > 0:
+        raise ValueError(
+            "`--pooling_scale` must be positive (or left out for 1 / sqrt(key_dim)). "
+            f"Received: pooling_scale={config.pooling_scale}"
         )
     if config.vocabulary_source not in VOCABULARY_SOURCES:
         raise ValueError(
@@ -627,6 +633,7 @@ def _build_model(config, run, vectorizer, train_ids, train_labels, counted_ids, 
             trigram_vocab_size=config.trigram_vocab_size,
             naive_bayes=config.naive_bayes_alpha > 0,
             naive_bayes_folds=config.naive_bayes_folds,
+            pooling_scale=config.pooling_scale,
         )
         # Cosine decay to zero over the planned steps: a function of the optimizer's own
         # step, so a resumed run follows the same schedule.

@@ -466,6 +466,7 @@ def test_predict_cli_text_arguments_and_errors(run):
         (["--naive_bayes_alpha", "-1"], "naive_bayes_alpha=-1.0"),
         (["--naive_bayes_folds", "0"], "naive_bayes_folds=0"),
         (["--mixed_precision", "float8"], "mixed_precision='float8'"),
+        (["--pooling_scale", "0"], "pooling_scale=0.0"),
     ],
     ids=[
         "heads",
@@ -479,6 +480,7 @@ def test_predict_cli_text_arguments_and_errors(run):
         "nb_alpha",
         "nb_folds",
         "mixed_precision",
+        "pooling_scale",
     ],
 )
 def test_train_rejects_bad_flags_with_argparse_errors(flags, match, tmp_path, capsys):
@@ -809,3 +811,28 @@ def test_one_head_builds_and_classifies():
     ids = np.random.default_rng(0).integers(1, 50, (3, 16))
     assert model(ids).shape == (3, 1)
     assert inspector(ids)["pooling"].shape == (3, 1, 16)
+
+
+def test_pooling_scale_multiplies_the_pooling_logits():
+    """`pooling_scale=s`: the pooling weights are softmax(s * q k^T), checked against the
+    default-scale model's own logits recovered from its weights (same weights copied)."""
+    ids = np.random.default_rng(0).integers(1, 50, (2, 16))
+    pools, weights = {}, None
+    for scale in (None, 2.0):
+        keras.utils.set_random_seed(0)
+        model, inspector = model_lib.build_classifier(
+            vocab_size=50, sequence_length=16, embed_dim=8, num_heads=2, key_dim=4, ff_dim=8,
+            pooling_scale=scale,
+        )  # fmt: skip
+        if weights is None:
+            weights = model.get_weights()
+        model.set_weights(weights)
+        pools[scale] = np.asarray(inspector(ids)["pooling"], "float64")  # (B, N, L)
+    logits = np.log(pools[None]) * np.sqrt(4.0)  # q k^T, up to a per-row constant
+    want = np.exp(2.0 * logits - (2.0 * logits).max(-1, keepdims=True))
+    want /= want.sum(-1, keepdims=True)
+    np.testing.assert_allclose(pools[2.0], want, atol=1e-5)
+    reloaded = keras.saving.deserialize_keras_object(
+        keras.saving.serialize_keras_object(model.get_layer("pooling"))
+    )
+    assert reloaded.scale == 2.0
