@@ -309,6 +309,34 @@ def inspect_records(inspector, vectorizer, texts, labels, indices=None, model=No
     return records
 
 
+def pooling_sharpness(records):
+    """How far the pooling weights are from uniform, over the records and their heads.
+
+    Returns `normalized_entropy`, the mean of `H(p) / log(n)` (1 = uniform over the review's
+    `n` tokens, 0 = all weight on one), `top_weight_times_uniform`, the mean of `max(p) * n`
+    (1 = uniform, `n` = one token), and the number of `reviews` (those of 2 tokens or more).
+    Near-uniform pooling averages the positions, and a ranking by its weights then rests on
+    small differences (see `apps.faithfulness`).
+    """
+    entropies, tops = [], []
+    for record in records:
+        weights = np.asarray(record["pooling"], dtype="float64")  # (N, n)
+        n = weights.shape[1]
+        if n < 2:
+            continue
+        weights = weights / weights.sum(axis=1, keepdims=True)  # undo the rounding to 1e-5
+        logs = np.log(np.where(weights > 0, weights, 1.0))
+        entropies.extend(-(weights * logs).sum(axis=1) / np.log(n))
+        tops.extend(weights.max(axis=1) * n)
+    if not entropies:
+        return None
+    return {
+        "normalized_entropy": round(float(np.mean(entropies)), 5),
+        "top_weight_times_uniform": round(float(np.mean(tops)), 4),
+        "reviews": len(entropies) // len(records[0]["pooling"]),
+    }
+
+
 def write_attention_jsonl(records, path):
     return write_text_atomic(path, (json.dumps(r, ensure_ascii=False) + "\n" for r in records))
 

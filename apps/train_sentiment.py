@@ -806,6 +806,7 @@ def _report(config, output, model, inspector, vectorizer, splits, history, best_
             history, os.path.join(output, "training_curves.png")
         )
 
+    sharpness = None
     if config.inspect_examples:
         print(f"Exporting attention for {config.inspect_examples} test reviews")
         chosen = export.inspection_sample(
@@ -815,6 +816,7 @@ def _report(config, output, model, inspector, vectorizer, splits, history, best_
             inspector, vectorizer, splits.test_text[chosen], splits.test_label[chosen], chosen,
             model=model,
         )  # fmt: skip
+        sharpness = export.pooling_sharpness(records)
         paths["attention_jsonl"] = export.write_attention_jsonl(
             records, os.path.join(output, "attention.jsonl")
         )
@@ -868,6 +870,7 @@ def _report(config, output, model, inspector, vectorizer, splits, history, best_
         "parameters": int(model.count_params()),
         "export_max_abs_difference": max_difference,
         "faithfulness": faithfulness_summary,
+        "pooling_sharpness": sharpness,  # of the exported reviews' pooling weights
         "distribution": distribution,
         "history": history,
         "config": dataclasses.asdict(config),

@@ -836,3 +836,15 @@ def test_pooling_scale_multiplies_the_pooling_logits():
         keras.saving.serialize_keras_object(model.get_layer("pooling"))
     )
     assert reloaded.scale == 2.0
+
+
+def test_pooling_sharpness_reads_uniform_as_1_and_one_token_as_0():
+    from apps import export
+
+    uniform = {"pooling": np.full((2, 8), 1 / 8).tolist()}
+    one_token = {"pooling": np.eye(1, 8).repeat(2, 0).tolist()}
+    assert export.pooling_sharpness([uniform]) == {
+        "normalized_entropy": 1.0, "top_weight_times_uniform": 1.0, "reviews": 1,
+    }  # fmt: skip
+    both = export.pooling_sharpness([uniform, one_token])
+    assert both == {"normalized_entropy": 0.5, "top_weight_times_uniform": 4.5, "reviews": 2}
