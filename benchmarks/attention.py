@@ -80,21 +80,24 @@ def make_step(impl, length, which, policy="float32", jit_compile=False):
         def forward(q, k, v):
             return attend(q, k, v)
 
+    # The inputs are arguments, not captured tensors: XLA folds captured constants at
+    # compile time (a captured core step measured 3.9 ms, 338% of the matmul peak).
     @tf.function(jit_compile=jit_compile)
-    def run_forward():
-        return forward(*inputs)
+    def run_forward(*args):
+        return forward(*args)
 
     @tf.function(jit_compile=jit_compile)
-    def run_backward():
+    def run_backward(*args):
+        args = list(args)
         with tf.GradientTape() as tape:
-            tape.watch(inputs)
-            loss = tf.reduce_sum(tf.cast(forward(*inputs), "float32"))
-        return tape.gradient(loss, inputs + variables)
+            tape.watch(args)
+            loss = tf.reduce_sum(tf.cast(forward(*args), "float32"))
+        return tape.gradient(loss, args + variables)
 
     fn = run_forward if which == "fwd" else run_backward
 
     def step():
-        out = fn()
+        out = fn(*inputs)
         _ = [t.numpy() for t in tf.nest.flatten(out)[:1]]
 
     return step
