@@ -124,14 +124,13 @@ def test_readme_quotes_the_naive_bayes_screen_from_its_seed_file():
     ) in text
 
 
-def test_readme_quotes_the_unlabelled_vocabulary_seeds_from_their_files():
+def _seed_figures(name):
+    """A configuration's seeds: the runs, `cell(key)` as "mean ± std% (min x%)" and the
+    attention AOPCs joined by commas, as the README quotes them."""
     import statistics
 
-    name = "unsup_pairs200k_tri200k_vocab30k_drop04_wd05"
     folder = ROOT / f"saved_models/experiments/seeds/{name}"
     runs = [json.loads(path.read_text()) for path in sorted(folder.glob("*.json"))]
-    assert len(runs) == 3
-    assert all(run["config"]["vocabulary_source"] == "train+unsupervised" for run in runs)
 
     def cell(key):
         values = [100 * run[key] for run in runs]
@@ -140,16 +139,37 @@ def test_readme_quotes_the_unlabelled_vocabulary_seeds_from_their_files():
             f"(min {min(values):.2f}%)"
         )
 
-    minutes = statistics.fmean(run["train_seconds"] for run in runs) / 60
     aopc = ", ".join(
         f"{run['faithfulness']['comprehensiveness_aopc']['attention']['mean']:.3f}" for run in runs
     )
+    return runs, cell, aopc
+
+
+def test_readme_quotes_the_unlabelled_vocabulary_seeds_from_their_files():
+    import statistics
+
+    name = "unsup_pairs200k_tri200k_vocab30k_drop04_wd05"
+    runs, cell, aopc = _seed_figures(name)
+    assert len(runs) == 3
+    assert all(run["config"]["vocabulary_source"] == "train+unsupervised" for run in runs)
+    minutes = statistics.fmean(run["train_seconds"] for run in runs) / 60
     text = " ".join(README.read_text().split())
     assert (
         f"reads {cell('validation_accuracy')} on validation and {cell('test_accuracy')} on test "
         f"over 3 seeds (`{name}`), in {minutes:.1f} minutes"
     ) in text
     assert f"attention AOPCs of {aopc}:" in text
+
+
+def test_readme_quotes_the_four_head_seeds_from_their_files():
+    name = "unsup_heads4_pairs200k_tri200k_vocab30k_drop04_wd05"
+    runs, cell, aopc = _seed_figures(name)
+    assert len(runs) == 3 and all(run["config"]["num_heads"] == 4 for run in runs)
+    text = " ".join(README.read_text().split())
+    assert (
+        f"read {cell('validation_accuracy')} on validation and {cell('test_accuracy')} on test "
+        f"over 3 seeds (`{name}`), with attention AOPCs of {aopc}:"
+    ) in text
 
 
 def test_math_section_quotes_the_committed_measurements():
