@@ -12,9 +12,14 @@ on its own).
 Rounds alternate the two in one process; the table gives the median of the
 per-round ratios (ours / Keras) and their range.
 
+`--mixed_precision mixed_bfloat16` instead times the shipped classifier built under that
+dtype policy against itself in float32 (same weights), as `apps.train_sentiment
+--mixed_precision` builds it, into its own section.
+
 Usage:
     python benchmarks/app_step.py                       # 15 rounds of 5 steps
     python benchmarks/app_step.py --rounds 21 --output BENCHMARKS.md
+    python benchmarks/app_step.py --mixed_precision mixed_bfloat16 --output BENCHMARKS.md
 """
 
 import argparse
@@ -24,6 +29,7 @@ import sys
 import time
 
 START, END = "<!-- app-step:start -->", "<!-- app-step:end -->"
+MIXED_START, MIXED_END = "<!-- app-step-mixed:start -->", "<!-- app-step-mixed:end -->"
 MODEL_ARGUMENTS = (
     "vocab_size", "sequence_length", "embed_dim", "num_heads", "key_dim", "ff_dim",
     "num_layers", "dropout", "seed", "bigram_vocab_size",
@@ -38,18 +44,21 @@ def shipped_config():
     return {name: getattr(config, name) for name in MODEL_ARGUMENTS}, config.batch_size
 
 
-def build(kind, ids, config):
-    """The classifier as shipped (`"sdpa"`) or with Keras's MultiHeadAttention (`"keras_mha"`)."""
+def build(kind, ids, config, policy="float32"):
+    """The classifier as shipped (`"sdpa"`) or with Keras's MultiHeadAttention (`"keras_mha"`),
+    its layers built under the dtype `policy`."""
     import keras
 
     from apps import model as model_lib
+    from apps.train_sentiment import _dtype_policy
 
     original = model_lib.ScaledDotProductAttention
     if kind == "keras_mha":
         model_lib.ScaledDotProductAttention = keras.layers.MultiHeadAttention
     try:
         keras.utils.set_random_seed(0)
-        model, _ = model_lib.build_classifier(**config)
+        with _dtype_policy(policy):
+            model, _ = model_lib.build_classifier(**config)
     finally:
         model_lib.ScaledDotProductAttention = original
     model.get_layer("embedding").adapt_bigrams(ids)  # the word-pair vocabulary
@@ -62,6 +71,9 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--steps", type=int, default=5, help="training steps per round")
     parser.add_argument("--output", help="a Markdown file whose app-step section is replaced")
+    parser.add_argument(
+        "--mixed_precision", help="time this dtype policy against float32 instead of Keras MHA"
+    )
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.steps < 1:
         parser.error(
@@ -78,8 +90,13 @@ def main(argv=None):
     ids[np.arange(config["sequence_length"])[None, :] >= lengths[:, None]] = 0  # padding
     labels = rng.integers(0, 2, batch).astype("float32")
 
-    models = {kind: build(kind, ids, config) for kind in ("sdpa", "keras_mha")}
-    models["keras_mha"].set_weights(models["sdpa"].get_weights())
+    if args.mixed_precision:
+        names = ("float32", args.mixed_precision)
+        models = {name: build("sdpa", ids, config, name) for name in names}
+    else:
+        names = ("sdpa", "keras_mha")
+        models = {kind: build(kind, ids, config) for kind in names}
+    models[names[1]].set_weights(models[names[0]].get_weights())
     for model in models.values():
         model.train_on_batch(ids, labels)  # trace and compile
         model.train_on_batch(ids, labels)
@@ -91,9 +108,11 @@ def main(argv=None):
             for _ in range(args.steps):
                 models[name].train_on_batch(ids, labels)
             times[name].append((time.perf_counter() - start) / args.steps)
-        print(f"  round {index + 1}/{args.rounds}: sdpa {times['sdpa'][-1] * 1e3:.0f} ms, "
-              f"keras_mha {times['keras_mha'][-1] * 1e3:.0f} ms", file=sys.stderr)  # fmt: skip
-    ratios = [a / b for a, b in zip(times["sdpa"], times["keras_mha"])]
+        latest = ", ".join(f"{name} {times[name][-1] * 1e3:.0f} ms" for name in names)
+        print(f"  round {index + 1}/{args.rounds}: {latest}", file=sys.stderr)
+    ratios = [a / b for a, b in zip(times[names[0]], times[names[1]])]
+    if args.mixed_precision:
+        return _write_mixed(args, names, times, ratios, batch, config)
     section = "\n".join(
         [
             "## The app's training step",
@@ -125,6 +144,40 @@ def main(argv=None):
         from features import replace_section
 
         replace_section(args.output, START, END, section)
+    return 0
+
+
+def _write_mixed(args, names, times, ratios, batch, config):
+    """The section for `--mixed_precision`: ratio = mixed / float32."""
+    import statistics as st
+
+    ratios = [1 / ratio for ratio in ratios]  # mixed over float32
+    section = "\n".join(
+        [
+            f"## The app's training step under {args.mixed_precision}",
+            "",
+            "Produced by:",
+            "",
+            f"    python benchmarks/app_step.py --mixed_precision {args.mixed_precision} "
+            f"--rounds {args.rounds} --steps {args.steps} --output BENCHMARKS.md",
+            "",
+            f"The shipped classifier (L=512, batch {batch}) built under `{args.mixed_precision}` "
+            "(as `apps.train_sentiment --mixed_precision` builds it) against itself in float32, "
+            f"same weights; `train_on_batch`; {args.rounds} alternating rounds of {args.steps} "
+            "steps in one process; ratio = median of the per-round ratios (mixed / float32).",
+            "",
+            "| policy | ms per step (median) |",
+            "|---|---|",
+            *(f"| {name} | {st.median(times[name]) * 1e3:.0f} |" for name in names),
+            f"| **ratio** | **{st.median(ratios):.3f}** ({min(ratios):.3f}-{max(ratios):.3f}) |",
+            "",
+        ]
+    )
+    print(section)
+    if args.output:
+        from features import replace_section
+
+        replace_section(args.output, MIXED_START, MIXED_END, section)
     return 0
 
 
