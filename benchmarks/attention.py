@@ -86,18 +86,24 @@ def make_step(impl, length, which, policy="float32", jit_compile=False):
     def run_forward(*args):
         return forward(*args)
 
+    # A random cotangent: with `sum(out)` the output's gradient is all ones, and a whole-step
+    # XLA program turns the products with it into reductions (a core step read 5.9 ms, 406%
+    # of the matmul peak).
+    out_shape = x.shape if impl in ("sdpa_layer", "keras_mha") else q.shape
+    cotangent = tf.random.normal(out_shape, seed=5)
+
     @tf.function(jit_compile=jit_compile)
-    def run_backward(*args):
+    def run_backward(cotangent, *args):
         args = list(args)
         with tf.GradientTape() as tape:
             tape.watch(args)
-            loss = tf.reduce_sum(tf.cast(forward(*args), "float32"))
+            loss = tf.reduce_sum(tf.cast(forward(*args), "float32") * cotangent)
         return tape.gradient(loss, args + variables)
 
     fn = run_forward if which == "fwd" else run_backward
 
     def step():
-        out = fn(*inputs)
+        out = fn(*inputs) if which == "fwd" else fn(cotangent, *inputs)
         _ = [t.numpy() for t in tf.nest.flatten(out)[:1]]
 
     return step
