@@ -509,8 +509,12 @@ def build_classifier(
     ]
     pooling = AttentionPooling(num_heads, key_dim, scale=pooling_scale, name="pooling")
     pooled_dropout = keras.layers.Dropout(dropout, seed=seed)
-    # float32 under a mixed-precision policy too, so the probability is float32 (Keras's guide).
-    classifier = keras.layers.Dense(1, activation="sigmoid", name="classifier", dtype="float32")
+    # Under a mixed-precision policy the output layer stays float32, so the probability is
+    # float32 (Keras's mixed-precision guide); otherwise it follows the policy (float64 too).
+    mixed = keras.config.dtype_policy().name.startswith("mixed")
+    classifier = keras.layers.Dense(
+        1, activation="sigmoid", name="classifier", dtype="float32" if mixed else None
+    )
 
     def forward(with_scores):
         """The classifier over shared layers; with the attention weights for the inspector."""
