@@ -495,6 +495,11 @@ def write_model_card(metrics, path):
             " + a learned projection of their naive-Bayes log-count ratios (counted on the "
             f"training labels, smoothing {config['naive_bayes_alpha']:g})"
         )
+    pooled = (
+        "each token's own embedding, weighed by the last block's output"
+        if config.get("pooling_values") == "embedding"
+        else "the last block's output"
+    )
     card = f"""# {config["dataset"]} sentiment classifier on keras-sdpa
 
 Written by `python -m apps.train_sentiment`; every number below comes from this folder's
@@ -518,7 +523,7 @@ Written by `python -m apps.train_sentiment`; every number below comes from this 
 -> `Embedding(mask_zero=True)` + positions ({config["embed_dim"]} wide){pairs} ->
 {config["num_layers"]} self-attention block(s) of `keras_sdpa.ScaledDotProductAttention`
 ({config["num_heads"]} heads of {config["key_dim"]}) -> attention pooling (a learned query, the
-same layer with T = 1) -> `Dense(1, sigmoid)`.
+same layer with T = 1, summing {pooled}) -> `Dense(1, sigmoid)`.
 
 ## Use
 

@@ -415,19 +415,34 @@ class TransformerBlock(keras.layers.Layer):
         }
 
 
+POOLING_VALUES = ("block", "embedding")  # what the attention pooling sums
+
+
 @keras.saving.register_keras_serializable(package="apps")
 class AttentionPooling(keras.layers.Layer):
     """Pools `(B, L, E)` to `(B, E)`: a learned query attends over the unmasked tokens.
 
     This is `ScaledDotProductAttention` with `T = 1`; its weights `(B, N, 1, L)` are
     the classifier's own account of which tokens it used.
+
+    `values_from` says what the caller pools: `"block"`, the keys themselves (the blocks'
+    output, each position mixed with its context), or `"embedding"`, the positions' own
+    embeddings passed as `values` (the keys, and so the weights, still come from the blocks).
+    With embeddings the pooled vector is a weighted sum of each token's own features, so a
+    token the weights rank high carries what it adds.
     """
 
-    def __init__(self, num_heads, key_dim, scale=None, **kwargs):
+    def __init__(self, num_heads, key_dim, scale=None, values_from="block", **kwargs):
         super().__init__(**kwargs)
+        if values_from not in POOLING_VALUES:
+            raise ValueError(
+                f"`values_from` must be one of {', '.join(POOLING_VALUES)}. "
+                f"Received: values_from={values_from!r}"
+            )
         self.num_heads = num_heads
         self.key_dim = key_dim
         self.scale = scale  # of the logits; None = 1 / sqrt(key_dim)
+        self.values_from = values_from
         self.attention = ScaledDotProductAttention(
             num_heads=num_heads, key_dim=key_dim, scale=scale, name="attention"
         )
@@ -439,11 +454,22 @@ class AttentionPooling(keras.layers.Layer):
         )
         self.attention.build((x_shape[0], 1, width), x_shape)
 
-    def call(self, x, mask=None, return_attention_scores=False):
+    def call(self, x, mask=None, values=None, return_attention_scores=False):
+        """`x` `(B, L, E)` the keys; `values` `(B, L, E)`, only with `values_from="embedding"`."""
+        if (values is None) != (self.values_from == "block"):
+            given = "None" if values is None else "a tensor"
+            raise ValueError(
+                "`values` must be given exactly when `values_from` is 'embedding'. "
+                f"Received: values_from={self.values_from!r}, values={given}"
+            )
         batch = ops.shape(x)[0]
         query = ops.broadcast_to(self.query, (batch, 1, ops.shape(x)[-1]))  # (B, 1, E)
         result = self.attention(
-            query, x, value_mask=mask, return_attention_scores=return_attention_scores
+            query,
+            x if values is None else values,
+            key=x,
+            value_mask=mask,
+            return_attention_scores=return_attention_scores,
         )  # (B, 1, E), and (B, N, 1, L) if asked
         pooled, scores = result if return_attention_scores else (result, None)
         pooled = ops.squeeze(pooled, 1)  # (B, E)
@@ -458,6 +484,7 @@ class AttentionPooling(keras.layers.Layer):
             "num_heads": self.num_heads,
             "key_dim": self.key_dim,
             "scale": self.scale,
+            "values_from": self.values_from,
         }
 
 
@@ -476,11 +503,14 @@ def build_classifier(
     naive_bayes=False,
     naive_bayes_folds=5,
     pooling_scale=None,
+    pooling_values="block",
 ):
     """Returns `(model, inspector)`, two functional models over the same weights.
 
     `pooling_scale` multiplies the pooling attention's logits (None: `1 / sqrt(key_dim)`);
-    a larger one makes the pooling sharper from the start.
+    a larger one makes the pooling sharper from the start. `pooling_values` is what the
+    pooling sums: `"block"`, the last block's output, or `"embedding"`, each position's own
+    embedding, weighed by the pooling weights the block's output gives (`AttentionPooling`).
 
     `model` maps token ids `(B, L)`, any `L <= sequence_length`, to `P(positive)` `(B, 1)`
     and is the one trained.
@@ -507,7 +537,9 @@ def build_classifier(
         )
         for index in range(num_layers)
     ]
-    pooling = AttentionPooling(num_heads, key_dim, scale=pooling_scale, name="pooling")
+    pooling = AttentionPooling(
+        num_heads, key_dim, scale=pooling_scale, values_from=pooling_values, name="pooling"
+    )
     pooled_dropout = keras.layers.Dropout(dropout, seed=seed)
     # Under a mixed-precision policy the output layer stays float32, so the probability is
     # float32 (Keras's mixed-precision guide); otherwise it follows the policy (float64 too).
@@ -522,14 +554,15 @@ def build_classifier(
         # serves each review at the shortest of a few lengths that holds it.
         ids = keras.Input((None,), dtype="int32", name="token_ids")
         mask = ops.not_equal(ids, 0)  # (B, L), the Embedding's mask_zero mask
-        x = embedding_dropout(embedding(ids))
+        x = embedded = embedding_dropout(embedding(ids))
         block_scores = []
         for block in blocks:
             x = block(x, mask=mask, return_attention_scores=with_scores)
             if with_scores:
                 x, scores = x  # (B, L, E), (B, N, L, L)
                 block_scores.append(scores)
-        pooled = pooling(x, mask=mask, return_attention_scores=with_scores)
+        values = embedded if pooling_values == "embedding" else None
+        pooled = pooling(x, mask=mask, values=values, return_attention_scores=with_scores)
         pool_scores = None
         if with_scores:
             pooled, pool_scores = pooled  # (B, E), (B, N, 1, L)
@@ -557,10 +590,13 @@ def log_odds_from_embeddings(model, x, mask):
     """The classifier's log-odds `(B,)` from its embedding layer's output `x` `(B, L, E)`,
     at inference (no dropout). `model` is `build_classifier`'s; its layers `block_*`,
     `pooling` and `classifier` are called directly."""
+    embedded = x
     for layer in model.layers:
         if layer.name.startswith("block_"):
             x = layer(x, mask=mask, training=False)  # (B, L, E)
-    pooled = model.get_layer("pooling")(x, mask=mask)  # (B, E)
+    pooling = model.get_layer("pooling")
+    values = embedded if pooling.values_from == "embedding" else None
+    pooled = pooling(x, mask=mask, values=values)  # (B, E)
     classifier = model.get_layer("classifier")
     return (ops.matmul(pooled, classifier.kernel) + classifier.bias)[:, 0]  # (B,)
 

@@ -81,6 +81,7 @@ def load_run(run):
         naive_bayes=config.get("naive_bayes_alpha", 0) > 0,
         naive_bayes_folds=config.get("naive_bayes_folds", 1),
         pooling_scale=config.get("pooling_scale"),
+        pooling_values=config.get("pooling_values", "block"),
     )
     if config["bigram_vocab_size"]:
         pairs = data.read_ngrams(vectorizer, os.path.join(run, "bigrams.txt"))

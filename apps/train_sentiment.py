@@ -76,6 +76,9 @@ class Config:
     ff_dim: int = 128  # feed-forward width in each block
     num_layers: int = 1  # self-attention blocks
     pooling_scale: float | None = None  # the pooling attention's logit scale; None = 1/sqrt(H)
+    # what the pooling sums, weighed by its attention over the last block's output: that
+    # output (block), or each position's own embedding (embedding)
+    pooling_values: str = "block"
     dropout: float = 0.2
     # training
     # Keras's dtype policy for the run: mixed_bfloat16 or mixed_float16 (loss-scaled), with the
@@ -109,13 +112,23 @@ _RUN_DEFINING = (
     "trigram_vocab_size", "naive_bayes_alpha", "naive_bayes_folds", "vocabulary_source",
     "embed_dim", "num_heads", "key_dim", "ff_dim", "num_layers", "dropout", "batch_size",
     "learning_rate", "weight_decay", "seed", "max_steps", "epochs", "strategy", "logical_cpus",
-    "monitor", "mixed_precision", "pooling_scale",
+    "monitor", "mixed_precision", "pooling_scale", "pooling_values",
 )  # fmt: skip
 
 STRATEGIES = ("default", "mirrored", "multi_worker")
 VOCABULARY_SOURCES = ("train", "train+unsupervised")
 MIXED_PRECISION = ("mixed_bfloat16", "mixed_float16")
 MONITORS = {"val_loss": "min", "val_accuracy": "max"}  # the quantity and its better direction
+
+
+def _check_choice(config, name, choices, alternative=""):
+    """A `ValueError` naming `--name` and its value unless the value is one of `choices`."""
+    value = getattr(config, name)
+    if value not in choices:
+        raise ValueError(
+            f"`--{name}` must be one of {', '.join(choices)}{alternative}. "
+            f"Received: {name}={value!r}"
+        )
 
 
 def _better(value, best, monitor):
@@ -156,21 +169,13 @@ def _check_config(config):
             "`--bigram_vocab_size` must be >= 0 (0 turns word pairs off). "
             f"Received: bigram_vocab_size={config.bigram_vocab_size}"
         )
-    if config.monitor not in MONITORS:
-        raise ValueError(
-            f"`--monitor` must be one of {', '.join(MONITORS)}. "
-            f"Received: monitor={config.monitor!r}"
-        )
+    _check_choice(config, "monitor", MONITORS)
     if config.trigram_vocab_size < 0:
         raise ValueError(
             "`--trigram_vocab_size` must be >= 0 (0 turns word triples off). "
             f"Received: trigram_vocab_size={config.trigram_vocab_size}"
         )
-    if config.strategy not in STRATEGIES:
-        raise ValueError(
-            f"`--strategy` must be one of {', '.join(STRATEGIES)}. "
-            f"Received: strategy={config.strategy!r}"
-        )
+    _check_choice(config, "strategy", STRATEGIES)
     if config.logical_cpus is not None and config.logical_cpus <= 0:
         raise ValueError(
             f"`--logical_cpus` must be positive. Received: logical_cpus={config.logical_cpus}"
@@ -181,21 +186,15 @@ def _check_config(config):
         raise ValueError(
             f"`--learning_rate` must be positive. Received: learning_rate={config.learning_rate}"
         )
-    if config.mixed_precision is not None and config.mixed_precision not in MIXED_PRECISION:
-        raise ValueError(
-            f"`--mixed_precision` must be one of {', '.join(MIXED_PRECISION)} (or left out). "
-            f"Received: mixed_precision={config.mixed_precision!r}"
-        )
+    if config.mixed_precision is not None:
+        _check_choice(config, "mixed_precision", MIXED_PRECISION, " (or left out)")
     if config.pooling_scale is not None and not config.pooling_scale > 0:
         raise ValueError(
             "`--pooling_scale` must be positive (or left out for 1 / sqrt(key_dim)). "
             f"Received: pooling_scale={config.pooling_scale}"
         )
-    if config.vocabulary_source not in VOCABULARY_SOURCES:
-        raise ValueError(
-            f"`--vocabulary_source` must be one of {', '.join(VOCABULARY_SOURCES)}. "
-            f"Received: vocabulary_source={config.vocabulary_source!r}"
-        )
+    _check_choice(config, "vocabulary_source", VOCABULARY_SOURCES)
+    _check_choice(config, "pooling_values", model_lib.POOLING_VALUES)
     if config.naive_bayes_alpha < 0:
         raise ValueError(
             "`--naive_bayes_alpha` must be >= 0 (0 turns the naive-Bayes ratios off). "
@@ -634,6 +633,7 @@ def _build_model(config, run, vectorizer, train_ids, train_labels, counted_ids, 
             naive_bayes=config.naive_bayes_alpha > 0,
             naive_bayes_folds=config.naive_bayes_folds,
             pooling_scale=config.pooling_scale,
+            pooling_values=config.pooling_values,
         )
         # Cosine decay to zero over the planned steps: a function of the optimizer's own
         # step, so a resumed run follows the same schedule.

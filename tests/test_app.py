@@ -467,6 +467,7 @@ def test_predict_cli_text_arguments_and_errors(run):
         (["--naive_bayes_folds", "0"], "naive_bayes_folds=0"),
         (["--mixed_precision", "float8"], "mixed_precision='float8'"),
         (["--pooling_scale", "0"], "pooling_scale=0.0"),
+        (["--pooling_values", "sum"], "pooling_values='sum'"),
     ],
     ids=[
         "heads",
@@ -481,6 +482,7 @@ def test_predict_cli_text_arguments_and_errors(run):
         "nb_folds",
         "mixed_precision",
         "pooling_scale",
+        "pooling_values",
     ],
 )
 def test_train_rejects_bad_flags_with_argparse_errors(flags, match, tmp_path, capsys):
@@ -848,3 +850,45 @@ def test_pooling_sharpness_reads_uniform_as_1_and_one_token_as_0():
     }  # fmt: skip
     both = export.pooling_sharpness([uniform, one_token])
     assert both == {"normalized_entropy": 0.5, "top_weight_times_uniform": 4.5, "reviews": 2}
+
+
+def test_pooling_values_embedding_sums_each_tokens_own_embedding(tmp_path):
+    """`pooling_values="embedding"`: P(positive) is the classifier over the pooling weights
+    (which the block's output gives) times each position's own embedding, projected by the
+    pooling's W_V and W_O, checked in NumPy from the layers' weights; and not the sum over
+    the block's output. It survives save and load, and the gradient path agrees."""
+    keras.utils.set_random_seed(0)
+    model, inspector = model_lib.build_classifier(
+        vocab_size=50, sequence_length=16, embed_dim=8, num_heads=2, key_dim=4, ff_dim=8,
+        dropout=0.0, pooling_values="embedding",
+    )  # fmt: skip
+    ids = np.random.default_rng(0).integers(1, 50, (3, 16))
+    ids[1, 9:] = 0  # padding
+    embedded = np.asarray(model.get_layer("embedding")(ids), "float64")  # (B, L, E)
+    blocks = np.asarray(model.get_layer("block_0")(embedded, mask=ids != 0), "float64")
+    weights = np.asarray(inspector(ids)["pooling"], "float64")  # (B, N, L)
+    attention = model.get_layer("pooling").attention
+    value_kernel = np.asarray(attention._value_dense.kernel, "float64")  # (E, N, H)
+    value_bias = np.asarray(attention._value_dense.bias, "float64")  # (N, H)
+    output_kernel = np.asarray(attention._output_dense.kernel, "float64")  # (N, H, E)
+    output_bias = np.asarray(attention._output_dense.bias, "float64")  # (E,)
+    classifier = model.get_layer("classifier")
+
+    def probability(values):
+        projected = np.einsum("ble,enh->blnh", values, value_kernel) + value_bias
+        pooled = np.einsum("bnl,blnh->bnh", weights, projected)
+        pooled = np.einsum("bnh,nhe->be", pooled, output_kernel) + output_bias
+        logit = pooled @ np.asarray(classifier.kernel, "float64") + np.asarray(classifier.bias)
+        return 1 / (1 + np.exp(-logit[:, 0]))
+
+    got = np.asarray(model(ids))[:, 0]
+    np.testing.assert_allclose(got, probability(embedded), atol=1e-5)
+    assert np.abs(got - probability(blocks)).max() > 1e-3
+    log_odds = model_lib.log_odds_from_embeddings(model, embedded.astype("float32"), ids != 0)
+    np.testing.assert_allclose(1 / (1 + np.exp(-np.asarray(log_odds))), got, atol=1e-5)
+    model.save(tmp_path / "model.keras")
+    reloaded = keras.saving.load_model(tmp_path / "model.keras")
+    assert reloaded.get_layer("pooling").values_from == "embedding"
+    np.testing.assert_allclose(np.asarray(reloaded(ids))[:, 0], got, atol=1e-6)
+    with pytest.raises(ValueError, match="values_from='sum'"):
+        model_lib.AttentionPooling(2, 4, values_from="sum")
