@@ -380,7 +380,11 @@ def _attention(
     return out, weights
 
 
-_attention_xla = tf.function(_attention, jit_compile=True, reduce_retracing=True)
+# Without AutoGraph: the core's loops are `tf.while_loop`s and its branches are on static
+# values, so converting its Python source would change nothing but the time each trace takes.
+_attention_xla = tf.function(
+    _attention, jit_compile=True, reduce_retracing=True, autograph=False
+)
 
 
 def _inside_xla():
