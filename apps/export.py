@@ -490,6 +490,8 @@ def write_model_card(metrics, path):
             f" + the embedding of the word triple ending at each word (the "
             f"{config['trigram_vocab_size']:,} most frequent in train, `trigrams.txt`)"
         )
+    if pairs and config.get("ngram_dim"):
+        pairs += f" (n-gram tables {config['ngram_dim']} wide, one learned projection to the width)"
     if config.get("naive_bayes_alpha"):
         pairs += (
             " + a learned projection of their naive-Bayes log-count ratios (counted on the "

@@ -123,7 +123,10 @@ class TokenAndPositionEmbedding(keras.layers.Layer):
     `bigram_vocab_size` most frequent pairs of the training set (`adapt_bigrams`);
     rarer pairs share one out-of-vocabulary vector. `trigram_vocab_size > 0` does the same
     for the word triple that ends at each position (`adapt_trigrams`). The sequence stays one
-    vector per word, so the attention weights are still over words.
+    vector per word, so the attention weights are still over words. With `ngram_dim`, the pair
+    and triple tables are `ngram_dim` wide and their sum is projected to `embed_dim` by one
+    learned matrix (`ngram_projection`): tables of 200,000 n-grams at width 16 take a quarter
+    of the memory (and of the SavedModel) that width 64 does.
 
     With `naive_bayes=True`, each position also adds a learned projection of its features'
     naive-Bayes log-count ratios (`naive_bayes_ratios`): the word's, and the pair's and the
@@ -151,9 +154,13 @@ class TokenAndPositionEmbedding(keras.layers.Layer):
         trigram_vocab_size=0,
         naive_bayes=False,
         naive_bayes_folds=5,
+        ngram_dim=None,
         **kwargs,
     ):
         super().__init__(**kwargs)
+        if ngram_dim is not None and ngram_dim <= 0:
+            raise ValueError(f"`ngram_dim` must be positive. Received: ngram_dim={ngram_dim}")
+        self.ngram_dim = ngram_dim
         self.vocab_size = vocab_size
         self.sequence_length = sequence_length
         self.embed_dim = embed_dim
@@ -180,7 +187,7 @@ class TokenAndPositionEmbedding(keras.layers.Layer):
                 name="bigram_lookup",
             )
             self.bigram_embedding = keras.layers.Embedding(
-                bigram_vocab_size + 2, embed_dim, name="bigram_embedding"
+                bigram_vocab_size + 2, ngram_dim or embed_dim, name="bigram_embedding"
             )
         if trigram_vocab_size:
             self.trigram_lookup = keras.layers.IntegerLookup(
@@ -190,7 +197,11 @@ class TokenAndPositionEmbedding(keras.layers.Layer):
                 name="trigram_lookup",
             )
             self.trigram_embedding = keras.layers.Embedding(
-                trigram_vocab_size + 2, embed_dim, name="trigram_embedding"
+                trigram_vocab_size + 2, ngram_dim or embed_dim, name="trigram_embedding"
+            )
+        if ngram_dim is not None and (bigram_vocab_size or trigram_vocab_size):
+            self.ngram_projection = keras.layers.Dense(
+                embed_dim, use_bias=False, name="ngram_projection"
             )
         if naive_bayes:
             self.naive_bayes_projection = keras.layers.Dense(
@@ -294,6 +305,8 @@ class TokenAndPositionEmbedding(keras.layers.Layer):
             self.bigram_embedding.build(ids_shape)
         if self.trigram_vocab_size:
             self.trigram_embedding.build(ids_shape)
+        if hasattr(self, "ngram_projection"):
+            self.ngram_projection.build((*ids_shape, self.ngram_dim))
         if self.naive_bayes:
             for name, size in self._naive_bayes_tables():
                 table = self.add_weight(
@@ -314,8 +327,12 @@ class TokenAndPositionEmbedding(keras.layers.Layer):
             ngram_embeddings.append(self.bigram_embedding)
         if self.trigram_vocab_size:
             ngram_embeddings.append(self.trigram_embedding)
-        for embedding, ngrams in zip(ngram_embeddings, indices[1:]):
-            x = x + embedding(ngrams)
+        if hasattr(self, "ngram_projection"):
+            ngrams = [embedding(i) for embedding, i in zip(ngram_embeddings, indices[1:])]
+            x = x + self.ngram_projection(ops.sum(ops.stack(ngrams), axis=0))  # (B, L, E)
+        else:
+            for embedding, ngrams in zip(ngram_embeddings, indices[1:]):
+                x = x + embedding(ngrams)
         if self.naive_bayes:
             fold = ops.cast(self.naive_bayes_fold(ids), "int64")[:, None]  # (B, 1)
             ratios = ops.stack(
@@ -348,6 +365,7 @@ class TokenAndPositionEmbedding(keras.layers.Layer):
             "trigram_vocab_size": self.trigram_vocab_size,
             "naive_bayes": self.naive_bayes,
             "naive_bayes_folds": self.naive_bayes_folds,
+            "ngram_dim": self.ngram_dim,
         }
 
 
@@ -504,6 +522,7 @@ def build_classifier(
     naive_bayes_folds=5,
     pooling_scale=None,
     pooling_values="block",
+    ngram_dim=None,
 ):
     """Returns `(model, inspector)`, two functional models over the same weights.
 
@@ -511,6 +530,8 @@ def build_classifier(
     a larger one makes the pooling sharper from the start. `pooling_values` is what the
     pooling sums: `"block"`, the last block's output, or `"embedding"`, each position's own
     embedding, weighed by the pooling weights the block's output gives (`AttentionPooling`).
+    `ngram_dim` is the width of the pair and triple tables (None: `embed_dim`), projected to
+    `embed_dim` (`TokenAndPositionEmbedding`).
 
     `model` maps token ids `(B, L)`, any `L <= sequence_length`, to `P(positive)` `(B, 1)`
     and is the one trained.
@@ -528,6 +549,7 @@ def build_classifier(
         trigram_vocab_size,
         naive_bayes,
         naive_bayes_folds,
+        ngram_dim=ngram_dim,
         name="embedding",
     )
     embedding_dropout = keras.layers.Dropout(dropout, seed=seed, name="embedding_dropout")

@@ -82,6 +82,7 @@ def load_run(run):
         naive_bayes_folds=config.get("naive_bayes_folds", 1),
         pooling_scale=config.get("pooling_scale"),
         pooling_values=config.get("pooling_values", "block"),
+        ngram_dim=config.get("ngram_dim"),
     )
     if config["bigram_vocab_size"]:
         pairs = data.read_ngrams(vectorizer, os.path.join(run, "bigrams.txt"))

@@ -62,6 +62,8 @@ class Config:
     sequence_length: int = 512  # tokens kept per review (TextVectorization output_sequence_length)
     bigram_vocab_size: int = 20000  # most frequent word pairs embedded; 0 = words only
     trigram_vocab_size: int = 0  # most frequent word triples embedded; 0 = none
+    # width of the pair and triple tables, projected to embed_dim; None = embed_dim itself
+    ngram_dim: int | None = None
     # where the word, pair and triple vocabularies are counted: train, or train+unsupervised
     # (TFDS's unlabelled split: IMDB's 50,000 reviews without a label; never the test split)
     vocabulary_source: str = "train"
@@ -112,7 +114,7 @@ _RUN_DEFINING = (
     "trigram_vocab_size", "naive_bayes_alpha", "naive_bayes_folds", "vocabulary_source",
     "embed_dim", "num_heads", "key_dim", "ff_dim", "num_layers", "dropout", "batch_size",
     "learning_rate", "weight_decay", "seed", "max_steps", "epochs", "strategy", "logical_cpus",
-    "monitor", "mixed_precision", "pooling_scale", "pooling_values",
+    "monitor", "mixed_precision", "pooling_scale", "pooling_values", "ngram_dim",
 )  # fmt: skip
 
 STRATEGIES = ("default", "mirrored", "multi_worker")
@@ -158,8 +160,11 @@ def _check_config(config):
             raise ValueError(
                 f"`--{name}` must be positive. Received: {name}={getattr(config, name)}"
             )
-    if config.max_steps is not None and config.max_steps <= 0:
-        raise ValueError(f"`--max_steps` must be positive. Received: max_steps={config.max_steps}")
+    for name in ("max_steps", "ngram_dim"):  # positive, or left out
+        if getattr(config, name) is not None and getattr(config, name) <= 0:
+            raise ValueError(
+                f"`--{name}` must be positive. Received: {name}={getattr(config, name)}"
+            )
     if config.vocab_size < 3:
         raise ValueError(
             f"`--vocab_size` must be at least 3. Received: vocab_size={config.vocab_size}"
@@ -634,6 +639,7 @@ def _build_model(config, run, vectorizer, train_ids, train_labels, counted_ids, 
             naive_bayes_folds=config.naive_bayes_folds,
             pooling_scale=config.pooling_scale,
             pooling_values=config.pooling_values,
+            ngram_dim=config.ngram_dim,
         )
         # Cosine decay to zero over the planned steps: a function of the optimizer's own
         # step, so a resumed run follows the same schedule.

@@ -468,6 +468,7 @@ def test_predict_cli_text_arguments_and_errors(run):
         (["--mixed_precision", "float8"], "mixed_precision='float8'"),
         (["--pooling_scale", "0"], "pooling_scale=0.0"),
         (["--pooling_values", "sum"], "pooling_values='sum'"),
+        (["--ngram_dim", "0"], "ngram_dim=0"),
     ],
     ids=[
         "heads",
@@ -483,6 +484,7 @@ def test_predict_cli_text_arguments_and_errors(run):
         "mixed_precision",
         "pooling_scale",
         "pooling_values",
+        "ngram_dim",
     ],
 )
 def test_train_rejects_bad_flags_with_argparse_errors(flags, match, tmp_path, capsys):
@@ -892,3 +894,33 @@ def test_pooling_values_embedding_sums_each_tokens_own_embedding(tmp_path):
     np.testing.assert_allclose(np.asarray(reloaded(ids))[:, 0], got, atol=1e-6)
     with pytest.raises(ValueError, match="values_from='sum'"):
         model_lib.AttentionPooling(2, 4, values_from="sum")
+
+
+def test_ngram_dim_projects_the_pair_and_triple_tables_to_the_width(tmp_path):
+    """`ngram_dim=d`: the pair and triple tables are d wide, and a position's embedding is
+    its word's and position's plus one projection of its pair's and triple's rows summed,
+    checked in NumPy from the tables; it survives save and load."""
+    embedding = model_lib.TokenAndPositionEmbedding(
+        50, 16, 8, bigram_vocab_size=30, trigram_vocab_size=20, ngram_dim=3
+    )
+    ids = np.random.default_rng(0).integers(1, 6, (4, 16))  # few words: pairs and triples repeat
+    embedding.adapt_bigrams(ids)
+    embedding.adapt_trigrams(ids)
+    got = np.asarray(embedding(ids), "float64")  # (B, L, E)
+    assert embedding.bigram_embedding.embeddings.shape == (32, 3)
+    assert embedding.trigram_embedding.embeddings.shape == (22, 3)
+    words = np.asarray(embedding.token_embedding.embeddings, "float64")[ids]
+    positions = np.asarray(embedding.position_embedding.embeddings, "float64")[:16]
+    pairs = np.asarray(embedding.bigram_lookup(model_lib.bigram_keys(ids, 50)))
+    triples = np.asarray(embedding.trigram_lookup(model_lib.trigram_keys(ids, 50)))
+    assert (pairs > 1).any() and (triples > 1).any()  # in-vocabulary n-grams looked up
+    ngrams = (
+        np.asarray(embedding.bigram_embedding.embeddings, "float64")[pairs]
+        + np.asarray(embedding.trigram_embedding.embeddings, "float64")[triples]
+    )  # (B, L, 3)
+    projection = np.asarray(embedding.ngram_projection.kernel, "float64")  # (3, E)
+    np.testing.assert_allclose(got, words + positions + ngrams @ projection, atol=1e-6)
+    reloaded = keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(embedding))
+    assert reloaded.ngram_dim == 3
+    with pytest.raises(ValueError, match="ngram_dim=0"):
+        model_lib.TokenAndPositionEmbedding(50, 16, 8, bigram_vocab_size=30, ngram_dim=0)
