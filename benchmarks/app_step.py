@@ -112,28 +112,43 @@ def main(argv=None):
         print(f"  round {index + 1}/{args.rounds}: {latest}", file=sys.stderr)
     ratios = [a / b for a, b in zip(times[names[0]], times[names[1]])]
     if args.mixed_precision:
-        return _write_mixed(args, names, times, ratios, batch, config)
-    section = "\n".join(
-        [
-            "## The app's training step",
-            "",
-            "Produced by:",
-            "",
-            f"    python benchmarks/app_step.py --rounds {args.rounds} --steps {args.steps} "
-            "--output BENCHMARKS.md",
-            "",
+        ratios = [1 / ratio for ratio in ratios]  # mixed over float32
+        title = f"The app's training step under {args.mixed_precision}"
+        flags = f"--mixed_precision {args.mixed_precision} "
+        what = (
+            f"The shipped classifier (L=512, batch {batch}) built under `{args.mixed_precision}` "
+            "(as `apps.train_sentiment --mixed_precision` builds it) against itself in float32, "
+            "same weights; `train_on_batch`"
+        )
+        rows = [(name, name) for name in names]
+        ratio_of = "mixed / float32"
+        markers = MIXED_START, MIXED_END
+    else:
+        title, flags = "The app's training step", ""
+        what = (
             "The shipped classifier (E=64, 2 heads of 32, one block plus attention pooling, "
             f"L=512, batch {batch}, dropout {config['dropout']}, word pairs) against the same "
             "model with `keras.layers.MultiHeadAttention` swapped in, same weights; "
-            "`train_on_batch` as the app compiles it (its Adam, `jit_compile=False`); "
-            f"{args.rounds} alternating rounds of "
-            f"{args.steps} steps in one process; ratio = median of the per-round ratios "
-            "(range in brackets).",
+            "`train_on_batch` as the app compiles it (its Adam, `jit_compile=False`)"
+        )
+        rows = [("shipped, keras_sdpa", "sdpa"), ("Keras MHA twin", "keras_mha")]
+        ratio_of = "ours / Keras"
+        markers = START, END
+    section = "\n".join(
+        [
+            f"## {title}",
+            "",
+            "Produced by:",
+            "",
+            f"    python benchmarks/app_step.py {flags}--rounds {args.rounds} --steps {args.steps} "
+            "--output BENCHMARKS.md",
+            "",
+            f"{what}; {args.rounds} alternating rounds of {args.steps} steps in one process; "
+            f"ratio = median of the per-round ratios ({ratio_of}; range in brackets).",
             "",
             "| model | ms per step (median) |",
             "|---|---|",
-            f"| shipped, keras_sdpa | {statistics.median(times['sdpa']) * 1e3:.0f} |",
-            f"| Keras MHA twin | {statistics.median(times['keras_mha']) * 1e3:.0f} |",
+            *(f"| {label} | {statistics.median(times[name]) * 1e3:.0f} |" for label, name in rows),
             f"| **ratio** | **{statistics.median(ratios):.3f}** "
             f"({min(ratios):.3f}-{max(ratios):.3f}) |",
             "",
@@ -143,41 +158,7 @@ def main(argv=None):
     if args.output:
         from features import replace_section
 
-        replace_section(args.output, START, END, section)
-    return 0
-
-
-def _write_mixed(args, names, times, ratios, batch, config):
-    """The section for `--mixed_precision`: ratio = mixed / float32."""
-    import statistics as st
-
-    ratios = [1 / ratio for ratio in ratios]  # mixed over float32
-    section = "\n".join(
-        [
-            f"## The app's training step under {args.mixed_precision}",
-            "",
-            "Produced by:",
-            "",
-            f"    python benchmarks/app_step.py --mixed_precision {args.mixed_precision} "
-            f"--rounds {args.rounds} --steps {args.steps} --output BENCHMARKS.md",
-            "",
-            f"The shipped classifier (L=512, batch {batch}) built under `{args.mixed_precision}` "
-            "(as `apps.train_sentiment --mixed_precision` builds it) against itself in float32, "
-            f"same weights; `train_on_batch`; {args.rounds} alternating rounds of {args.steps} "
-            "steps in one process; ratio = median of the per-round ratios (mixed / float32).",
-            "",
-            "| policy | ms per step (median) |",
-            "|---|---|",
-            *(f"| {name} | {st.median(times[name]) * 1e3:.0f} |" for name in names),
-            f"| **ratio** | **{st.median(ratios):.3f}** ({min(ratios):.3f}-{max(ratios):.3f}) |",
-            "",
-        ]
-    )
-    print(section)
-    if args.output:
-        from features import replace_section
-
-        replace_section(args.output, MIXED_START, MIXED_END, section)
+        replace_section(args.output, *markers, section)
     return 0
 
 

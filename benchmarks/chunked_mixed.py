@@ -16,11 +16,10 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from attention import cpu_name  # noqa: E402
-from long_sequences import B, E, H, N, make_step  # noqa: E402
+from long_sequences import B, E, H, N, make_step, time_alternating  # noqa: E402
 
 START, END = "<!-- chunked-mixed:start -->", "<!-- chunked-mixed:end -->"
 POLICIES = ("float32", "mixed_bfloat16")
@@ -28,15 +27,7 @@ POLICIES = ("float32", "mixed_bfloat16")
 
 def alternate(length, chunk_size, rounds):
     steps = {policy: make_step("sdpa_chunked", length, chunk_size, policy) for policy in POLICIES}
-    for step in steps.values():
-        step()  # trace and compile
-    seconds = {policy: [] for policy in POLICIES}
-    for index in range(rounds):
-        order = list(steps.items())
-        for policy, step in order if index % 2 == 0 else order[::-1]:
-            start = time.perf_counter()
-            step()
-            seconds[policy].append(time.perf_counter() - start)
+    seconds = time_alternating(steps, rounds)
     ratios = sorted(a / b for a, b in zip(seconds["mixed_bfloat16"], seconds["float32"]))
     return {policy: statistics.median(t) * 1e3 for policy, t in seconds.items()}, ratios
 

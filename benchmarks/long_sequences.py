@@ -87,20 +87,28 @@ def measure(impl, length, chunk_size):
     return {"ms": seconds * 1e3, "peak_mib": peak - base, "rss_mib": peak}
 
 
+def time_alternating(steps, rounds):
+    """Seconds of each of `steps` (name -> callable), once per round, after one call that
+    traces and compiles; the order reverses every round, so none always runs first."""
+    for step in steps.values():
+        step()  # trace and compile
+    seconds = {name: [] for name in steps}
+    for index in range(rounds):
+        order = list(steps.items())
+        for name, step in order if index % 2 == 0 else order[::-1]:
+            start = time.perf_counter()
+            step()
+            seconds[name].append(time.perf_counter() - start)
+    return seconds
+
+
 def alternate(impls, length, chunk_size, rounds):
     """Median ms of each implementation over alternating rounds in this process, and the
     per-round ratios of chunked to each other one (median, low, high). The order reverses
     every round, so no implementation always runs first."""
-    steps = {impl: make_step(impl, length, chunk_size) for impl in impls}
-    for step in steps.values():
-        step()  # trace and compile
-    seconds = {impl: [] for impl in impls}
-    for index in range(rounds):
-        order = list(steps.items())
-        for impl, step in order if index % 2 == 0 else order[::-1]:
-            start = time.perf_counter()
-            step()
-            seconds[impl].append(time.perf_counter() - start)
+    seconds = time_alternating(
+        {impl: make_step(impl, length, chunk_size) for impl in impls}, rounds
+    )
     result = {impl: {"ms": statistics.median(t) * 1e3} for impl, t in seconds.items()}
     if "sdpa_chunked" in impls:
         for impl in impls:
