@@ -161,10 +161,16 @@ def test_readme_quotes_the_unlabelled_vocabulary_seeds_from_their_files():
     assert f"attention AOPCs of {aopc}:" in text
 
 
-def test_readme_quotes_the_four_head_seeds_from_their_files():
-    name = "unsup_heads4_pairs200k_tri200k_vocab30k_drop04_wd05"
+@pytest.mark.parametrize(
+    "name, flag, value",
+    [
+        ("unsup_heads4_pairs200k_tri200k_vocab30k_drop04_wd05", "num_heads", 4),
+        ("unsup_pool1_pairs200k_tri200k_vocab30k_drop04_wd05", "pooling_scale", 1.0),
+    ],
+)
+def test_readme_quotes_each_configurations_seeds_from_their_files(name, flag, value):
     runs, cell, aopc = _seed_figures(name)
-    assert len(runs) == 3 and all(run["config"]["num_heads"] == 4 for run in runs)
+    assert len(runs) == 3 and all(run["config"][flag] == value for run in runs)
     text = " ".join(README.read_text().split())
     assert (
         f"read {cell('validation_accuracy')} on validation and {cell('test_accuracy')} on test "
