@@ -52,11 +52,15 @@ def _without_session_xla_cache():
 def reviews_by_bucket():
     """Real test reviews: for every length bucket, reviews whose tokens fall in it."""
     texts, _, _ = data.load_test_split("imdb_reviews")
+    run = os.path.dirname(SAVED_MODEL)
+    with open(os.path.join(run, "metrics.json")) as f:
+        config = json.load(f)["config"]  # the shipped run's, whatever its configuration
+    length = config["sequence_length"]
     vectorizer = data.make_vectorizer(
-        10000, 512, vocabulary=os.path.join(ROOT, "saved_models", "imdb_sdpa", "vocabulary.txt")
+        config["vocab_size"], length, vocabulary=os.path.join(run, "vocabulary.txt")
     )
     lengths = (data.vectorize(vectorizer, texts[:3000]) != 0).sum(axis=1)
-    sizes = export.bucket_sizes(512)
+    sizes = export.bucket_sizes(length)
     bounds = (0,) + sizes
     chosen = []
     for low, high in zip(bounds[:-1], bounds[1:]):
