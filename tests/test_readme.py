@@ -166,16 +166,22 @@ def test_readme_quotes_the_unlabelled_vocabulary_seeds_from_their_files():
     [
         ("unsup_heads4_pairs200k_tri200k_vocab30k_drop04_wd05", "num_heads", 4),
         ("unsup_pool1_pairs200k_tri200k_vocab30k_drop04_wd05", "pooling_scale", 1.0),
+        ("unsup_poolemb_pairs200k_tri200k_vocab30k_drop04_wd05", "pooling_values", "embedding"),
     ],
 )
 def test_readme_quotes_each_configurations_seeds_from_their_files(name, flag, value):
+    import statistics
+
     runs, cell, aopc = _seed_figures(name)
     assert len(runs) == 3 and all(run["config"][flag] == value for run in runs)
     text = " ".join(README.read_text().split())
-    assert (
+    minutes = statistics.fmean(run["train_seconds"] for run in runs) / 60
+    minutes = f", in {minutes:.1f} minutes of training"
+    assert any(
         f"read {cell('validation_accuracy')} on validation and {cell('test_accuracy')} on test "
-        f"over 3 seeds (`{name}`), with attention AOPCs of {aopc}:"
-    ) in text
+        f"over 3 seeds (`{name}`){timing}, with attention AOPCs of {aopc}:" in text
+        for timing in ("", minutes)
+    )
 
 
 def test_math_section_quotes_the_committed_measurements():
