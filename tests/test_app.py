@@ -894,6 +894,9 @@ def test_pooling_values_embedding_sums_each_tokens_own_embedding(tmp_path):
     np.testing.assert_allclose(np.asarray(reloaded(ids))[:, 0], got, atol=1e-6)
     with pytest.raises(ValueError, match="values_from='sum'"):
         model_lib.AttentionPooling(2, 4, values_from="sum")
+    pooling = model.get_layer("pooling")
+    with pytest.raises(ValueError, match="values_from='embedding', values=None"):
+        pooling(blocks.astype("float32"), mask=ids != 0)
 
 
 def test_ngram_dim_projects_the_pair_and_triple_tables_to_the_width(tmp_path):
