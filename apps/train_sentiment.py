@@ -58,15 +58,15 @@ class Config:
     dataset: str = "imdb_reviews"  # any TFDS text dataset with (text, label)
     data_dir: str | None = None  # TFDS folder; else $TFDS_DATA_DIR; else TFDS's default
     validation_fraction: float = 0.1  # of train, fixed-seed; the test split is for the report only
-    vocab_size: int = 10000  # TextVectorization max_tokens
+    vocab_size: int = 30000  # TextVectorization max_tokens
     sequence_length: int = 512  # tokens kept per review (TextVectorization output_sequence_length)
-    bigram_vocab_size: int = 20000  # most frequent word pairs embedded; 0 = words only
-    trigram_vocab_size: int = 0  # most frequent word triples embedded; 0 = none
+    bigram_vocab_size: int = 200000  # most frequent word pairs embedded; 0 = words only
+    trigram_vocab_size: int = 200000  # most frequent word triples embedded; 0 = none
     # width of the pair and triple tables, projected to embed_dim; None = embed_dim itself
-    ngram_dim: int | None = None
+    ngram_dim: int | None = 16
     # where the word, pair and triple vocabularies are counted: train, or train+unsupervised
     # (TFDS's unlabelled split: IMDB's 50,000 reviews without a label; never the test split)
-    vocabulary_source: str = "train"
+    vocabulary_source: str = "train+unsupervised"
     # > 0: each position adds its word's (and pair's, triple's) naive-Bayes log-count ratio,
     # counted on the training labels with this additive smoothing; 0 = none
     naive_bayes_alpha: float = 0.0
@@ -80,8 +80,8 @@ class Config:
     pooling_scale: float | None = None  # the pooling attention's logit scale; None = 1/sqrt(H)
     # what the pooling sums, weighed by its attention over the last block's output: that
     # output (block), or each position's own embedding (embedding)
-    pooling_values: str = "block"
-    dropout: float = 0.2
+    pooling_values: str = "embedding"
+    dropout: float = 0.4
     # training
     # Keras's dtype policy for the run: mixed_bfloat16 or mixed_float16 (loss-scaled), with the
     # classifier's output and the variables in float32; None = float32 throughout
@@ -89,9 +89,9 @@ class Config:
     batch_size: int = 64
     epochs: int = 2  # the learning rate decays to 0 at the end of the last one
     learning_rate: float = 1e-3  # Adam, with cosine decay to 0 over the epochs
-    weight_decay: float = 0.0  # decoupled (AdamW), times the learning rate; 0 = plain Adam
-    monitor: str = "val_loss"  # early stopping and the kept epoch: val_loss or val_accuracy
-    patience: int = 1  # epochs without a better `monitor` before training stops
+    weight_decay: float = 0.5  # decoupled (AdamW), times the learning rate; 0 = plain Adam
+    monitor: str = "val_accuracy"  # early stopping and the kept epoch: val_loss or val_accuracy
+    patience: int = 3  # epochs without a better `monitor` before training stops
     seed: int = 0
     max_steps: int | None = None  # smoke runs: cap steps per epoch and evaluation batches
     save_every: int = 50  # steps between training-state saves (also at every epoch end)
