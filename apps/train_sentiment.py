@@ -881,7 +881,7 @@ def _report(config, output, model, inspector, vectorizer, splits, history, best_
         "history": history,
         "config": dataclasses.asdict(config),
         "command": shlex.join(["python", "-m", "apps.train_sentiment", *(argv or [])]),
-        "git_commit": _git_commit(),
+        "git_commit": _git_commit(output),
         "versions": {
             "python": sys.version.split()[0],
             "tensorflow": tf.__version__,
@@ -908,8 +908,11 @@ def _report(config, output, model, inspector, vectorizer, splits, history, best_
     return 0
 
 
-def _git_commit():
-    """The checkout's commit, with `+changes` if its tracked files differ; None outside git."""
+def _git_commit(output=None):
+    """The checkout's commit, with `+changes` if its tracked files differ; None outside git.
+
+    The run's own `output` folder is left out of the comparison: a run written over a committed
+    one (the shipped model) changes those files itself, not the code that trained it."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     if not os.path.isfile(os.path.join(root, "pyproject.toml")):
         return None  # installed from a wheel: no checkout of this project here
@@ -919,8 +922,12 @@ def _git_commit():
         )
         if commit.returncode != 0:
             return None
+        excluded = []
+        inside = output is not None and os.path.abspath(output).startswith(root + os.sep)
+        if inside:  # git refuses a path outside the checkout
+            excluded = [".", f":(exclude){os.path.relpath(os.path.abspath(output), root)}"]
         dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
+            ["git", "status", "--porcelain", "--untracked-files=no", "--", *excluded],
             cwd=root, capture_output=True, text=True, timeout=10,
         )  # fmt: skip
     except (OSError, subprocess.TimeoutExpired):
