@@ -477,9 +477,11 @@ class Run:
 def train(config, argv=None):
     """The whole run: set up, data, model, fit, then report and export. Returns an exit code.
 
-    `argv`, the flags given, goes to `metrics.json` with the code's git commit."""
+    `argv`, the flags given, goes to `metrics.json` with the code's git commit, read now:
+    the code that trains, whatever changes in the checkout while it does."""
+    git_commit = _git_commit(config.output)
     with _dtype_policy(config.mixed_precision or "float32"):
-        return _train(config, argv)
+        return _train(config, argv, git_commit)
 
 
 @contextlib.contextmanager
@@ -496,7 +498,7 @@ def _dtype_policy(name):
         keras.config.set_dtype_policy(previous)
 
 
-def _train(config, argv):
+def _train(config, argv, git_commit):
     run = _start_run(config)
     splits, vectorizer, train_ids, validation_ids, counted_ids = _prepare_data(config, run)
     steps_per_epoch = max(1, len(train_ids) // run.global_batch)
@@ -518,7 +520,7 @@ def _train(config, argv):
     best_epoch = _best_row(history, config.monitor)["epoch"] if history else None
     return _report(
         config, run.output, model, inspector, vectorizer, splits, history, best_epoch,
-        train_seconds, stopped, validation, run.distribution, argv,
+        train_seconds, stopped, validation, run.distribution, argv, git_commit,
     )  # fmt: skip
 
 
@@ -772,7 +774,7 @@ def _fit(config, run, model, train_ids, train_labels, validation, steps_per_epoc
 
 
 def _report(config, output, model, inspector, vectorizer, splits, history, best_epoch,
-            train_seconds, stopped, validation, distribution, argv):  # fmt: skip
+            train_seconds, stopped, validation, distribution, argv, git_commit):  # fmt: skip
     print("Evaluating the best epoch's weights on validation and test")
     steps = config.max_steps
     global_batch = distribution["global_batch_size"]
@@ -881,7 +883,7 @@ def _report(config, output, model, inspector, vectorizer, splits, history, best_
         "history": history,
         "config": dataclasses.asdict(config),
         "command": shlex.join(["python", "-m", "apps.train_sentiment", *(argv or [])]),
-        "git_commit": _git_commit(output),
+        "git_commit": git_commit,
         "versions": {
             "python": sys.version.split()[0],
             "tensorflow": tf.__version__,

@@ -36,6 +36,36 @@ def test_readme_results_are_the_committed_metrics():
     assert f"{_percent(metrics['test_accuracy'])}" in card
 
 
+def test_shipped_run_is_the_quickstart_command_on_the_apps_defaults():
+    """The committed model is what the Quickstart's command makes: the command line it recorded
+    is the README's, every setting it ran with is today's default (but where the data was), and
+    it names the commit that trained it, one of this branch's, with no other change."""
+    import dataclasses
+    import shlex
+    import subprocess
+
+    from apps import train_sentiment
+
+    metrics = json.loads((ROOT / "saved_models/imdb_sdpa/metrics.json").read_text())
+    quickstart = re.search(
+        r'^    pip install -e "\.\[dev\]" && (python -m apps\.train_sentiment.*)$',
+        README.read_text(), flags=re.M,
+    ).group(1)  # fmt: skip
+    assert metrics["command"] == quickstart
+    defaults = dataclasses.asdict(train_sentiment.Config())
+    assert metrics["config"].keys() == defaults.keys()
+    assert {k for k, v in defaults.items() if metrics["config"][k] != v} == {"data_dir"}
+    # The command, parsed by today's app, asks for the configuration the run recorded.
+    parsed = train_sentiment.parse_args(shlex.split(quickstart)[3:])
+    assert dataclasses.asdict(parsed) == metrics["config"]
+    commit = metrics["git_commit"]
+    assert commit and "+" not in commit, commit
+    ancestor = subprocess.run(["git", "merge-base", "--is-ancestor", commit, "HEAD"], cwd=ROOT)
+    # 1: a commit this branch does not contain. (128: a tree without its history, a shallow
+    # clone or an exported one, cannot tell.)
+    assert ancestor.returncode in (0, 128), commit
+
+
 def test_experiment_table_matches_its_metrics_files():
     folder = ROOT / "saved_models/experiments"
     table = (folder / "README.md").read_text()
