@@ -1,13 +1,14 @@
 """One training step of the app's classifier, as shipped, against its Keras-MHA twin.
 
 The shipped configuration (`apps.train_sentiment`'s defaults: E=64, 2 heads of 32, one
-block plus attention pooling, L=512, vocabulary 10,000 with 20,000 word pairs, batch
-64, the app's Adam) is built twice by `apps.model.build_classifier`: once as shipped, on
-`keras_sdpa.ScaledDotProductAttention`, and once with `keras.layers.MultiHeadAttention`
-in its place (same arguments, same weights copied over). Each step is
-`model.train_on_batch` on the same batch of random token ids, compiled as the app
-compiles it (`apps.model.Adam`, `jit_compile=False`: the attention core is XLA-compiled
-on its own).
+block plus attention pooling over each token's embedding, vocabulary 30,000 with 200,000
+word pairs and 200,000 triples 16 wide, batch 64, the app's Adam) is built twice by
+`apps.model.build_classifier`: once as shipped, on `keras_sdpa.ScaledDotProductAttention`,
+and once with `keras.layers.MultiHeadAttention` in its place (same arguments, same weights
+copied over). Each step is `model.train_on_batch` on the same batch of random token ids,
+cut to `--length` (one of the app's length buckets: 512, the longest, by default),
+compiled as the app compiles it (`apps.model.Adam`, `jit_compile=False`: the attention
+core is XLA-compiled on its own).
 
 Rounds alternate the two in one process; the table gives the median of the
 per-round ratios (ours / Keras) and their range.
@@ -32,7 +33,8 @@ START, END = "<!-- app-step:start -->", "<!-- app-step:end -->"
 MIXED_START, MIXED_END = "<!-- app-step-mixed:start -->", "<!-- app-step-mixed:end -->"
 MODEL_ARGUMENTS = (
     "vocab_size", "sequence_length", "embed_dim", "num_heads", "key_dim", "ff_dim",
-    "num_layers", "dropout", "seed", "bigram_vocab_size",
+    "num_layers", "dropout", "seed", "bigram_vocab_size", "trigram_vocab_size", "ngram_dim",
+    "pooling_values",
 )  # fmt: skip
 
 
@@ -52,16 +54,28 @@ def build(kind, ids, config, policy="float32"):
     from apps import model as model_lib
     from apps.train_sentiment import _dtype_policy
 
+    class KerasTwin(keras.layers.MultiHeadAttention):
+        """Keras's layer under our layer's arguments: it has no `scale`, only the default."""
+
+        def __init__(self, *args, scale=None, **kwargs):
+            if scale is not None:
+                raise ValueError(f"The Keras twin takes no `scale`. Received: scale={scale}")
+            super().__init__(*args, **kwargs)
+
     original = model_lib.ScaledDotProductAttention
     if kind == "keras_mha":
-        model_lib.ScaledDotProductAttention = keras.layers.MultiHeadAttention
+        model_lib.ScaledDotProductAttention = KerasTwin
     try:
         keras.utils.set_random_seed(0)
         with _dtype_policy(policy):
             model, _ = model_lib.build_classifier(**config)
     finally:
         model_lib.ScaledDotProductAttention = original
-    model.get_layer("embedding").adapt_bigrams(ids)  # the word-pair vocabulary
+    embedding = model.get_layer("embedding")
+    if config["bigram_vocab_size"]:
+        embedding.adapt_bigrams(ids)  # the word-pair vocabulary
+    if config["trigram_vocab_size"]:
+        embedding.adapt_trigrams(ids)
     model.compile(model_lib.Adam(1e-3), "binary_crossentropy", jit_compile=False)
     return model
 
@@ -71,6 +85,9 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--steps", type=int, default=5, help="training steps per round")
     parser.add_argument("--output", help="a Markdown file whose app-step section is replaced")
+    parser.add_argument(
+        "--length", type=int, help="tokens per batch, a length bucket (default: the app's longest)"
+    )
     parser.add_argument(
         "--mixed_precision", help="time this dtype policy against float32 instead of Keras MHA"
     )
@@ -85,9 +102,15 @@ def main(argv=None):
 
     rng = np.random.default_rng(0)
     config, batch = shipped_config()
-    lengths = rng.integers(90, config["sequence_length"] + 1, batch)  # real reviews vary
-    ids = rng.integers(2, config["vocab_size"], (batch, config["sequence_length"]))
-    ids[np.arange(config["sequence_length"])[None, :] >= lengths[:, None]] = 0  # padding
+    length = args.length or config["sequence_length"]
+    if not 2 <= length <= config["sequence_length"]:
+        parser.error(
+            f"--length must be between 2 and {config['sequence_length']}. Received: {length}"
+        )
+    # Real reviews vary: a bucket holds reviews from the bucket below it up to its length.
+    lengths = rng.integers(max(1, length * 2 // 3), length + 1, batch)
+    ids = rng.integers(2, config["vocab_size"], (batch, length))
+    ids[np.arange(length)[None, :] >= lengths[:, None]] = 0  # padding
     labels = rng.integers(0, 2, batch).astype("float32")
 
     if args.mixed_precision:
@@ -116,7 +139,8 @@ def main(argv=None):
         title = f"The app's training step under {args.mixed_precision}"
         flags = f"--mixed_precision {args.mixed_precision} "
         what = (
-            f"The shipped classifier (L=512, batch {batch}) built under `{args.mixed_precision}` "
+            f"The shipped classifier (L={length}, batch {batch}) built under "
+            f"`{args.mixed_precision}` "
             "(as `apps.train_sentiment --mixed_precision` builds it) against itself in float32, "
             "same weights; `train_on_batch`"
         )
@@ -126,8 +150,9 @@ def main(argv=None):
     else:
         title, flags = "The app's training step", ""
         what = (
-            "The shipped classifier (E=64, 2 heads of 32, one block plus attention pooling, "
-            f"L=512, batch {batch}, dropout {config['dropout']}, word pairs) against the same "
+            "The shipped classifier (E=64, 2 heads of 32, one block plus attention pooling over "
+            f"the embeddings, L={length}, batch {batch}, dropout {config['dropout']}, word pairs "
+            "and triples) against the same "
             "model with `keras.layers.MultiHeadAttention` swapped in, same weights; "
             "`train_on_batch` as the app compiles it (its Adam, `jit_compile=False`)"
         )
@@ -141,7 +166,7 @@ def main(argv=None):
             "Produced by:",
             "",
             f"    python benchmarks/app_step.py {flags}--rounds {args.rounds} --steps {args.steps} "
-            "--output BENCHMARKS.md",
+            f"{'' if args.length is None else f'--length {length} '}--output BENCHMARKS.md",
             "",
             f"{what}; {args.rounds} alternating rounds of {args.steps} steps in one process; "
             f"ratio = median of the per-round ratios ({ratio_of}; range in brackets).",
