@@ -479,16 +479,19 @@ def write_model_card(metrics, path):
         f"| {row['val_loss']:.4f} | {row['val_accuracy']:.4f} |"
         for row in metrics["history"]
     )
+    counted = "train"
+    if config.get("vocabulary_source") == "train+unsupervised":
+        counted = "train and the unlabelled reviews"
     pairs = ""
     if config.get("bigram_vocab_size"):
         pairs = (
             f" + the embedding of each word's pair with the word before it (the "
-            f"{config['bigram_vocab_size']:,} most frequent pairs in train, `bigrams.txt`)"
+            f"{config['bigram_vocab_size']:,} most frequent pairs in {counted}, `bigrams.txt`)"
         )
     if config.get("trigram_vocab_size"):
         pairs += (
             f" + the embedding of the word triple ending at each word (the "
-            f"{config['trigram_vocab_size']:,} most frequent in train, `trigrams.txt`)"
+            f"{config['trigram_vocab_size']:,} most frequent in {counted}, `trigrams.txt`)"
         )
     if pairs and config.get("ngram_dim"):
         pairs += f" (n-gram tables {config['ngram_dim']} wide, one learned projection to the width)"

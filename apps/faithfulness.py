@@ -24,6 +24,7 @@ on the sample before anything is measured.
 """
 
 import dataclasses
+import json
 import math
 import os
 import sys
@@ -258,6 +259,12 @@ def main(argv=None):
         "seed": config.seed,
     }
     paths = write_report(payload, config.run)
+    metrics = os.path.join(config.run, "metrics.json")
+    if os.path.isfile(metrics):  # a training run's folder: its model card quotes this report
+        with open(metrics) as f:
+            paths["model_card"] = export.write_model_card(
+                json.load(f), os.path.join(config.run, "README.md")
+            )
     print("\n" + explain.verdict(payload))
     print("Wrote:")
     for name, path in paths.items():

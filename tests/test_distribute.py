@@ -30,6 +30,9 @@ RUN = [
     "--vocab_size", "3000", "--embed_dim", "16", "--key_dim", "8", "--ff_dim", "32",
     "--bigram_vocab_size", "20000", "--trigram_vocab_size", "5000", "--vocabulary_source", "train",
     "--monitor", "val_loss",  # a loss picks the epoch the same way on close runs; accuracy ties
+    # The block's output pooled: in 12 steps of 32 reviews its training loss falls visibly
+    # (0.714 -> 0.695); pooling the embeddings, the default, has not moved yet (0.690 -> 0.696).
+    "--pooling_values", "block",
     "--learning_rate", "3e-3", "--inspect_examples", "4", "--verbose", "2",
     "--patience", "2",  # both epochs always run: a 12-step validation loss is noise
     "--faithfulness_examples", "16",

@@ -283,3 +283,6 @@ def test_cli_writes_the_report_into_the_run_folder(tmp_path, capsys):
     for name in ("faithfulness.json", "faithfulness.md", "faithfulness.png"):
         assert str(run / name) in printed
     assert (run / "faithfulness.md").read_text().startswith("Comprehensiveness")
+    # The run's model card now quotes this report, not the one it was written with.
+    assert str(run / "README.md") in printed
+    assert explain.markdown_table(payload) in (run / "README.md").read_text()
