@@ -363,20 +363,28 @@ class TrainingState(keras.callbacks.Callback):
 
 
 class ReviewsPerSecond(keras.callbacks.Callback):
-    """Puts `reviews/s` in the progress bar: the global batch over each step's wall time (the
-    bar shows its mean over the epoch so far)."""
+    """Puts `reviews/s` in the progress bar: the reviews trained on since the epoch began over
+    the wall time since then, input pipeline and callbacks included. (Keras's bar shows a
+    logged value as it is, not averaged, so a per-step rate would jump with each batch's
+    length bucket.)"""
 
     def __init__(self, global_batch):
         super().__init__()
         self.global_batch = global_batch
         self.started = None
+        self.reviews = 0
 
-    def on_train_batch_begin(self, batch, logs=None):
+    def on_epoch_begin(self, epoch, logs=None):
         self.started = time.perf_counter()
+        self.reviews = 0
 
     def on_train_batch_end(self, batch, logs=None):
-        if logs is not None and self.started is not None:
-            logs["reviews/s"] = self.global_batch / max(time.perf_counter() - self.started, 1e-9)
+        if self.started is None:  # called outside `fit`'s epochs
+            self.on_epoch_begin(None)
+        self.reviews += self.global_batch
+        if logs is not None:
+            now = time.perf_counter()
+            logs["reviews/s"] = self.reviews / max(now - self.started, 1e-9)
 
 
 def _step(model):

@@ -682,6 +682,22 @@ def test_progress_bar_shows_reviews_per_second(capsys):
     assert shown and float(shown[-1]) > 0
 
 
+def test_reviews_per_second_is_the_epochs_throughput_so_far(monkeypatch):
+    """Steps of 1 s, 2 s and 1 s at 16 reviews: the bar reads 16/1, 32/3, 48/4 reviews/s (the
+    reviews since the epoch began over the time since), not each step's own rate."""
+    clock = iter([10.0, 11.0, 13.0, 14.0, 20.0, 22.0])
+    monkeypatch.setattr(train_sentiment.time, "perf_counter", lambda: next(clock))
+    callback = train_sentiment.ReviewsPerSecond(global_batch=16)
+    shown = []
+    for epoch, steps in ((0, 3), (1, 1)):
+        callback.on_epoch_begin(epoch)
+        for step in range(steps):
+            logs = {}
+            callback.on_train_batch_end(step, logs)
+            shown.append(logs["reviews/s"])
+    assert shown == pytest.approx([16.0, 32 / 3, 12.0, 8.0])  # the new epoch starts afresh
+
+
 @pytest.mark.parametrize("monitor", ["val_loss", "val_accuracy"])
 def test_early_stopping_replays_the_logged_epochs_on_its_monitor(monitor, tmp_path):
     """Epoch 1 is best on `monitor` (loss falls then rises; accuracy peaks a different way);
