@@ -373,6 +373,15 @@ def test_faithfulness_table_is_the_committed_report():
     assert explain.markdown_table(payload) in card
 
 
+def test_bucket_ratio_is_the_benchmarks():
+    """The README's bucketed-against-padded step ratio is `benchmarks/buckets.py`'s table."""
+    benchmarks = (ROOT / "BENCHMARKS.md").read_text()
+    section = benchmarks[benchmarks.index("<!-- buckets:start -->") :]
+    ratio = re.search(r"^\| \*\*ratio\*\* \| \*\*([\d.]+)\*\*", section, flags=re.M)[1]
+    text = " ".join(README.read_text().split())
+    assert f"takes **{ratio}x** the time of the same batches padded to 512" in text
+
+
 def test_serving_figures_are_the_measured_ones():
     """The README's serving figures are serving.json's (written at export) and BENCHMARKS.md's."""
     serving = json.loads((ROOT / "saved_models/imdb_sdpa/serving.json").read_text())

@@ -1,0 +1,147 @@
+"""The app's training step on length-bucketed batches against the same batches padded to 512.
+
+The classifier is built as `apps.train_sentiment`'s defaults build it (the shipped run's
+configuration, vocabulary, word pairs and triples, read from `saved_models/imdb_sdpa`; dropout
+as in training) and compiled as the app compiles it (its Adam with weight decay,
+`jit_compile=False`). The batches are the app's own: the first `--steps` batches of
+`training_stream` on real IMDB training reviews, each cut to its length bucket; the padded
+twin of each batch is the same reviews padded to `--sequence_length` (512), as every batch was
+before the buckets. Two models with the same weights take the two kinds of batch, in
+alternating rounds in one process; ratio = bucketed / padded, the median of the per-round ratios
+with their range.
+
+Usage:
+    python benchmarks/buckets.py --data_dir ../shared/data/tensorflow_datasets
+    python benchmarks/buckets.py --rounds 5 --steps 24 --output BENCHMARKS.md
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+START, END = "<!-- buckets:start -->", "<!-- buckets:end -->"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RUN = os.path.join(ROOT, "saved_models", "imdb_sdpa")
+
+
+def build(config, vectorizer):
+    """The shipped configuration's classifier, compiled as the app compiles it."""
+    import keras
+
+    from apps import data
+    from apps import model as model_lib
+
+    keras.utils.set_random_seed(config["seed"])
+    model, _ = model_lib.build_classifier(
+        vocab_size=vectorizer.vocabulary_size(), sequence_length=config["sequence_length"],
+        embed_dim=config["embed_dim"], num_heads=config["num_heads"], key_dim=config["key_dim"],
+        ff_dim=config["ff_dim"], num_layers=config["num_layers"], dropout=config["dropout"],
+        seed=config["seed"], bigram_vocab_size=config["bigram_vocab_size"],
+        trigram_vocab_size=config["trigram_vocab_size"], pooling_scale=config["pooling_scale"],
+        pooling_values=config["pooling_values"], ngram_dim=config["ngram_dim"],
+    )  # fmt: skip
+    embedding = model.get_layer("embedding")
+    if config["bigram_vocab_size"]:
+        embedding.set_bigrams(data.read_ngrams(vectorizer, os.path.join(RUN, "bigrams.txt")))
+    if config["trigram_vocab_size"]:
+        embedding.set_trigrams(data.read_ngrams(vectorizer, os.path.join(RUN, "trigrams.txt")))
+    model.compile(
+        optimizer=model_lib.Adam(
+            config["learning_rate"], weight_decay=config["weight_decay"] or None
+        ),
+        loss="binary_crossentropy",
+        metrics=["accuracy"],
+        jit_compile=False,
+    )
+    return model
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--data_dir", default=os.environ.get("TFDS_DATA_DIR"))
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=24, help="training batches per round")
+    parser.add_argument("--output", help="a Markdown file whose buckets section is replaced")
+    args = parser.parse_args(argv)
+    if args.rounds < 1 or args.steps < 1:
+        parser.error(
+            f"--rounds and --steps must be at least 1. Received: {args.rounds}, {args.steps}"
+        )
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    sys.path.insert(0, ROOT)
+    import numpy as np
+
+    from apps import data, train_sentiment
+
+    with open(os.path.join(RUN, "metrics.json")) as f:
+        config = json.load(f)["config"]
+    length = config["sequence_length"]
+    vectorizer = data.make_vectorizer(
+        config["vocab_size"], length, vocabulary=os.path.join(RUN, "vocabulary.txt")
+    )
+    splits = data.load_splits(seed=config["seed"], data_dir=data.resolve_data_dir(args.data_dir))
+    ids = data.vectorize(vectorizer, splits.train_text)
+    stream = train_sentiment.training_stream(
+        ids, splits.train_label, config["batch_size"], config["seed"]
+    )
+    bucketed = [(x.numpy(), y.numpy()) for x, y in stream.take(args.steps)]
+    padded = [(np.pad(x, ((0, 0), (0, length - x.shape[1]))), y) for x, y in bucketed]
+    widths = [x.shape[1] for x, _ in bucketed]
+    print(f"{args.steps} batches of {config['batch_size']}, widths {sorted(set(widths))}",
+          file=sys.stderr)  # fmt: skip
+
+    models = {"bucketed": build(config, vectorizer), "padded": build(config, vectorizer)}
+    models["padded"].set_weights(models["bucketed"].get_weights())
+    batches = {"bucketed": bucketed, "padded": padded}
+    for name, model in models.items():  # traces and compiles every width once
+        for x, y in batches[name]:
+            model.train_on_batch(x, y)
+    times = {name: [] for name in models}
+    for index in range(args.rounds):
+        order = list(models) if index % 2 == 0 else list(reversed(models))
+        for name in order:
+            start = time.perf_counter()
+            for x, y in batches[name]:
+                models[name].train_on_batch(x, y)
+            times[name].append((time.perf_counter() - start) / args.steps)
+        latest = ", ".join(f"{name} {times[name][-1] * 1e3:.0f} ms" for name in models)
+        print(f"  round {index + 1}/{args.rounds}: {latest}", file=sys.stderr)
+    ratios = [a / b for a, b in zip(times["bucketed"], times["padded"])]
+    section = "\n".join(
+        [
+            "## The app's training step: length buckets against padding to 512",
+            "",
+            "Produced by:",
+            "",
+            f"    python benchmarks/buckets.py --rounds {args.rounds} --steps {args.steps} "
+            "--output BENCHMARKS.md",
+            "",
+            "The shipped configuration (`saved_models/imdb_sdpa/metrics.json`), trained as the "
+            f"app trains it, on the first {args.steps} batches of {config['batch_size']} real IMDB "
+            f"training reviews of `apps.train_sentiment.training_stream` (mean width "
+            f"{statistics.fmean(widths):.0f} tokens), against the same batches padded to {length}; "
+            f"{args.rounds} alternating rounds in one process; ratio = median of the per-round "
+            "ratios (bucketed / padded; range in brackets).",
+            "",
+            "| batches | ms per step (median) |",
+            "|---|---|",
+            f"| cut to their length bucket | {statistics.median(times['bucketed']) * 1e3:.0f} |",
+            f"| padded to {length} | {statistics.median(times['padded']) * 1e3:.0f} |",
+            f"| **ratio** | **{statistics.median(ratios):.3f}** "
+            f"({min(ratios):.3f}-{max(ratios):.3f}) |",
+            "",
+        ]
+    )
+    print(section)
+    if args.output:
+        from features import replace_section
+
+        replace_section(args.output, START, END, section)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
