@@ -9,7 +9,7 @@ def parse_config(config_class, argv, *, prog, description, check=None, presets=N
     """Parses `argv` into a `config_class` instance.
 
     `bool` fields become switches, `tuple` fields take one or more values of their
-    default's element type, and `int | None` fields take an int. `check(config)`
+    default's element type, and `int | None` fields take an int, or `none` for None. `check(config)`
     may raise `ValueError`; it becomes an argparse error (usage and the message on
     stderr, exit status 2). `presets(args)` may return new defaults chosen by the
     parsed flags (a `--quick` mode, say); flags given explicitly still win.
@@ -27,8 +27,10 @@ def parse_config(config_class, argv, *, prog, description, check=None, presets=N
                 f"--{field.name}", type=type(default[0]), nargs="+", default=list(default)
             )
         else:
-            # `int | None` -> int
+            # `int | None` -> int, and the word `none` -> None (a default that is set, unset)
             kind = next((t for t in typing.get_args(field.type) if t is not type(None)), field.type)
+            if type(None) in typing.get_args(field.type):
+                kind = _or_none(kind)
             parser.add_argument(f"--{field.name}", type=kind, default=default)
     args = parser.parse_args(argv)
     preset = presets(args) if presets else None
@@ -43,3 +45,13 @@ def parse_config(config_class, argv, *, prog, description, check=None, presets=N
         except ValueError as error:
             parser.error(str(error))
     return config
+
+
+def _or_none(kind):
+    """An argparse `type`: the word `none` (any case) is None, anything else `kind(value)`."""
+
+    def parse(value):
+        return None if value.lower() == "none" else kind(value)
+
+    parse.__name__ = kind.__name__  # argparse names it in "invalid int value: 'many'"
+    return parse

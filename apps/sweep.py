@@ -108,7 +108,42 @@ def _flags(metrics):
     return shlex.join(shown) or "(defaults)"
 
 
+# The settings a run recorded before its flag existed did what the flag's first default did:
+# each flag came in with the behaviour of its day as its default.
+_BEFORE_THE_FLAG = {
+    "trigram_vocab_size": 0, "ngram_dim": None, "vocabulary_source": "train",
+    "naive_bayes_alpha": 0.0, "pooling_scale": None, "pooling_values": "block",
+    "mixed_precision": None, "weight_decay": 0.0,
+}  # fmt: skip
+# Where a run read and wrote, and what it exported besides the model: not a configuration.
+_NOT_CONFIGURATION = (
+    "seed", "output", "data_dir", "verbose", "resume", "save_every", "inspect_examples",
+    "faithfulness_examples",
+)  # fmt: skip
+
+
+def against_defaults(config, defaults):
+    """The flags that turn today's defaults (`defaults`, a dict) into the configuration a run
+    recorded (`config`), or "(today's defaults)". The recorded commands are relative to the
+    defaults of their day; this column stays true when the defaults change."""
+    config = {**_BEFORE_THE_FLAG, **config}
+    if not config.get("naive_bayes_alpha"):
+        config["naive_bayes_folds"] = defaults.get("naive_bayes_folds")  # unused without ratios
+    flags = []
+    for name, default in defaults.items():
+        if name in _NOT_CONFIGURATION or name not in config or config[name] == default:
+            continue
+        value = config[name]
+        flags.append(f"--{name} {'none' if value is None else value}")
+    return " ".join(flags) or "(today's defaults)"
+
+
 def write_table(folder):
+    import dataclasses
+
+    from .train_sentiment import Config
+
+    defaults = dataclasses.asdict(Config())
     rows = []
     for name, runs in read_configurations(folder).items():
         if not runs:
@@ -118,7 +153,8 @@ def write_table(folder):
         minutes = statistics.fmean(m["train_seconds"] for m in runs) / 60
         seeds = ", ".join(str(m["config"]["seed"]) for m in runs)
         rows.append(
-            f"| `{name}` | `{_flags(runs[0])}` | {seeds} | "
+            f"| `{name}` | `{_flags(runs[0])}` | `{against_defaults(runs[0]['config'], defaults)}` "
+            f"| {seeds} | "
             f"{validation[0]:.2f} ± {validation[1]:.2f} (min {validation[2]:.2f}) | "
             f"{test[0]:.2f} ± {test[1]:.2f} (min {test[2]:.2f}) | {minutes:.1f} |"
         )
@@ -127,10 +163,13 @@ def write_table(folder):
         "",
         "Written by `python -m apps.sweep` from the `metrics.json` files in the folders beside",
         "this one (one per seed). Accuracy in percent: mean ± sample std (min). Configurations",
-        "are chosen on validation; test is reported, never used to choose.",
+        "are chosen on validation; test is reported, never used to choose. `flags` is the command",
+        "each configuration ran with, on the defaults of its day; `against today's defaults` is",
+        "the same configuration as flags on `python -m apps.train_sentiment` today.",
         "",
-        "| configuration | flags | seeds | validation | test | train minutes |",
-        "|---|---|---|---|---|---|",
+        "| configuration | flags | against today's defaults | seeds | validation | test "
+        "| train minutes |",
+        "|---|---|---|---|---|---|---|",
         *rows,
         "",
     ]

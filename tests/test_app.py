@@ -723,6 +723,14 @@ def test_early_stopping_replays_the_logged_epochs_on_its_monitor(monitor, tmp_pa
     )
 
 
+def test_none_unsets_an_optional_flag():
+    """`--ngram_dim none` (any case) gives the full-width tables back: the None that a flag
+    with a set default could not otherwise express."""
+    config = train_sentiment.parse_args(["--ngram_dim", "none", "--pooling_scale", "None"])
+    assert config.ngram_dim is None and config.pooling_scale is None
+    assert train_sentiment.parse_args(["--ngram_dim", "32"]).ngram_dim == 32
+
+
 def test_monitor_and_weight_decay_flags_are_checked(capsys):
     with pytest.raises(SystemExit):
         train_sentiment.parse_args(["--monitor", "accuracy"])

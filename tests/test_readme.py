@@ -148,7 +148,7 @@ def test_seed_table_is_recomputed_from_its_metrics_files():
     folder = ROOT / "saved_models/experiments/seeds"
     table = (folder / "README.md").read_text()
     rows = re.findall(
-        r"^\| `([^`]+)` \| `[^`]*` \| ([\d, ]+) \| ([^|]+) \| ([^|]+) \| ([\d.]+) \|$",
+        r"^\| `([^`]+)` \| `[^`]*` \| `[^`]*` \| ([\d, ]+) \| ([^|]+) \| ([^|]+) \| ([\d.]+) \|$",
         table,
         flags=re.M,
     )

@@ -1,8 +1,10 @@
 """`apps.sweep`: its flags, its table against the numbers recomputed by hand, and a sweep that
 continues where it stopped."""
 
+import dataclasses
 import json
 import os
+import shlex
 
 import pytest
 
@@ -10,11 +12,14 @@ from apps import sweep
 
 
 def _metrics(seed, validation, test, seconds, flags="--dropout 0.4"):
+    from apps import train_sentiment
+
+    config = dataclasses.asdict(train_sentiment.Config())
     return {
         "validation_accuracy": validation,
         "test_accuracy": test,
         "train_seconds": seconds,
-        "config": {"seed": seed},
+        "config": {**config, "seed": seed, "dropout": 0.25, "output": "/tmp/x"},
         "command": f"python -m apps.train_sentiment {flags} --seed {seed} --output /tmp/x",
     }
 
@@ -31,10 +36,36 @@ def test_table_gives_mean_sample_std_and_min_per_configuration(tmp_path):
     table = open(sweep.write_table(str(folder))).read()
     # Validation 90, 92, 91: mean 91, sample std 1; test 89, 90.5, 90: mean 89.83, std 0.76.
     assert (
-        "| `wide` | `--dropout 0.4` | 0, 1, 2 | 91.00 ± 1.00 (min 90.00) | "
+        "| `wide` | `--dropout 0.4` | `--dropout 0.25` | 0, 1, 2 | 91.00 ± 1.00 (min 90.00) | "
         "89.83 ± 0.76 (min 89.00) | 2.0 |"
     ) in table
-    assert "| `one` | `--dropout 0.4` | 10 | 50.00 ± 0.00 (min 50.00) | 25.00 ± 0.00" in table
+    assert (
+        "| `one` | `--dropout 0.4` | `--dropout 0.25` | 10 | 50.00 ± 0.00 (min 50.00) | 25" in table
+    )
+
+
+def test_against_todays_defaults_rebuilds_every_recorded_configuration():
+    """For every configuration in `saved_models/experiments/seeds/`, the table's flags against
+    today's defaults, given to today's app, ask for what its runs recorded (a setting that
+    predates its flag counts as what the flag's first default did)."""
+    from apps import train_sentiment
+
+    defaults = dataclasses.asdict(train_sentiment.Config())
+    configurations = sweep.read_configurations(sweep.SEEDS_FOLDER)
+    assert len(configurations) >= 10
+    shown = set()
+    for name, runs in configurations.items():
+        flags = sweep.against_defaults(runs[0]["config"], defaults)
+        shown.add(flags)
+        parsed = dataclasses.asdict(
+            train_sentiment.parse_args([] if flags == "(today's defaults)" else shlex.split(flags))
+        )
+        recorded = {**sweep._BEFORE_THE_FLAG, **runs[0]["config"]}
+        for key, value in parsed.items():
+            unused = key == "naive_bayes_folds" and not recorded["naive_bayes_alpha"]
+            if key not in sweep._NOT_CONFIGURATION and not unused:
+                assert value == recorded[key], (name, key, flags)
+    assert "(today's defaults)" in shown  # the shipped configuration's seeds
 
 
 def test_a_recorded_seed_is_not_run_again(tmp_path, monkeypatch):
