@@ -8,15 +8,16 @@ Usage:
     TF_CONFIG='{...}' python -m apps.train_sentiment --strategy multi_worker
 
 Loads a TFDS text dataset (default `imdb_reviews`), carves a fixed-seed
-validation set out of train, trains with `model.fit` (progress bar, early
-stopping on validation loss, a checkpoint every epoch and every `--save_every`
-steps), reports on the test split once at the end, and writes to `--output`:
+validation set out of train, trains with `model.fit` (progress bar with reviews/s,
+early stopping on `--monitor`, validation accuracy by default, a checkpoint every
+epoch and every `--save_every` steps), reports on the test split once at the end,
+and writes to `--output`:
 
     saved_model/         SavedModel; serving_default takes raw strings
     model.keras          the trained Keras model (token ids -> P(positive))
     vocabulary.txt       the TextVectorization vocabulary
     bigrams.txt          the word pairs that have their own embedding, most frequent first
-    trigrams.txt         the same for word triples (with --trigram_vocab_size)
+    trigrams.txt         the same for word triples
     metrics.json         what this run measured, with its config and versions
     training_curves.png  loss and accuracy per epoch
     history.csv          the same numbers, one row per epoch
@@ -24,6 +25,9 @@ steps), reports on the test split once at the end, and writes to `--output`:
     attention.jsonl      per test review: tokens, label, prediction, weights per head
     attention.html       a self-contained viewer for the same
     attention_heatmaps.png
+    faithfulness.json    the deletion tests of apps.faithfulness (and .md, .png)
+    serving.json         serving_default's reviews/s and latency, measured after the export
+    README.md            the model card, written from metrics.json
 
 Ctrl-C or SIGTERM saves the exact training state (weights, optimizer, step);
 `--resume` continues from it on the same batches an uninterrupted run would see.
