@@ -387,8 +387,7 @@ class ReviewsPerSecond(keras.callbacks.Callback):
             self.on_epoch_begin(None)
         self.reviews += self.global_batch
         if logs is not None:
-            now = time.perf_counter()
-            logs["reviews/s"] = self.reviews / max(now - self.started, 1e-9)
+            logs["reviews/s"] = self.reviews / max(time.perf_counter() - self.started, 1e-9)
 
 
 def _step(model):
@@ -937,9 +936,9 @@ def _git_commit(output=None):
         if commit.returncode != 0:
             return None
         excluded = []
-        inside = output is not None and os.path.abspath(output).startswith(root + os.sep)
-        if inside:  # git refuses a path outside the checkout
-            excluded = [".", f":(exclude){os.path.relpath(os.path.abspath(output), root)}"]
+        output = None if output is None else os.path.abspath(output)
+        if output is not None and output.startswith(root + os.sep):  # git refuses paths outside
+            excluded = [".", f":(exclude){os.path.relpath(output, root)}"]
         dirty = subprocess.run(
             ["git", "status", "--porcelain", "--untracked-files=no", "--", *excluded],
             cwd=root, capture_output=True, text=True, timeout=10,

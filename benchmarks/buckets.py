@@ -20,7 +20,9 @@ import json
 import os
 import statistics
 import sys
-import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from long_sequences import time_alternating  # noqa: E402
 
 START, END = "<!-- buckets:start -->", "<!-- buckets:end -->"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -96,18 +98,19 @@ def main(argv=None):
     models = {"bucketed": build(config, vectorizer), "padded": build(config, vectorizer)}
     models["padded"].set_weights(models["bucketed"].get_weights())
     batches = {"bucketed": bucketed, "padded": padded}
-    for name, model in models.items():  # traces and compiles every width once
-        for x, y in batches[name]:
-            model.train_on_batch(x, y)
-    times = {name: [] for name in models}
-    for index in range(args.rounds):
-        order = list(models) if index % 2 == 0 else list(reversed(models))
-        for name in order:
-            start = time.perf_counter()
+
+    def epoch_of(name):
+        def step():
             for x, y in batches[name]:
                 models[name].train_on_batch(x, y)
-            times[name].append((time.perf_counter() - start) / args.steps)
-        latest = ", ".join(f"{name} {times[name][-1] * 1e3:.0f} ms" for name in models)
+
+        return step
+
+    # The first call of each traces and compiles every width once.
+    seconds = time_alternating({name: epoch_of(name) for name in models}, args.rounds)
+    times = {name: [total / args.steps for total in totals] for name, totals in seconds.items()}
+    for index in range(args.rounds):
+        latest = ", ".join(f"{name} {times[name][index] * 1e3:.0f} ms" for name in models)
         print(f"  round {index + 1}/{args.rounds}: {latest}", file=sys.stderr)
     ratios = [a / b for a, b in zip(times["bucketed"], times["padded"])]
     section = "\n".join(
