@@ -5,10 +5,18 @@ import os
 # The core is written in TensorFlow and compiled by XLA through tf.function.
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
-from keras_sdpa import ops  # noqa: E402
+from keras_sdpa import mods, ops  # noqa: E402
 from keras_sdpa.layer import ScaledDotProductAttention  # noqa: E402
-from keras_sdpa.ops import scaled_dot_product_attention  # noqa: E402
+from keras_sdpa.ops import BlockMask, create_block_mask, scaled_dot_product_attention  # noqa: E402
 
 __version__ = "0.1.0"
 
-__all__ = ["ScaledDotProductAttention", "ops", "scaled_dot_product_attention", "__version__"]
+__all__ = [
+    "BlockMask",
+    "ScaledDotProductAttention",
+    "create_block_mask",
+    "mods",
+    "ops",
+    "scaled_dot_product_attention",
+    "__version__",
+]

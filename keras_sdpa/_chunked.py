@@ -27,6 +27,12 @@ def attend(
     chunk_size,
     operand=None,
     logit_scale=None,
+    score_mod=None,
+    mask_mod=None,
+    num_heads=None,
+    params=(),
+    block_kinds=None,
+    count_visits=False,
 ):
     """softmax(logits) v in blocks of `C = chunk_size` queries and keys.
 
@@ -50,7 +56,14 @@ def attend(
     float16 inputs the block products multiply in that precision and accumulate in float32,
     and the running maximum, sums, output and gradients are carried in float32.
 
-    Returns the output `(B, K, G, T, Hv)`.
+    A `mask_mod` sorts the blocks (`block_kinds`, computed here unless given): a block that
+    it empties for every example and head is never computed, forward or backward, and on a
+    block that it fills the mod is not called. A `score_mod` changes each block's scaled
+    logits; the gradient goes back through it by a tape in each block, summed densely into
+    the gradients of `params` (its float tensors) and of the variables it reads.
+
+    Returns the output `(B, K, G, T, Hv)`, and with `count_visits` also the number of
+    blocks the forward pass computed.
     """
     groups = q.shape[2]
     compute = q.dtype if operand is None else tf.float32
@@ -64,8 +77,13 @@ def attend(
     mask_grid = None if mask is None else _grid(mask, mask_pattern, num_q, num_k, c)
     offsets = tf.range(c)
     scale_keep = 1.0 / (1.0 - dropout_rate) if dropout_rate > 0.0 else None
+    batch, num_kv_heads = tf.shape(q)[0], q.shape[1]
 
-    def allowed(i, j):
+    def positions(i, j):
+        """The block's absolute positions, the padding clamped to the last one."""
+        return tf.minimum(i * c + offsets, t - 1), tf.minimum(j * c + offsets, s - 1)
+
+    def allowed(i, j, with_mod=True):
         """The "may attend" block of query block i and key block j, 5-D, broadcastable."""
         keys = j * c + offsets  # (C,)
         result = (keys < s)[None, :]  # (1, C): padded keys never
@@ -73,7 +91,26 @@ def attend(
         result = result[None, None, None]
         if mask_grid is not None:
             result = tf.logical_and(result, _block(mask_grid, mask_pattern, i, j))
+        if mask_mod is not None and with_mod:
+            mod = M.mod_mask(mask_mod, batch, num_heads, num_kv_heads, *positions(i, j))
+            result = tf.logical_and(result, mod)
         return result
+
+    if mask_mod is not None and block_kinds is None:
+        block_kinds = kinds_of_blocks(mask_mod, batch, num_heads, num_kv_heads, t, s, c)
+
+    def visit(i, j, carried, compute):
+        """`compute(with_mod)` on block (i, j), or `carried` where the mask_mod empties it."""
+        if block_kinds is None:
+            return compute(True)
+        kind = block_kinds[i, j]
+        return tf.cond(
+            tf.equal(kind, EMPTY),
+            lambda: carried,
+            lambda: tf.cond(
+                tf.equal(kind, FULL), lambda: compute(False), lambda: compute(True)
+            ),
+        )
 
     def keep_block(i, j, shape):
         """Block (i, j) of the dropout keep-mask, the same in the forward and the gradient."""
@@ -86,135 +123,137 @@ def attend(
     def query_range(j):
         return query_block_range(j, num_q, c, is_causal, window)
 
-    def matmul(a, b, transpose_b=False):
-        return M.matmul(a, b, operand, transpose_b)
+    def matmul(a, b, transpose_b=False, transpose_a=False):
+        return M.matmul(a, b, operand, transpose_b, transpose_a)
 
     def forward(q_blocks, k_blocks, v_blocks, bias_grid):
-        def block_logits(i, j, q_i):
-            bias_ij = None if bias_grid is None else _block(bias_grid, bias_pattern, i, j)
+        def raw_logits(j, q_i):
             raw = matmul(M.to_rows(q_i), tf.gather(k_blocks, j), transpose_b=True)
-            raw = M.scaled(M.from_rows(raw, groups), logit_scale)
-            return M.logits(raw, bias_ij, cap)  # (B, K, G, C, C)
+            return M.scaled(M.from_rows(raw, groups), logit_scale)  # (B, K, G, C, C)
 
-        def query_block(i, outs, lses):
+        def modded(i, j, raw):
+            if score_mod is None:
+                return raw
+            return M.apply_score_mod(score_mod, raw, num_heads, *positions(i, j))
+
+        def block_logits(i, j, q_i, raw=None):
+            bias_ij = None if bias_grid is None else _block(bias_grid, bias_pattern, i, j)
+            raw = raw_logits(j, q_i) if raw is None else raw
+            return M.logits(modded(i, j, raw), bias_ij, cap)  # (B, K, G, C, C)
+
+        def query_block(i, outs, lses, visits):
             q_i = tf.gather(q_blocks, i)  # (B, K, G, C, H)
             row = tf.zeros_like(q_i[..., :1], dtype=compute)  # (B, K, G, C, 1)
 
-            def key_block(j, m, total, acc):
-                scores = block_logits(i, j, q_i)  # (B, K, G, C, C)
-                ok = allowed(i, j)
-                scores = tf.where(ok, scores, M.MASKED_SCORE)
-                m_new = tf.maximum(m, tf.reduce_max(scores, axis=-1, keepdims=True))
-                p = tf.where(ok, tf.exp(scores - m_new), 0.0)  # (B, K, G, C, C)
-                correction = tf.exp(m - m_new)  # (B, K, G, C, 1)
-                total_new = total * correction + tf.reduce_sum(p, axis=-1, keepdims=True)
-                if scale_keep is not None:
-                    p = tf.where(keep_block(i, j, tf.shape(p)), p * scale_keep, 0.0)
-                update = M.from_rows(matmul(M.to_rows(p), tf.gather(v_blocks, j)), groups)
-                acc_new = acc * correction + update  # (B, K, G, C, Hv)
-                # Broadcasting with a mask block can hide a size known before (K = 1): the
-                # loop's carried shapes must stay as they entered.
-                for carried, before in ((m_new, m), (total_new, total), (acc_new, acc)):
-                    carried.set_shape(before.shape)
-                return j + 1, m_new, total_new, acc_new
+            def key_block(j, m, total, acc, visits):
+                def compute(with_mod):
+                    scores = block_logits(i, j, q_i)  # (B, K, G, C, C)
+                    ok = allowed(i, j, with_mod)
+                    scores = tf.where(ok, scores, M.MASKED_SCORE)
+                    m_new = tf.maximum(m, tf.reduce_max(scores, axis=-1, keepdims=True))
+                    p = tf.where(ok, tf.exp(scores - m_new), 0.0)  # (B, K, G, C, C)
+                    correction = tf.exp(m - m_new)  # (B, K, G, C, 1)
+                    total_new = total * correction + tf.reduce_sum(p, axis=-1, keepdims=True)
+                    if scale_keep is not None:
+                        p = tf.where(keep_block(i, j, tf.shape(p)), p * scale_keep, 0.0)
+                    update = M.from_rows(matmul(M.to_rows(p), tf.gather(v_blocks, j)), groups)
+                    acc_new = acc * correction + update  # (B, K, G, C, Hv)
+                    # Broadcasting with a mask block can hide a size known before (K = 1): the
+                    # loop's carried shapes must stay as they entered.
+                    for carried, before in ((m_new, m), (total_new, total), (acc_new, acc)):
+                        carried.set_shape(before.shape)
+                    return m_new, total_new, acc_new, visits + 1
+
+                return (j + 1, *visit(i, j, (m, total, acc, visits), compute))
 
             lo, hi = key_range(i)
             v_shape = tf.shape(v_blocks)
             acc = tf.zeros(tf.concat([tf.shape(q_i)[:4], v_shape[-1:]], 0), compute)
-            _, m, total, acc = tf.while_loop(
+            _, m, total, acc, visits = tf.while_loop(
                 lambda j, *_: j < hi,
                 key_block,
-                (lo, row + M.MASKED_SCORE, row, acc),
+                (lo, row + M.MASKED_SCORE, row, acc, visits),
             )
             seen = total > 0.0  # False on fully masked rows: zero output
             safe_total = tf.where(seen, total, 1.0)
             outs = outs.write(i, acc * tf.where(seen, 1.0 / safe_total, 0.0))
             lses = lses.write(i, tf.where(seen, m + tf.math.log(safe_total), 0.0))
-            return i + 1, outs, lses
+            return i + 1, outs, lses, visits
 
-        _, outs, lses = tf.while_loop(
+        _, outs, lses, visits = tf.while_loop(
             lambda i, *_: i < num_q,
             query_block,
             (
                 tf.constant(0),
                 tf.TensorArray(compute, size=num_q, element_shape=None),
                 tf.TensorArray(compute, size=num_q, element_shape=None),
+                tf.constant(0),
             ),
         )
         out_blocks, lse_blocks = outs.stack(), lses.stack()  # (nq, B, K, G, C, Hv), (…, C, 1)
 
-        def grad(d_out_blocks):
+        def grad(d_out_blocks, variables=()):
             row_dot = tf.reduce_sum(d_out_blocks * out_blocks, axis=-1, keepdims=True)
+            variables = list(variables)
 
-            def d_query_block(i, d_qs, d_bias):  # dq_i = sum_j dS_ij k_j
+            def d_query_block(i, d_qs, d_bias, d_params, d_vars):  # dq_i = sum_j dS_ij k_j
                 q_i, d_out_i, lse_i, row_dot_i = (
                     tf.gather(x, i) for x in (q_blocks, d_out_blocks, lse_blocks, row_dot)
                 )
 
-                def key_block(j, d_q, d_bias):
-                    scores = block_logits(i, j, q_i)
-                    p = tf.where(allowed(i, j), tf.exp(scores - lse_i), 0.0)  # (B, K, G, C, C)
-                    d_p = M.from_rows(
-                        matmul(M.to_rows(d_out_i), tf.gather(v_blocks, j), transpose_b=True),
-                        groups,
-                    )
-                    if scale_keep is not None:
-                        d_p = tf.where(keep_block(i, j, tf.shape(p)), d_p * scale_keep, 0.0)
-                    d_scores = p * (d_p - row_dot_i)
-                    if cap is not None:
-                        d_scores = d_scores * M.cap_derivative(scores, cap)
-                    d_q_new = d_q + M.from_rows(
-                        matmul(M.to_rows(d_scores), tf.gather(k_blocks, j)), groups
-                    )
-                    d_q_new.set_shape(d_q.shape)  # as it entered the loop (see the forward)
-                    if bias_grid is not None:
-                        d_bias = _add_block(d_bias, bias_pattern, i, j, d_scores)
-                    return j + 1, d_q_new, d_bias
+                def key_block(j, d_q, d_bias, d_params, d_vars):
+                    def compute(with_mod):
+                        raw = raw_logits(j, q_i)
+                        scores = block_logits(i, j, q_i, raw)
+                        p = tf.where(allowed(i, j, with_mod), tf.exp(scores - lse_i), 0.0)
+                        d_p = M.from_rows(
+                            matmul(M.to_rows(d_out_i), tf.gather(v_blocks, j), transpose_b=True),
+                            groups,
+                        )
+                        if scale_keep is not None:
+                            d_p = tf.where(keep_block(i, j, tf.shape(p)), d_p * scale_keep, 0.0)
+                        d_scores = p * (d_p - row_dot_i)  # (B, K, G, C, C)
+                        if cap is not None:
+                            d_scores = d_scores * M.cap_derivative(scores, cap)
+                        d_raw, new_params, new_vars = d_scores, d_params, d_vars
+                        if score_mod is not None:
+                            d_raw, g_params, g_vars = M.mod_vjp(
+                                score_mod, raw, num_heads, *positions(i, j), d_scores,
+                                params, variables,
+                            )  # fmt: skip
+                            new_params = [a + b for a, b in zip(d_params, g_params)]
+                            new_vars = [a + tf.convert_to_tensor(b) for a, b in zip(d_vars, g_vars)]
+                        d_q_new = d_q + M.from_rows(
+                            matmul(M.to_rows(d_raw), tf.gather(k_blocks, j)), groups
+                        )
+                        d_q_new.set_shape(d_q.shape)  # as it entered the loop (see the forward)
+                        new_bias = d_bias
+                        if bias_grid is not None:
+                            new_bias = _add_block(d_bias, bias_pattern, i, j, d_scores)
+                        return d_q_new, new_bias, new_params, new_vars
+
+                    carried = (d_q, d_bias, d_params, d_vars)
+                    return (j + 1, *visit(i, j, carried, compute))
 
                 lo, hi = key_range(i)
-                _, d_q, d_bias = tf.while_loop(
+                _, d_q, d_bias, d_params, d_vars = tf.while_loop(
                     lambda j, *_: j < hi,
                     key_block,
-                    (lo, tf.zeros_like(q_i, dtype=compute), d_bias),
+                    (lo, tf.zeros_like(q_i, dtype=compute), d_bias, d_params, d_vars),
                 )
-                return i + 1, d_qs.write(i, M.scaled(d_q, logit_scale)), d_bias
+                d_qs = d_qs.write(i, M.scaled(d_q, logit_scale))
+                return i + 1, d_qs, d_bias, d_params, d_vars
 
             def d_key_block(j, d_ks, d_vs):  # dk_j = sum_i dS_ij^T q_i, dv_j = sum_i P_ij^T dO_i
                 k_j, v_j = tf.gather(k_blocks, j), tf.gather(v_blocks, j)
 
                 def query_block(i, d_k, d_v):
-                    # In the (keys, group, queries) layout, so that no product reads a
-                    # block transposed (XLA's CPU matmul is slow at that).
-                    q_i, d_out_i = tf.gather(q_blocks, i), tf.gather(d_out_blocks, i)
-                    rows_q, rows_d_out = M.to_rows(q_i), M.to_rows(d_out_i)
-                    lse_t = M.keys_first(tf.gather(lse_blocks, i))  # (B, K, 1, G, C)
-                    raw_t = matmul(k_j, rows_q, transpose_b=True)  # (B, K, C_k, G * C_q)
-                    raw_t = M.scaled(raw_t, logit_scale)
-                    shape_t = tf.concat([tf.shape(raw_t)[:3], [groups, c]], 0)
-                    bias_t = None
-                    if bias_grid is not None:
-                        bias_t = M.keys_first(_block(bias_grid, bias_pattern, i, j))
-                    scores_t = M.logits(tf.reshape(raw_t, shape_t), bias_t, cap)
-                    ok_t = M.keys_first(allowed(i, j))
-                    p_t = tf.where(ok_t, tf.exp(scores_t - lse_t), 0.0)  # (B, K, C_k, G, C_q)
-                    applied_t = p_t
-                    keep_t = None
-                    if scale_keep is not None:
-                        shape = tf.concat([shape_t[:2], [groups, c, c]], 0)
-                        keep_t = M.keys_first(keep_block(i, j, shape))
-                        applied_t = tf.where(keep_t, p_t * scale_keep, 0.0)
-                    d_v_new = d_v + matmul(tf.reshape(applied_t, tf.shape(raw_t)), rows_d_out)
-                    d_p_t = tf.reshape(matmul(v_j, rows_d_out, transpose_b=True), shape_t)
-                    if keep_t is not None:
-                        d_p_t = tf.where(keep_t, d_p_t * scale_keep, 0.0)
-                    row_dot_t = M.keys_first(tf.gather(row_dot, i))
-                    d_scores_t = p_t * (d_p_t - row_dot_t)
-                    if cap is not None:
-                        d_scores_t = d_scores_t * M.cap_derivative(scores_t, cap)
-                    d_k_new = d_k + matmul(tf.reshape(d_scores_t, tf.shape(raw_t)), rows_q)
-                    d_k_new.set_shape(d_k.shape)  # as they entered the loop (see the forward)
-                    d_v_new.set_shape(d_v.shape)
-                    return i + 1, d_k_new, d_v_new
+                    def compute(with_mod):
+                        if score_mod is None:
+                            return transposed_block(i, j, k_j, v_j, d_k, d_v, with_mod)
+                        return modded_block(i, j, k_j, v_j, d_k, d_v, with_mod)
+
+                    return (i + 1, *visit(i, j, (d_k, d_v), compute))
 
                 lo, hi = query_range(j)
                 _, d_k, d_v = tf.while_loop(
@@ -224,14 +263,80 @@ def attend(
                 )
                 return j + 1, d_ks.write(j, M.scaled(d_k, logit_scale)), d_vs.write(j, d_v)
 
+            def transposed_block(i, j, k_j, v_j, d_k, d_v, with_mod):
+                # In the (keys, group, queries) layout, so that no product reads a
+                # block transposed (XLA's CPU matmul is slow at that).
+                q_i, d_out_i = tf.gather(q_blocks, i), tf.gather(d_out_blocks, i)
+                rows_q, rows_d_out = M.to_rows(q_i), M.to_rows(d_out_i)
+                lse_t = M.keys_first(tf.gather(lse_blocks, i))  # (B, K, 1, G, C)
+                raw_t = matmul(k_j, rows_q, transpose_b=True)  # (B, K, C_k, G * C_q)
+                raw_t = M.scaled(raw_t, logit_scale)
+                shape_t = tf.concat([tf.shape(raw_t)[:3], [groups, c]], 0)
+                bias_t = None
+                if bias_grid is not None:
+                    bias_t = M.keys_first(_block(bias_grid, bias_pattern, i, j))
+                scores_t = M.logits(tf.reshape(raw_t, shape_t), bias_t, cap)
+                ok_t = M.keys_first(allowed(i, j, with_mod))
+                p_t = tf.where(ok_t, tf.exp(scores_t - lse_t), 0.0)  # (B, K, C_k, G, C_q)
+                applied_t = p_t
+                keep_t = None
+                if scale_keep is not None:
+                    shape = tf.concat([shape_t[:2], [groups, c, c]], 0)
+                    keep_t = M.keys_first(keep_block(i, j, shape))
+                    applied_t = tf.where(keep_t, p_t * scale_keep, 0.0)
+                d_v_new = d_v + matmul(tf.reshape(applied_t, tf.shape(raw_t)), rows_d_out)
+                d_p_t = tf.reshape(matmul(v_j, rows_d_out, transpose_b=True), shape_t)
+                if keep_t is not None:
+                    d_p_t = tf.where(keep_t, d_p_t * scale_keep, 0.0)
+                row_dot_t = M.keys_first(tf.gather(row_dot, i))
+                d_scores_t = p_t * (d_p_t - row_dot_t)
+                if cap is not None:
+                    d_scores_t = d_scores_t * M.cap_derivative(scores_t, cap)
+                d_k_new = d_k + matmul(tf.reshape(d_scores_t, tf.shape(raw_t)), rows_q)
+                d_k_new.set_shape(d_k.shape)  # as they entered the loop (see the forward)
+                d_v_new.set_shape(d_v.shape)
+                return d_k_new, d_v_new
+
+            def modded_block(i, j, k_j, v_j, d_k, d_v, with_mod):
+                # With a score_mod, whose positions are laid out as the logits (B, N, t, s):
+                # the queries' layout, and products that read the block transposed.
+                q_i, d_out_i = tf.gather(q_blocks, i), tf.gather(d_out_blocks, i)
+                lse_i, row_dot_i = tf.gather(lse_blocks, i), tf.gather(row_dot, i)
+                rows_q, rows_d_out = M.to_rows(q_i), M.to_rows(d_out_i)
+                raw = raw_logits(j, q_i)
+                scores = block_logits(i, j, q_i, raw)
+                p = tf.where(allowed(i, j, with_mod), tf.exp(scores - lse_i), 0.0)
+                applied, keep = p, None
+                if scale_keep is not None:
+                    keep = keep_block(i, j, tf.shape(p))
+                    applied = tf.where(keep, p * scale_keep, 0.0)
+                d_p = M.from_rows(matmul(rows_d_out, v_j, transpose_b=True), groups)
+                if keep is not None:
+                    d_p = tf.where(keep, d_p * scale_keep, 0.0)
+                d_scores = p * (d_p - row_dot_i)
+                if cap is not None:
+                    d_scores = d_scores * M.cap_derivative(scores, cap)
+                d_raw, _, _ = M.mod_vjp(
+                    score_mod, raw, num_heads, *positions(i, j), d_scores, (), ()
+                )
+                d_v_new = d_v + matmul(M.to_rows(applied), rows_d_out, transpose_a=True)
+                d_k_new = d_k + matmul(M.to_rows(d_raw), rows_q, transpose_a=True)
+                d_k_new.set_shape(d_k.shape)
+                d_v_new.set_shape(d_v.shape)
+                return d_k_new, d_v_new
+
             array = lambda size: tf.TensorArray(compute, size=size)  # noqa: E731
             # Block counts from the shapes this function sees, not the forward's tensors:
             # under an outer XLA program a TensorArray's size must be a compile-time constant.
             num_q, num_k = tf.shape(d_out_blocks)[0], tf.shape(k_blocks)[0]
             # Without a bias, a scalar stands in for its gradient in the loop state.
             d_bias = tf.zeros(()) if bias_grid is None else tf.zeros_like(bias_grid)
-            _, d_qs, d_bias = tf.while_loop(
-                lambda i, *_: i < num_q, d_query_block, (tf.constant(0), array(num_q), d_bias)
+            d_params = [tf.zeros_like(x) for x in params]
+            d_vars = [tf.zeros(x.shape, x.dtype) for x in variables]
+            _, d_qs, d_bias, d_params, d_vars = tf.while_loop(
+                lambda i, *_: i < num_q,
+                d_query_block,
+                (tf.constant(0), array(num_q), d_bias, d_params, d_vars),
             )
             _, d_ks, d_vs = tf.while_loop(
                 lambda j, *_: j < num_k, d_key_block, (tf.constant(0), array(num_k), array(num_k))
@@ -243,26 +348,74 @@ def attend(
             ]
             if bias_grid is not None:
                 grads.append(d_bias)
-            return grads
+            grads += list(d_params)
+            return grads, list(d_vars)
 
-        return out_blocks, grad
+        return out_blocks, visits, grad
 
-    if bias is None:
+    has_bias = bias is not None
+    visited = []
 
-        @tf.custom_gradient
-        def attend_blocks(q_blocks, k_blocks, v_blocks):
-            return forward(q_blocks, k_blocks, v_blocks, None)
+    @tf.custom_gradient
+    def attend_blocks(*inputs):
+        q_blocks, k_blocks, v_blocks = inputs[:3]
+        bias_grid = inputs[3] if has_bias else None
+        out_blocks, visits, grad = forward(q_blocks, k_blocks, v_blocks, bias_grid)
+        visited.append(visits)
 
-        out_blocks = attend_blocks(q_blocks, k_blocks, v_blocks)
-    else:
+        def grad_fn(d_out_blocks, variables=None):
+            grads, d_variables = grad(d_out_blocks, variables or ())
+            return (grads, d_variables) if variables else grads
 
-        @tf.custom_gradient
-        def attend_blocks(q_blocks, k_blocks, v_blocks, bias_grid):
-            return forward(q_blocks, k_blocks, v_blocks, bias_grid)
+        return out_blocks, grad_fn
 
-        bias_grid = _grid(bias, bias_pattern, num_q, num_k, c)
-        out_blocks = attend_blocks(q_blocks, k_blocks, v_blocks, bias_grid)
-    return _from_blocks(out_blocks, t)  # (B, K, G, T, Hv)
+    inputs = [q_blocks, k_blocks, v_blocks]
+    if has_bias:
+        inputs.append(_grid(bias, bias_pattern, num_q, num_k, c))
+    out_blocks = attend_blocks(*inputs, *params)
+    out = _from_blocks(out_blocks, t)  # (B, K, G, T, Hv)
+    return (out, visited[0]) if count_visits else out
+
+
+# A block's kind under a mask_mod: no allowed key, some, or every key allowed.
+EMPTY, PARTIAL, FULL = 0, 1, 2
+
+
+def kinds_of_blocks(mask_mod, batch, num_heads, num_kv_heads, t, s, chunk_size):
+    """`(ceil(T / C), ceil(S / C))` int32: each block's kind (`EMPTY`, `PARTIAL`, `FULL`).
+
+    A block is `EMPTY` when `mask_mod` allows no key of it for any example, head and (real)
+    query, `FULL` when it allows every key for all of them and no key is padding, and
+    `PARTIAL` otherwise. Computed one `(B|1, N|1, C, C)` block at a time, inside the
+    compiled program, for the actual lengths: nothing of size `T x S` is formed.
+    """
+    c = chunk_size
+    num_q, num_k = (t + c - 1) // c, (s + c - 1) // c
+    offsets = tf.range(c)
+
+    def kind(n, kinds):
+        i, j = n // num_k, n % num_k
+        queries, keys = i * c + offsets, j * c + offsets
+        real_q, real_k = (queries < t)[:, None], (keys < s)[None, :]  # (C, 1), (1, C)
+        allowed = M.mod_mask(
+            mask_mod, batch, num_heads, num_kv_heads,
+            tf.minimum(queries, t - 1), tf.minimum(keys, s - 1),
+        )  # fmt: skip
+        some = tf.reduce_any(tf.logical_and(allowed, tf.logical_and(real_q, real_k)))
+        every = tf.logical_and(
+            tf.reduce_all(tf.logical_or(allowed, tf.logical_not(real_q))),
+            tf.reduce_all(real_k),
+        )
+        value = tf.where(every, FULL, tf.where(some, PARTIAL, EMPTY))
+        return n + 1, kinds.write(n, value)
+
+    _, kinds = tf.while_loop(
+        lambda n, _: n < num_q * num_k,
+        kind,
+        (tf.constant(0), tf.TensorArray(tf.int32, size=num_q * num_k, element_shape=())),
+    )
+    return tf.reshape(kinds.stack(), tf.stack([num_q, num_k]))
+
 
 
 def key_block_range(i, num_k, chunk_size, is_causal, window):

@@ -50,6 +50,9 @@ def attend(
     return_weights,
     operand=None,
     logit_scale=None,
+    score_mod=None,
+    num_heads=None,
+    params=(),
 ):
     """softmax(logits) v on grouped tensors, with a hand-written gradient.
 
@@ -70,14 +73,19 @@ def attend(
     multiplies the float32 products `q k^T` instead; the softmax and everything around it
     stay float32, and the gradients are returned in the inputs' dtypes.
 
+    With a `score_mod`, it changes the scaled logits before the bias (`M.apply_score_mod`).
+    Its gradient goes back through the mod by a tape, to `q` and `k` and to what the mod
+    reads: its float tensors `params` and the variables it reads, and the key-side products
+    then read the `(T, S)` gradient transposed.
+
     Returns the output `(B, K, G, T, Hv)` and the weights `(B, K, G, T, S)` or None.
     """
     groups = q.shape[2]
     compute = q.dtype if operand is None else tf.float32
     t, s = tf.shape(q)[3], tf.shape(k)[2]
 
-    def matmul(a, b, transpose_b=False):
-        return M.matmul(a, b, operand, transpose_b)
+    def matmul(a, b, transpose_b=False, transpose_a=False):
+        return M.matmul(a, b, operand, transpose_b, transpose_a)
 
     constraint = M.band(tf.range(t), tf.range(s), is_causal, window)  # (T, S) or None
     if constraint is not None:
@@ -95,16 +103,23 @@ def attend(
     bias_t = M.keys_first(bias)
     scale_keep = None if keep is None else 1.0 / (1.0 - dropout_rate)
 
-    def forward(q, k, v, bias):
+    positions = (tf.range(t), tf.range(s))
+
+    def raw_logits(q, k):
         raw = M.from_rows(matmul(M.to_rows(q), k, transpose_b=True), groups)  # (B, K, G, T, S)
-        raw = M.scaled(raw, logit_scale)
+        return M.scaled(raw, logit_scale)
+
+    def forward(q, k, v, bias, params):
+        raw = raw_logits(q, k)
+        if score_mod is not None:
+            raw = M.apply_score_mod(score_mod, raw, num_heads, *positions)
         scores = M.logits(raw, bias, cap)
         exp, inv_total, lse = softmax_parts(scores, penalty, any_allowed)
         applied = exp if keep is None else tf.where(keep, exp * scale_keep, 0.0)
         out = M.from_rows(matmul(M.to_rows(applied), v), groups) * inv_total  # (B, K, G, T, Hv)
         weights = exp * inv_total if return_weights else None  # (B, K, G, T, S)
 
-        def grad(d_out, d_weights=None):
+        def grad(d_out, d_weights=None, variables=()):
             # rowsum(P * dP) == rowsum(dO * O), a (T, Hv) product, not a (T, S) one.
             row_dot = tf.reduce_sum(d_out * out, axis=-1, keepdims=True)  # (B, K, G, T, 1)
             rows_d_out = M.to_rows(d_out)  # (B, K, G * T, Hv)
@@ -118,6 +133,8 @@ def attend(
             d_scores = probs * (d_probs - row_dot)  # (B, K, G, T, S)
             if cap is not None:
                 d_scores = d_scores * M.cap_derivative(scores, cap)
+            if score_mod is not None:
+                return grad_through_mod(d_scores, rows_d_out, variables)
             d_q = M.from_rows(matmul(M.to_rows(d_scores), k), groups)  # (B, K, G, T, H)
             d_q = M.scaled(d_q, logit_scale)
 
@@ -145,24 +162,43 @@ def attend(
                 grads.append(M.sum_to_bias(d_scores, tf.shape(bias), bias_pattern))
             return grads
 
+        def grad_through_mod(d_scores, rows_d_out, variables):
+            """The gradient with a score_mod: back through the mod, then the products."""
+            d_raw, d_params, d_variables = M.mod_vjp(
+                score_mod, raw_logits(q, k), num_heads, *positions, d_scores, params, variables
+            )
+            d_q = M.scaled(M.from_rows(matmul(M.to_rows(d_raw), k), groups), logit_scale)
+            d_k = M.scaled(matmul(M.to_rows(d_raw), M.to_rows(q), transpose_a=True), logit_scale)
+            probs = exp * inv_total
+            applied = probs if keep is None else tf.where(keep, probs * scale_keep, 0.0)
+            d_v = matmul(M.to_rows(applied), rows_d_out, transpose_a=True)  # (B, K, S, Hv)
+            grads = [tf.cast(d_q, q.dtype), tf.cast(d_k, k.dtype), tf.cast(d_v, v.dtype)]
+            if bias is not None:
+                grads.append(M.sum_to_bias(d_scores, tf.shape(bias), bias_pattern))
+            grads += [tf.cast(g, p.dtype) for g, p in zip(d_params, params)]
+            return grads, [tf.convert_to_tensor(g) for g in d_variables]
+
         if return_weights:
             return (out, weights), grad
-        return out, lambda d_out: grad(d_out)
+        return out, lambda d_out, variables=(): grad(d_out, variables=variables)
 
-    if bias is None:
+    has_bias = bias is not None
 
-        @tf.custom_gradient
-        def attend_inputs(q, k, v):
-            return forward(q, k, v, None)
+    @tf.custom_gradient
+    def attend_inputs(*inputs):
+        q, k, v = inputs[:3]
+        result, grad = forward(q, k, v, inputs[3] if has_bias else None, inputs[3 + has_bias :])
 
-        result = attend_inputs(q, k, v)
-    else:
+        def grad_fn(*d, variables=None):
+            grads = grad(*d, variables=variables or ())
+            if score_mod is None:
+                return (grads, [None] * len(variables)) if variables else grads
+            grads, d_variables = grads
+            return (grads, d_variables) if variables else grads
 
-        @tf.custom_gradient
-        def attend_inputs(q, k, v, bias):
-            return forward(q, k, v, bias)
+        return result, grad_fn
 
-        result = attend_inputs(q, k, v, bias)
+    result = attend_inputs(q, k, v, *([bias] if has_bias else []), *params)
     return result if return_weights else (result, None)
 
 

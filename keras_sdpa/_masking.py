@@ -113,7 +113,7 @@ def cap_derivative(capped, cap):
     return 1.0 - ratio * ratio
 
 
-def matmul(a, b, operand=None, transpose_b=False):
+def matmul(a, b, operand=None, transpose_b=False, transpose_a=False):
     """`a @ b`, or `a @ b^T` with `transpose_b`, over the leading (batch) axes.
 
     With `operand=None` this is `tf.matmul`. With `operand` bfloat16 or float16, both sides
@@ -124,10 +124,10 @@ def matmul(a, b, operand=None, transpose_b=False):
     to `operand` only there.
     """
     if operand is None:
-        return tf.matmul(a, b, transpose_b=transpose_b)
+        return tf.matmul(a, b, transpose_a=transpose_a, transpose_b=transpose_b)
     rank = a.shape.rank
     dims = xla_data_pb2.DotDimensionNumbers()
-    dims.lhs_contracting_dimensions.append(rank - 1)
+    dims.lhs_contracting_dimensions.append(rank - 2 if transpose_a else rank - 1)
     dims.rhs_contracting_dimensions.append(rank - 1 if transpose_b else rank - 2)
     dims.lhs_batch_dimensions.extend(range(rank - 2))
     dims.rhs_batch_dimensions.extend(range(rank - 2))
@@ -155,3 +155,71 @@ def from_rows(x, groups):
 def keys_first(x):
     """`(…, G, T, S)` as `(…, S, G, T)`: the layout of the key-side gradient products."""
     return None if x is None else tf.transpose(x, [0, 1, 4, 2, 3])
+
+
+# ------------------------------------------------------------------ score_mod and mask_mod
+
+
+def mod_indices(batch, num_heads, q_pos, kv_pos):
+    """FlexAttention's index tensors, int32 in the `(B, N, t, s)` layout of the logits:
+    `b (B, 1, 1, 1)`, `h (1, N, 1, 1)`, `q_idx (1, 1, t, 1)`, `kv_idx (1, 1, 1, s)`."""
+    b = tf.reshape(tf.range(batch, dtype=tf.int32), [-1, 1, 1, 1])
+    h = tf.reshape(tf.range(num_heads, dtype=tf.int32), [1, -1, 1, 1])
+    q = tf.reshape(tf.cast(q_pos, tf.int32), [1, 1, -1, 1])
+    kv = tf.reshape(tf.cast(kv_pos, tf.int32), [1, 1, 1, -1])
+    return b, h, q, kv
+
+
+def apply_score_mod(score_mod, raw, num_heads, q_pos, kv_pos):
+    """`score_mod` on grouped logits `(B, K, G, t, s)`, seen by the mod as `(B, N, t, s)`.
+
+    Query head `h` is row `h // G, h % G` of the grouped layout: the reshape is free.
+    """
+    shape = tf.shape(raw)
+    flat = tf.reshape(raw, tf.stack([shape[0], num_heads, shape[3], shape[4]]))  # (B, N, t, s)
+    modded = score_mod(flat, *mod_indices(shape[0], num_heads, q_pos, kv_pos))
+    modded = tf.broadcast_to(tf.cast(modded, raw.dtype), tf.shape(flat))
+    return tf.reshape(modded, shape)
+
+
+def mod_mask(mask_mod, batch, num_heads, num_kv_heads, q_pos, kv_pos):
+    """`mask_mod` at the given positions, grouped: `(B|1, K|1, G|1, t|1, s|1)` booleans."""
+    allowed = tf.convert_to_tensor(mask_mod(*mod_indices(batch, num_heads, q_pos, kv_pos)))
+    if allowed.dtype != tf.bool:
+        raise ValueError(
+            "`mask_mod` must return booleans (True: may attend). "
+            f"Received: a {allowed.dtype.name} tensor"
+        )
+    while allowed.shape.rank < 4:
+        allowed = allowed[None]
+    if allowed.shape.rank != 4:
+        raise ValueError(
+            "`mask_mod` must return a tensor that broadcasts to (B, N, t, s). "
+            f"Received: shape {tuple(allowed.shape)}"
+        )
+    pattern = (True, allowed.shape[1] != 1, True, True)
+    if allowed.shape[1] is None:
+        allowed = tf.broadcast_to(allowed, tf.concat([tf.shape(allowed)[:1], [num_heads],
+                                                      tf.shape(allowed)[2:]], 0))
+    return grouped(allowed, pattern, num_kv_heads, num_heads // num_kv_heads)
+
+
+def mod_vjp(score_mod, raw, num_heads, q_pos, kv_pos, d_modded, params, variables):
+    """The gradient of `score_mod`'s logits, back to `raw`, its tensors and its variables.
+
+    Taken block by block with a tape, summed densely by the caller: no scatter with atomics,
+    so the gradients are the same from run to run.
+    """
+    params, variables = list(params), list(variables)
+    with tf.GradientTape(watch_accessed_variables=False) as tape:
+        tape.watch(raw)
+        tape.watch(params)
+        tape.watch(variables)
+        modded = apply_score_mod(score_mod, raw, num_heads, q_pos, kv_pos)
+    d_raw, d_params, d_variables = tape.gradient(
+        modded,
+        [raw, params, variables],
+        output_gradients=d_modded,
+        unconnected_gradients=tf.UnconnectedGradients.ZERO,
+    )
+    return d_raw, d_params, d_variables

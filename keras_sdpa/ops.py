@@ -29,7 +29,7 @@ import numbers
 import keras
 import tensorflow as tf
 
-from keras_sdpa import _chunked, _dense
+from keras_sdpa import _chunked, _dense, mods
 from keras_sdpa import _masking as M
 
 # implementation="auto" goes chunked above this many bytes of float32 scores (B * N * T * S * 4).
@@ -39,6 +39,8 @@ _AUTO_CHUNKED_BYTES = 1 << 28
 _AUTO_CHUNKED_BYTES_PER_EXAMPLE = _AUTO_CHUNKED_BYTES // 8
 # Blocks of 2048: at T=4096 on 2 CPU cores, 1.08x the dense time (1024 blocks: 1.34x).
 _DEFAULT_CHUNK_SIZE = 2048
+# With a mask_mod, smaller blocks so that more of them are empty (see BENCHMARKS.md).
+_MASK_MOD_CHUNK_SIZE = 1024
 
 
 def scaled_dot_product_attention(
@@ -58,15 +60,19 @@ def scaled_dot_product_attention(
     return_weights=False,
     implementation="auto",
     chunk_size=None,
+    score_mod=None,
+    mask_mod=None,
+    block_mask=None,
 ):
     """Scaled dot-product attention, compiled by XLA.
 
     Computes `softmax(Q K^T * scale) V` (Vaswani et al., 2017, "Attention Is
     All You Need", eq. 1). Each query row goes through, in this order:
 
-    1. the logits `s = scale * Q K^T + bias` (`scale` defaults to `1 / sqrt(H)`);
+    1. the logits `s = scale * Q K^T` (`scale` defaults to `1 / sqrt(H)`), then
+       `s = score_mod(s, b, h, q_idx, kv_idx)`, then `s = s + bias`;
     2. the soft cap `s = cap * tanh(s / cap)` (Gemma 2), if `attn_logits_soft_cap`;
-    3. the masks: the boolean `mask`, `is_causal` and `sliding_window`;
+    3. the masks: the boolean `mask`, `is_causal`, `sliding_window` and `mask_mod`;
     4. a numerically stable softmax over the keys (row maximum subtracted);
     5. the weighted sum of the values.
 
@@ -128,7 +134,22 @@ def scaled_dot_product_attention(
             the whole matrix and always runs dense.
         chunk_size: block size of the chunked path. Defaults to 2048, or with a
             `sliding_window` of `W` to the power of two at or above `W / 2`
-            (at least 128), so that the skipped blocks are most of them.
+            (at least 128), so that the skipped blocks are most of them, or with a
+            `mask_mod` to 1024.
+        score_mod: optional `score_mod(score, b, h, q_idx, kv_idx) -> score`, in
+            PyTorch FlexAttention's argument order: changes each scaled logit, before
+            the bias. See `keras_sdpa.mods` for the layout of its arguments and the
+            built-ins (ALiBi, T5 buckets, soft cap). Its gradient reaches the scores and
+            what the mod reads: the variables it reads, and the float tensors of a
+            `keras_sdpa.mods.Mod`.
+        mask_mod: optional `mask_mod(b, h, q_idx, kv_idx) -> bool`, True meaning "may
+            attend", combined with the other masks by logical and. On the chunked
+            path, blocks it empties are never computed and on blocks it fills it is
+            not called.
+        block_mask: optional `keras_sdpa.BlockMask` from `create_block_mask`, the
+            chunked path's block kinds for this `mask_mod` and these sizes,
+            precomputed so that layers can share them. Optional: without it the
+            kinds are computed in the program.
 
     Returns:
         The output, `(B, T, N, Hv)`, and if `return_weights`, the weights,
@@ -159,13 +180,18 @@ def scaled_dot_product_attention(
     _check_scale(scale)
     check_sliding_window(sliding_window)
     check_soft_cap(attn_logits_soft_cap)
+    _check_mod("score_mod", score_mod)
+    _check_mod("mask_mod", mask_mod)
+    block_kinds = None
+    if block_mask is not None:
+        block_kinds, chunk_size = _check_block_mask(block_mask, mask_mod, chunk_size)
     if implementation not in ("auto", "dense", "chunked"):
         raise ValueError(
             '`implementation` must be "auto", "dense" or "chunked". '
             f"Received: implementation={implementation!r}"
         )
     if chunk_size is None:
-        chunk_size = _default_chunk_size(sliding_window)
+        chunk_size = _default_chunk_size(sliding_window, mask_mod)
     if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size <= 0:
         raise ValueError(
             f"`chunk_size` must be a positive int. Received: chunk_size={chunk_size!r}"
@@ -174,13 +200,21 @@ def scaled_dot_product_attention(
     seed = _as_seed(seed) if dropout_rate > 0.0 else None
     path = _choose_path(implementation, query, key, return_weights, chunk_size)
     longest = max(query.shape[1] or 0, key.shape[1] or 0)
-    if path == "chunked" and None not in (query.shape[1], key.shape[1]) and longest:
+    if path == "chunked" and None not in (query.shape[1], key.shape[1]) and longest and (
+        block_kinds is None
+    ):
         # One block of the sequence, not of `chunk_size`: blocks of 2048 padded a T=512 batch
         # of 256 to 24 GiB of scores (the dense path needs 0.5 GiB).
         chunk_size = min(chunk_size, longest)
     empty = _empty_result(query, key, value, return_weights)
     if empty is not None:
         return empty if return_weights else empty[0]
+    # A mod's per-call tensors (segment ids) enter the program as arguments, so a new batch
+    # does not trace a new program; what keys the trace is the rest of it.
+    score_template, score_tensors = mods.split(score_mod)
+    mask_template, mask_tensors = mods.split(mask_mod)
+    if block_kinds is not None and path != "chunked":
+        block_kinds = None  # only the chunked path has blocks
     static = dict(
         # Head counts travel as static arguments: once `reduce_retracing` relaxes
         # the traced shapes, `query.shape[2]` inside the program may be None.
@@ -195,8 +229,10 @@ def scaled_dot_product_attention(
         dropout_rate=dropout_rate,
         return_weights=bool(return_weights),
         chunk_size=chunk_size,
+        score_mod=score_template,
+        mask_mod=mask_template,
     )
-    inputs = (query, key, value, mask, bias, seed)
+    inputs = (query, key, value, mask, bias, seed, score_tensors, mask_tensors, block_kinds)
     if path == "auto":
         # Lengths unknown while tracing (a Keras model's `Input((None, E))`): the
         # actual sizes choose between the two compiled programs, at run time.
@@ -219,15 +255,16 @@ def scaled_dot_product_attention(
     return out, weights
 
 
-def _default_chunk_size(sliding_window):
-    """2048, or with a window `W` the power of two nearest above `W / 2` (128 at least).
+def _default_chunk_size(sliding_window, mask_mod=None):
+    """2048, or with a window `W` the power of two nearest above `W / 2` (128 at least),
+    or with a `mask_mod` 1024.
 
     Small blocks let the loops skip more of what lies outside the band: at T=16,384,
     W=512 on 2 CPU cores, forward plus backward took 0.75 s in blocks of 256, 1.12 s
     in 128, 1.2 s in 512 and 4.0-5.8 s in 2048.
     """
     if sliding_window is None:
-        return _DEFAULT_CHUNK_SIZE
+        return _DEFAULT_CHUNK_SIZE if mask_mod is None else _MASK_MOD_CHUNK_SIZE
     size = 1 << max(0, math.ceil(math.log2(sliding_window / 2)))
     return min(_DEFAULT_CHUNK_SIZE, max(128, size))
 
@@ -284,6 +321,9 @@ def _attention(
     mask,
     bias,
     seed,
+    score_tensors,
+    mask_tensors,
+    block_kinds,
     *,
     num_heads,
     num_kv_heads,
@@ -297,11 +337,19 @@ def _attention(
     return_weights,
     path,
     chunk_size,
+    score_mod,
+    mask_mod,
 ):
     """The whole computation, traced once per static configuration.
 
-    `path` is `"dense"` or `"chunked"`.
+    `path` is `"dense"` or `"chunked"`. `score_mod` and `mask_mod` are the mods' templates,
+    `score_tensors` and `mask_tensors` their tensors of this call (`mods.split`).
     """
+    score_mod = mods.as_function(mods.join(score_mod, score_tensors))
+    mask_mod = mods.as_function(mods.join(mask_mod, mask_tensors))
+    # The score_mod's float tensors get gradients; the variables it reads do, through
+    # tf.custom_gradient's own tracking.
+    params = tuple(x for x in score_tensors if x.dtype.is_floating)
     dtype = query.dtype
     compute = tf.float64 if dtype == tf.float64 else tf.float32  # never below float32
     groups = num_heads // num_kv_heads
@@ -324,6 +372,13 @@ def _attention(
         bias = M.grouped(tf.cast(bias, compute), bias_pattern, num_kv_heads, groups)
 
     def dense():
+        nonlocal mask
+        if mask_mod is not None:
+            t, s = tf.shape(q)[3], tf.shape(k)[2]
+            mod = M.mod_mask(
+                mask_mod, tf.shape(q)[0], num_heads, num_kv_heads, tf.range(t), tf.range(s)
+            )  # (B|1, K|1, G|1, T, S)
+            mask = mod if mask is None else tf.logical_and(mask, mod)
         keep = None
         if dropout_rate > 0.0:
             b, t, s = tf.shape(q)[0], tf.shape(q)[3], tf.shape(k)[2]
@@ -347,6 +402,9 @@ def _attention(
             return_weights=return_weights,
             operand=operand,
             logit_scale=logit_scale,
+            score_mod=score_mod,
+            num_heads=num_heads,
+            params=params,
         )
 
     def chunked():
@@ -366,6 +424,11 @@ def _attention(
             chunk_size=chunk_size,
             operand=operand,
             logit_scale=logit_scale,
+            score_mod=score_mod,
+            mask_mod=mask_mod,
+            num_heads=num_heads,
+            params=params,
+            block_kinds=block_kinds,
         )
         return out, None
 
@@ -421,6 +484,95 @@ def check_soft_cap(attn_logits_soft_cap):
             "`attn_logits_soft_cap` must be None or a positive finite number. "
             f"Received: attn_logits_soft_cap={cap!r}"
         )
+
+
+def _check_mod(name, mod):
+    if mod is not None and not callable(mod):
+        raise ValueError(
+            f"`{name}` must be None or a callable "
+            f"{'(score, b, h, q_idx, kv_idx)' if name == 'score_mod' else '(b, h, q_idx, kv_idx)'}. "
+            f"Received: {name}={mod!r}"
+        )
+
+
+class BlockMask:
+    """The chunked path's block kinds for one `mask_mod` and one set of sizes.
+
+    Made by `create_block_mask`; pass it as `block_mask=` with the same `mask_mod` so that
+    several layers share one computation. `kinds` is `(ceil(T / C), ceil(S / C))` int32:
+    0 for a block the mod empties, 1 for a partial block, 2 for a full one.
+    """
+
+    def __init__(self, kinds, mask_mod, block_size):
+        self.kinds = kinds
+        self.mask_mod = mask_mod
+        self.block_size = block_size
+
+    def __repr__(self):
+        return (
+            f"BlockMask(kinds shape={tuple(self.kinds.shape)}, block_size={self.block_size}, "
+            f"mask_mod={self.mask_mod!r})"
+        )
+
+
+def create_block_mask(mask_mod, B, N, T, S, block_size=None, num_kv_heads=None):
+    """Precomputes the block kinds of `mask_mod` for the chunked path.
+
+    FlexAttention's `create_block_mask`, computed by XLA: `mask_mod` is evaluated one
+    `(B, N, C, C)` block at a time and each block is classed as empty, partial or full
+    (for every example and head). Passing the result as `block_mask=` skips that work in
+    each call that shares it; it is never needed for correctness.
+
+    Args:
+        mask_mod: the mask mod, `(b, h, q_idx, kv_idx) -> bool`.
+        B, N, T, S: batch, query heads, query length and key length.
+        block_size: the chunked path's block size. Defaults to the one it would use.
+        num_kv_heads: key/value heads `K` (defaults to `N`); only the grouping matters.
+
+    Returns:
+        A `BlockMask`.
+    """
+    _check_mod("mask_mod", mask_mod)
+    if mask_mod is None:
+        raise ValueError("`create_block_mask` needs a mask_mod. Received: mask_mod=None")
+    if block_size is None:
+        block_size = _MASK_MOD_CHUNK_SIZE
+    for name, value in (("B", B), ("N", N), ("T", T), ("S", S), ("block_size", block_size)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
+            raise ValueError(f"`{name}` must be a positive int. Received: {name}={value!r}")
+    num_kv_heads = N if num_kv_heads is None else num_kv_heads
+    template, tensors = mods.split(mask_mod)
+    kinds = _block_kinds_xla(
+        tensors, template=template, B=B, N=N, K=num_kv_heads, T=T, S=S, C=block_size
+    )
+    return BlockMask(kinds, mask_mod, block_size)
+
+
+def _block_kinds(tensors, *, template, B, N, K, T, S, C):
+    mask_mod = mods.as_function(mods.join(template, tensors))
+    return _chunked.kinds_of_blocks(mask_mod, B, N, K, tf.constant(T), tf.constant(S), C)
+
+
+_block_kinds_xla = tf.function(_block_kinds, jit_compile=True, autograph=False)
+
+
+def _check_block_mask(block_mask, mask_mod, chunk_size):
+    if not isinstance(block_mask, BlockMask):
+        raise ValueError(
+            "`block_mask` must be a BlockMask from keras_sdpa.create_block_mask. "
+            f"Received: block_mask={block_mask!r}"
+        )
+    if mask_mod is None or block_mask.mask_mod is not mask_mod:
+        raise ValueError(
+            "`block_mask` must come from create_block_mask with the same `mask_mod` as this "
+            f"call. Received: mask_mod={mask_mod!r}, block_mask.mask_mod={block_mask.mask_mod!r}"
+        )
+    if chunk_size is not None and chunk_size != block_mask.block_size:
+        raise ValueError(
+            "`chunk_size` must equal the block mask's block size. Received: "
+            f"chunk_size={chunk_size}, block_mask.block_size={block_mask.block_size}"
+        )
+    return block_mask.kinds, block_mask.block_size
 
 
 def _check_backend():

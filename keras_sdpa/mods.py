@@ -1,0 +1,569 @@
+"""Programmable attention: built-in `score_mod` and `mask_mod` functions.
+
+The core (`keras_sdpa.scaled_dot_product_attention`) and the layer take two user functions,
+in the argument order of PyTorch's FlexAttention (`torch.nn.attention.flex_attention`):
+
+    score_mod(score, b, h, q_idx, kv_idx) -> score     changes a logit
+    mask_mod(b, h, q_idx, kv_idx) -> bool             True: query `q_idx` may see key `kv_idx`
+
+They are traced into the XLA program, forward and gradient, on both paths. They are called on
+broadcastable int32 index tensors in the `(B, N, T, S)` layout of the logits:
+
+    score  (B, N, t, s) float32      b (B, 1, 1, 1)      h (1, N, 1, 1)
+    q_idx  (1, 1, t, 1)              kv_idx (1, 1, 1, s)
+
+On the dense path `t = T` and `s = S`; on the chunked path `t` and `s` are one block's, and
+the indices are the block's absolute positions. So a function written with elementwise ops,
+`tf.where`, `tf.gather` / `tf.gather_nd` on the indices, or `keras.ops`, works on both paths.
+A mod must not reduce across positions (a sum or a max over `q_idx` or `kv_idx`): on the
+chunked path it sees one block at a time. Positions past the end of a sequence (the padding
+of the last block) are clamped to the last position; the core masks them anyway.
+
+`h` is the query head. Under grouped-query attention (`K` key heads for `N` query heads),
+query head `h` reads key head `h // (N // K)`.
+
+Every mod here is a small object with `get_config()` and `from_config()`, registered for Keras
+saving, so a layer that holds one round-trips through `.keras` files. The one that learns,
+`relative_position_bias`, is a Keras layer that owns its table; the layer that holds it
+tracks the table as one of its weights.
+
+Example:
+
+>>> from keras_sdpa import mods
+>>> q = tf.random.normal((2, 6, 4, 8))  # (B, T, N, H)
+>>> out = scaled_dot_product_attention(
+...     q, q, q, score_mod=mods.alibi(4), mask_mod=mods.and_masks(mods.causal(), mods.sliding_window(3))
+... )
+>>> out.shape
+TensorShape([2, 6, 4, 8])
+"""
+
+import copy
+import math
+import numbers
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+_PACKAGE = "keras_sdpa"
+
+
+class Mod:
+    """Base of the built-in mods: a callable with a config, and perhaps per-call tensors.
+
+    A mod's config holds what is fixed (a window, a cap); its tensors (segment ids, per-row
+    prefix lengths) are data of one call. The core passes the tensors into its compiled
+    program as arguments, so a new batch of segment ids does not trace a new program.
+    """
+
+    def get_config(self):
+        return {}
+
+    @classmethod
+    def from_config(cls, config):
+        return cls(**config)
+
+    def _tensors(self):
+        """The per-call tensors, in a fixed order (a tuple; empty for most mods)."""
+        return ()
+
+    def _with_tensors(self, tensors):
+        """A copy of this mod holding `tensors` instead of its own."""
+        return self
+
+    def _key(self):
+        return (type(self), repr(sorted(self.get_config().items())), len(self._tensors()))
+
+    def __eq__(self, other):
+        return isinstance(other, Mod) and self._key() == other._key()
+
+    def __hash__(self):
+        return hash(self._key())
+
+    def __repr__(self):
+        args = ", ".join(f"{name}={value!r}" for name, value in self.get_config().items())
+        return f"{type(self).__name__}({args})"
+
+
+def _check_positive_int(name, value):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
+        raise ValueError(f"`{name}` must be a positive int. Received: {name}={value!r}")
+    return int(value)
+
+
+# ----------------------------------------------------------------------------- mask mods
+
+
+@keras.saving.register_keras_serializable(package=_PACKAGE)
+class Causal(Mod):
+    """`q_idx >= kv_idx`: each query sees itself and the keys before it."""
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+
+@keras.saving.register_keras_serializable(package=_PACKAGE)
+class SlidingWindow(Mod):
+    """`|q_idx - kv_idx| < window`: the band of `keras.layers.MultiHeadAttention(sliding_window=...)`.
+
+    Combine with `causal()` (`and_masks`) for the causal band of Mistral.
+    """
+
+    def __init__(self, window):
+        self.window = _check_positive_int("window", window)
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        return tf.abs(q_idx - kv_idx) < self.window
+
+    def get_config(self):
+        return {"window": self.window}
+
+
+@keras.saving.register_keras_serializable(package=_PACKAGE)
+class ChunkedLocal(Mod):
+    """`q_idx // chunk == kv_idx // chunk`: attention within fixed chunks (Llama 4's local layers,
+    there also causal: `and_masks(causal(), chunked_local(c))`)."""
+
+    def __init__(self, chunk):
+        self.chunk = _check_positive_int("chunk", chunk)
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        return q_idx // self.chunk == kv_idx // self.chunk
+
+    def get_config(self):
+        return {"chunk": self.chunk}
+
+
+@keras.saving.register_keras_serializable(package=_PACKAGE)
+class PrefixLM(Mod):
+    """Prefix-LM (Raffel et al., 2020, T5 section 3.2.1): causal, and every query sees the prefix.
+
+    `kv_idx <= q_idx or kv_idx < prefix_length`. `prefix_length` is an int for every row, or a
+    `(B,)` integer tensor, one length per row.
+    """
+
+    def __init__(self, prefix_length):
+        if isinstance(prefix_length, numbers.Integral) and not isinstance(prefix_length, bool):
+            if prefix_length < 0:
+                raise ValueError(
+                    "`prefix_length` must be a non-negative int or a (B,) integer tensor. "
+                    f"Received: prefix_length={prefix_length!r}"
+                )
+            self.prefix_length = int(prefix_length)
+            return
+        if prefix_length is not None:
+            prefix_length = tf.convert_to_tensor(prefix_length)
+            if prefix_length.shape.rank != 1 or not prefix_length.dtype.is_integer:
+                raise ValueError(
+                    "`prefix_length` must be a non-negative int or a (B,) integer tensor. "
+                    f"Received: prefix_length with shape {tuple(prefix_length.shape)} and "
+                    f"dtype {prefix_length.dtype.name}"
+                )
+        self.prefix_length = prefix_length
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        prefix = self.prefix_length
+        if not isinstance(prefix, int):
+            prefix = tf.gather(tf.cast(prefix, tf.int32), b)  # (B, 1, 1, 1)
+        return tf.logical_or(kv_idx <= q_idx, kv_idx < prefix)
+
+    def get_config(self):
+        if not isinstance(self.prefix_length, int):
+            raise ValueError(
+                "A `prefix_lm` mod with per-row prefix lengths holds data of one batch and "
+                "cannot be saved. Save `prefix_lm(<int>)`. Received: prefix_length with shape "
+                f"{tuple(self.prefix_length.shape)}"
+            )
+        return {"prefix_length": self.prefix_length}
+
+    def _key(self):
+        if isinstance(self.prefix_length, int):
+            return (type(self), self.prefix_length)
+        return (type(self), "per-row")
+
+    def _tensors(self):
+        return () if isinstance(self.prefix_length, int) else (self.prefix_length,)
+
+    def _with_tensors(self, tensors):
+        if not tensors:
+            return self
+        new = copy.copy(self)
+        (new.prefix_length,) = tensors
+        return new
+
+
+@keras.saving.register_keras_serializable(package=_PACKAGE)
+class Document(Mod):
+    """Packed sequences: a query sees only the keys of its own segment.
+
+    `segment_ids[b, q_idx] == kv_segment_ids[b, kv_idx]`, with `(B, T)` and `(B, S)` integer
+    ids (`kv_segment_ids` defaults to `segment_ids`, for self-attention). Combine with
+    `causal()` for packed causal language modelling.
+
+    Built without ids (`document()`), the mod takes them from the layer's call:
+    `layer(x, x, segment_ids=ids)`.
+    """
+
+    def __init__(self, segment_ids=None, kv_segment_ids=None):
+        self.segment_ids = _check_ids("segment_ids", segment_ids)
+        self.kv_segment_ids = _check_ids("kv_segment_ids", kv_segment_ids)
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        if self.segment_ids is None:
+            raise ValueError(
+                "The `document` mask needs segment ids: build it as `document(segment_ids)`, "
+                "or pass `segment_ids=` to the layer's call. Received: segment_ids=None"
+            )
+        ids = tf.cast(self.segment_ids, tf.int32)
+        kv_ids = ids if self.kv_segment_ids is None else tf.cast(self.kv_segment_ids, tf.int32)
+        q_seg = _gather_rows(ids, b, q_idx)  # (B, 1, t, 1)
+        kv_seg = _gather_rows(kv_ids, b, kv_idx)  # (B, 1, 1, s)
+        return tf.equal(q_seg, kv_seg)
+
+    def bind(self, segment_ids, kv_segment_ids=None):
+        """This mask with the ids of one call."""
+        return Document(segment_ids, kv_segment_ids)
+
+    def _key(self):
+        return (type(self), self.segment_ids is None, self.kv_segment_ids is None)
+
+    def _tensors(self):
+        return tuple(x for x in (self.segment_ids, self.kv_segment_ids) if x is not None)
+
+    def _with_tensors(self, tensors):
+        new, tensors = copy.copy(self), list(tensors)
+        for name in ("segment_ids", "kv_segment_ids"):
+            if getattr(self, name) is not None:
+                setattr(new, name, tensors.pop(0))
+        return new
+
+
+def _check_ids(name, ids):
+    if ids is None:
+        return None
+    ids = tf.convert_to_tensor(ids)
+    if ids.shape.rank != 2 or not ids.dtype.is_integer:
+        raise ValueError(
+            f"`{name}` must be a (B, length) integer tensor. Received: {name} with shape "
+            f"{tuple(ids.shape)} and dtype {ids.dtype.name}"
+        )
+    return ids
+
+
+def _gather_rows(ids, b, positions):
+    """`ids[b, positions]` for broadcastable `b` and `positions`."""
+    shape = tf.broadcast_dynamic_shape(tf.shape(b), tf.shape(positions))
+    index = tf.stack([tf.broadcast_to(b, shape), tf.broadcast_to(positions, shape)], axis=-1)
+    return tf.gather_nd(ids, index)
+
+
+class _Combined(Mod):
+    def __init__(self, *mask_mods):
+        if not mask_mods:
+            raise ValueError(
+                f"`{type(self).__name__}` needs at least one mask mod. Received: none"
+            )
+        for mod in mask_mods:
+            if not callable(mod):
+                raise ValueError(
+                    f"Every argument of `{type(self).__name__}` must be a mask mod (a callable). "
+                    f"Received: {mod!r}"
+                )
+        self.mask_mods = tuple(mask_mods)
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        result = None
+        for mod in self.mask_mods:
+            allowed = tf.convert_to_tensor(mod(b, h, q_idx, kv_idx))
+            result = allowed if result is None else self._op(result, allowed)
+        return result
+
+    def bind(self, segment_ids, kv_segment_ids=None):
+        return type(self)(*(_bind(mod, segment_ids, kv_segment_ids) for mod in self.mask_mods))
+
+    def uses_segment_ids(self):
+        return any(uses_segment_ids(mod) for mod in self.mask_mods)
+
+    def get_config(self):
+        return {"mask_mods": [keras.saving.serialize_keras_object(m) for m in self.mask_mods]}
+
+    @classmethod
+    def from_config(cls, config):
+        return cls(*(keras.saving.deserialize_keras_object(m) for m in config["mask_mods"]))
+
+    def _key(self):
+        return (type(self), tuple(_static_key(mod) for mod in self.mask_mods))
+
+    def _tensors(self):
+        return tuple(t for mod in self.mask_mods for t in split(mod)[1])
+
+    def _with_tensors(self, tensors):
+        mods, start = [], 0
+        for mod in self.mask_mods:
+            count = len(split(mod)[1])
+            mods.append(join(mod, tensors[start : start + count]))
+            start += count
+        return type(self)(*mods)
+
+
+@keras.saving.register_keras_serializable(package=_PACKAGE)
+class AndMasks(_Combined):
+    """A key is allowed when every mask mod allows it."""
+
+    _op = staticmethod(tf.logical_and)
+
+
+@keras.saving.register_keras_serializable(package=_PACKAGE)
+class OrMasks(_Combined):
+    """A key is allowed when any mask mod allows it."""
+
+    _op = staticmethod(tf.logical_or)
+
+
+# ---------------------------------------------------------------------------- score mods
+
+
+@keras.saving.register_keras_serializable(package=_PACKAGE)
+class SoftCap(Mod):
+    """`cap * tanh(score / cap)` (Gemma 2): the logits stay inside `(-cap, cap)`."""
+
+    def __init__(self, cap):
+        if isinstance(cap, bool) or not isinstance(cap, numbers.Real) or not cap > 0:
+            raise ValueError(f"`cap` must be a positive number. Received: cap={cap!r}")
+        self.cap = float(cap)
+
+    def __call__(self, score, b, h, q_idx, kv_idx):
+        return self.cap * tf.tanh(score / self.cap)
+
+    def get_config(self):
+        return {"cap": self.cap}
+
+
+@keras.saving.register_keras_serializable(package=_PACKAGE)
+class Alibi(Mod):
+    """ALiBi (Press et al., 2022): `score - slope[h] * |q_idx - kv_idx|`.
+
+    The slopes are the paper's geometric sequence, `2^(-8 h' / n)` for `h' = 1..n` when the
+    head count `n` is a power of two, interleaved from the next power of two otherwise. With
+    a causal mask this is the paper's `slope * (kv_idx - q_idx)`; without one, the distance
+    counts both ways.
+    """
+
+    def __init__(self, num_heads):
+        self.num_heads = _check_positive_int("num_heads", num_heads)
+
+    def __call__(self, score, b, h, q_idx, kv_idx):
+        slopes = tf.constant(alibi_slopes(self.num_heads), score.dtype)
+        distance = tf.cast(tf.abs(q_idx - kv_idx), score.dtype)
+        return score - tf.gather(slopes, h) * distance
+
+    def get_config(self):
+        return {"num_heads": self.num_heads}
+
+
+def alibi_slopes(num_heads):
+    """The `num_heads` ALiBi slopes, a NumPy float64 array."""
+
+    def powers(n):
+        start = 2.0 ** (-8.0 / n)
+        return [start ** (i + 1) for i in range(n)]
+
+    if math.log2(num_heads).is_integer():
+        return np.array(powers(num_heads))
+    closest = 2 ** math.floor(math.log2(num_heads))
+    extra = alibi_slopes(2 * closest)[0::2][: num_heads - closest]
+    return np.array(powers(closest) + list(extra))
+
+
+@keras.saving.register_keras_serializable(package=_PACKAGE)
+class RelativePositionBias(keras.layers.Layer):
+    """T5's learned relative-position bias (Raffel et al., 2020): `score + table[bucket, h]`.
+
+    The distance `kv_idx - q_idx` falls into one of `num_buckets` buckets: exact up to half of
+    them, logarithmic up to `max_distance`, and the last bucket beyond. `bidirectional` gives
+    keys before and after the query their own halves of the buckets (T5's encoder); without it,
+    keys after the query share bucket 0 (its decoder). The table, `(num_buckets, num_heads)`,
+    is a trainable weight; the attention layer that holds this mod tracks it.
+
+    Args:
+        num_heads: the number of query heads `N`.
+        num_buckets: the number of buckets. Defaults to 32, as T5.
+        max_distance: distances at or beyond it share the last bucket. Defaults to 128.
+        bidirectional: whether keys after the query get their own buckets. Defaults to True.
+        embeddings_initializer: the table's initializer.
+    """
+
+    def __init__(
+        self,
+        num_heads,
+        num_buckets=32,
+        max_distance=128,
+        bidirectional=True,
+        embeddings_initializer="zeros",
+        **kwargs,
+    ):
+        super().__init__(**kwargs)
+        self.num_heads = _check_positive_int("num_heads", num_heads)
+        self.num_buckets = _check_positive_int("num_buckets", num_buckets)
+        self.max_distance = _check_positive_int("max_distance", max_distance)
+        if self.num_buckets < (4 if bidirectional else 2):
+            raise ValueError(
+                "`num_buckets` must be at least 4 (2 with bidirectional=False). "
+                f"Received: num_buckets={num_buckets}"
+            )
+        self.bidirectional = bool(bidirectional)
+        self.embeddings_initializer = keras.initializers.get(embeddings_initializer)
+        self.table = self.add_weight(
+            shape=(self.num_buckets, self.num_heads),
+            initializer=self.embeddings_initializer,
+            name="relative_attention_bias",
+        )
+        self.built = True
+
+    def call(self, score, b, h, q_idx, kv_idx):
+        bucket = relative_position_bucket(
+            kv_idx - q_idx, self.bidirectional, self.num_buckets, self.max_distance
+        )  # (1, 1, t, s)
+        table = tf.cast(tf.convert_to_tensor(self.table), score.dtype)  # (buckets, N)
+        heads = tf.broadcast_to(h, tf.broadcast_dynamic_shape(tf.shape(bucket), tf.shape(h)))
+        buckets = tf.broadcast_to(bucket, tf.shape(heads))
+        return score + tf.gather_nd(table, tf.stack([buckets, heads], axis=-1))  # (1, N, t, s)
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(
+            {
+                "num_heads": self.num_heads,
+                "num_buckets": self.num_buckets,
+                "max_distance": self.max_distance,
+                "bidirectional": self.bidirectional,
+                "embeddings_initializer": keras.initializers.serialize(
+                    self.embeddings_initializer
+                ),
+            }
+        )
+        return config
+
+
+def relative_position_bucket(relative_position, bidirectional, num_buckets, max_distance):
+    """T5's bucket of each `kv_idx - q_idx`, an int32 tensor of the same shape."""
+    position = tf.cast(relative_position, tf.int32)
+    buckets = tf.zeros_like(position)
+    if bidirectional:
+        num_buckets //= 2
+        buckets += tf.cast(position > 0, tf.int32) * num_buckets
+        position = tf.abs(position)
+    else:
+        position = -tf.minimum(position, 0)
+    max_exact = num_buckets // 2
+    is_small = position < max_exact
+    ratio = tf.math.log(tf.cast(tf.maximum(position, 1), tf.float32) / max_exact)
+    large = max_exact + tf.cast(
+        ratio / math.log(max_distance / max_exact) * (num_buckets - max_exact), tf.int32
+    )
+    large = tf.minimum(large, num_buckets - 1)
+    return buckets + tf.where(is_small, position, large)
+
+
+# ------------------------------------------------------------------------- the factories
+
+
+def causal():
+    """The causal mask mod: `q_idx >= kv_idx`."""
+    return Causal()
+
+
+def sliding_window(window):
+    """The symmetric window `|q_idx - kv_idx| < window`, as Keras's `sliding_window`."""
+    return SlidingWindow(window)
+
+
+def chunked_local(chunk):
+    """Attention within fixed chunks of `chunk` positions."""
+    return ChunkedLocal(chunk)
+
+
+def prefix_lm(prefix_length):
+    """Causal, with a bidirectional prefix of `prefix_length` (an int or a `(B,)` tensor)."""
+    return PrefixLM(prefix_length)
+
+
+def document(segment_ids=None, kv_segment_ids=None):
+    """Packed documents: queries see the keys of their own segment (`(B, T)` ids)."""
+    return Document(segment_ids, kv_segment_ids)
+
+
+def and_masks(*mask_mods):
+    """A mask mod that allows a key when every one of `mask_mods` allows it."""
+    return AndMasks(*mask_mods)
+
+
+def or_masks(*mask_mods):
+    """A mask mod that allows a key when any of `mask_mods` allows it."""
+    return OrMasks(*mask_mods)
+
+
+def soft_cap(cap):
+    """The score mod `cap * tanh(score / cap)`."""
+    return SoftCap(cap)
+
+
+def alibi(num_heads):
+    """The ALiBi score mod for `num_heads` heads."""
+    return Alibi(num_heads)
+
+
+def relative_position_bias(num_heads, num_buckets=32, max_distance=128, bidirectional=True):
+    """T5's learned relative-position bias, a layer owning a `(num_buckets, num_heads)` table."""
+    return RelativePositionBias(num_heads, num_buckets, max_distance, bidirectional)
+
+
+# -------------------------------------------------------------- how the core handles mods
+
+
+def as_function(mod):
+    """The plain function behind a mod: a Keras layer's `call`, else the mod itself."""
+    if isinstance(mod, keras.layers.Layer):
+        return mod.call
+    return mod
+
+
+# Stands in for a tensor in a template: keeps the count, holds no data.
+_SLOT = "<tensor>"
+
+
+def split(mod):
+    """`(template, tensors)`: what keys a trace, and the tensors of one call."""
+    if isinstance(mod, Mod):
+        tensors = mod._tensors()
+        if not tensors:
+            return mod, ()
+        return mod._with_tensors((_SLOT,) * len(tensors)), tuple(
+            tf.convert_to_tensor(t) for t in tensors
+        )
+    return mod, ()
+
+
+def join(template, tensors):
+    """The mod of one call, from `split`'s parts."""
+    if isinstance(template, Mod) and tensors:
+        return template._with_tensors(tuple(tensors))
+    return template
+
+
+def _static_key(mod):
+    return mod._key() if isinstance(mod, Mod) else mod
+
+
+def uses_segment_ids(mod):
+    """Whether `mod` takes segment ids from the layer's call."""
+    if isinstance(mod, _Combined):
+        return mod.uses_segment_ids()
+    return isinstance(mod, Document)
+
+
+def _bind(mod, segment_ids, kv_segment_ids):
+    if isinstance(mod, (Document, _Combined)):
+        return mod.bind(segment_ids, kv_segment_ids)
+    return mod
