@@ -77,7 +77,7 @@ def attend(
     mask_grid = None if mask is None else _grid(mask, mask_pattern, num_q, num_k, c)
     offsets = tf.range(c)
     scale_keep = 1.0 / (1.0 - dropout_rate) if dropout_rate > 0.0 else None
-    batch, num_kv_heads = tf.shape(q)[0], q.shape[1]
+    b_index, num_kv_heads = M.batch_index(tf.shape(q)[0]), q.shape[1]
 
     def positions(i, j):
         """The block's absolute positions, the padding clamped to the last one."""
@@ -92,12 +92,12 @@ def attend(
         if mask_grid is not None:
             result = tf.logical_and(result, _block(mask_grid, mask_pattern, i, j))
         if mask_mod is not None and with_mod:
-            mod = M.mod_mask(mask_mod, batch, num_heads, num_kv_heads, *positions(i, j))
+            mod = M.mod_mask(mask_mod, b_index, num_heads, num_kv_heads, *positions(i, j))
             result = tf.logical_and(result, mod)
         return result
 
     if mask_mod is not None and block_kinds is None:
-        block_kinds = kinds_of_blocks(mask_mod, batch, num_heads, num_kv_heads, t, s, c)
+        block_kinds = kinds_of_blocks(mask_mod, b_index, num_heads, num_kv_heads, t, s, c)
 
     def visit(i, j, carried, compute):
         """`compute(with_mod)` on block (i, j), or `carried` where the mask_mod empties it."""
@@ -134,7 +134,7 @@ def attend(
         def modded(i, j, raw):
             if score_mod is None:
                 return raw
-            return M.apply_score_mod(score_mod, raw, num_heads, *positions(i, j))
+            return M.apply_score_mod(score_mod, raw, b_index, num_heads, *positions(i, j))
 
         def block_logits(i, j, q_i, raw=None):
             bias_ij = None if bias_grid is None else _block(bias_grid, bias_pattern, i, j)
@@ -218,7 +218,7 @@ def attend(
                         d_raw, new_params, new_vars = d_scores, d_params, d_vars
                         if score_mod is not None:
                             d_raw, g_params, g_vars = M.mod_vjp(
-                                score_mod, raw, num_heads, *positions(i, j), d_scores,
+                                score_mod, raw, b_index, num_heads, *positions(i, j), d_scores,
                                 params, variables,
                             )  # fmt: skip
                             new_params = [a + b for a, b in zip(d_params, g_params)]
@@ -317,7 +317,7 @@ def attend(
                 if cap is not None:
                     d_scores = d_scores * M.cap_derivative(scores, cap)
                 d_raw, _, _ = M.mod_vjp(
-                    score_mod, raw, num_heads, *positions(i, j), d_scores, (), ()
+                    score_mod, raw, b_index, num_heads, *positions(i, j), d_scores, (), ()
                 )
                 d_v_new = d_v + matmul(M.to_rows(applied), rows_d_out, transpose_a=True)
                 d_k_new = d_k + matmul(M.to_rows(d_raw), rows_q, transpose_a=True)
@@ -381,7 +381,7 @@ def attend(
 EMPTY, PARTIAL, FULL = 0, 1, 2
 
 
-def kinds_of_blocks(mask_mod, batch, num_heads, num_kv_heads, t, s, chunk_size):
+def kinds_of_blocks(mask_mod, b_index, num_heads, num_kv_heads, t, s, chunk_size):
     """`(ceil(T / C), ceil(S / C))` int32: each block's kind (`EMPTY`, `PARTIAL`, `FULL`).
 
     A block is `EMPTY` when `mask_mod` allows no key of it for any example, head and (real)
@@ -398,7 +398,7 @@ def kinds_of_blocks(mask_mod, batch, num_heads, num_kv_heads, t, s, chunk_size):
         queries, keys = i * c + offsets, j * c + offsets
         real_q, real_k = (queries < t)[:, None], (keys < s)[None, :]  # (C, 1), (1, C)
         allowed = M.mod_mask(
-            mask_mod, batch, num_heads, num_kv_heads,
+            mask_mod, b_index, num_heads, num_kv_heads,
             tf.minimum(queries, t - 1), tf.minimum(keys, s - 1),
         )  # fmt: skip
         some = tf.reduce_any(tf.logical_and(allowed, tf.logical_and(real_q, real_k)))

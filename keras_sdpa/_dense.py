@@ -103,6 +103,7 @@ def attend(
     bias_t = M.keys_first(bias)
     scale_keep = None if keep is None else 1.0 / (1.0 - dropout_rate)
 
+    b_index = M.batch_index(tf.shape(q)[0])
     positions = (tf.range(t), tf.range(s))
 
     def raw_logits(q, k):
@@ -112,7 +113,7 @@ def attend(
     def forward(q, k, v, bias, params):
         raw = raw_logits(q, k)
         if score_mod is not None:
-            raw = M.apply_score_mod(score_mod, raw, num_heads, *positions)
+            raw = M.apply_score_mod(score_mod, raw, b_index, num_heads, *positions)
         scores = M.logits(raw, bias, cap)
         exp, inv_total, lse = softmax_parts(scores, penalty, any_allowed)
         applied = exp if keep is None else tf.where(keep, exp * scale_keep, 0.0)
@@ -165,7 +166,7 @@ def attend(
         def grad_through_mod(d_scores, rows_d_out, variables):
             """The gradient with a score_mod: back through the mod, then the products."""
             d_raw, d_params, d_variables = M.mod_vjp(
-                score_mod, raw_logits(q, k), num_heads, *positions, d_scores, params, variables
+                score_mod, raw_logits(q, k), b_index, num_heads, *positions, d_scores, params, variables
             )
             d_q = M.scaled(M.from_rows(matmul(M.to_rows(d_raw), k), groups), logit_scale)
             d_k = M.scaled(matmul(M.to_rows(d_raw), M.to_rows(q), transpose_a=True), logit_scale)

@@ -160,31 +160,37 @@ def keys_first(x):
 # ------------------------------------------------------------------ score_mod and mask_mod
 
 
-def mod_indices(batch, num_heads, q_pos, kv_pos):
+def batch_index(batch):
+    """`b`, `(B, 1, 1, 1)` int32. Made once, outside the chunked path's loops: inside an
+    XLA conditional a range over a size from outside it would not be a constant."""
+    return tf.reshape(tf.range(batch, dtype=tf.int32), [-1, 1, 1, 1])
+
+
+def mod_indices(b, num_heads, q_pos, kv_pos):
     """FlexAttention's index tensors, int32 in the `(B, N, t, s)` layout of the logits:
-    `b (B, 1, 1, 1)`, `h (1, N, 1, 1)`, `q_idx (1, 1, t, 1)`, `kv_idx (1, 1, 1, s)`."""
-    b = tf.reshape(tf.range(batch, dtype=tf.int32), [-1, 1, 1, 1])
+    `b (B, 1, 1, 1)` (from `batch_index`), `h (1, N, 1, 1)`, `q_idx (1, 1, t, 1)`,
+    `kv_idx (1, 1, 1, s)`."""
     h = tf.reshape(tf.range(num_heads, dtype=tf.int32), [1, -1, 1, 1])
     q = tf.reshape(tf.cast(q_pos, tf.int32), [1, 1, -1, 1])
     kv = tf.reshape(tf.cast(kv_pos, tf.int32), [1, 1, 1, -1])
     return b, h, q, kv
 
 
-def apply_score_mod(score_mod, raw, num_heads, q_pos, kv_pos):
+def apply_score_mod(score_mod, raw, b, num_heads, q_pos, kv_pos):
     """`score_mod` on grouped logits `(B, K, G, t, s)`, seen by the mod as `(B, N, t, s)`.
 
     Query head `h` is row `h // G, h % G` of the grouped layout: the reshape is free.
     """
     shape = tf.shape(raw)
     flat = tf.reshape(raw, tf.stack([shape[0], num_heads, shape[3], shape[4]]))  # (B, N, t, s)
-    modded = score_mod(flat, *mod_indices(shape[0], num_heads, q_pos, kv_pos))
+    modded = score_mod(flat, *mod_indices(b, num_heads, q_pos, kv_pos))
     modded = tf.broadcast_to(tf.cast(modded, raw.dtype), tf.shape(flat))
     return tf.reshape(modded, shape)
 
 
-def mod_mask(mask_mod, batch, num_heads, num_kv_heads, q_pos, kv_pos):
+def mod_mask(mask_mod, b, num_heads, num_kv_heads, q_pos, kv_pos):
     """`mask_mod` at the given positions, grouped: `(B|1, K|1, G|1, t|1, s|1)` booleans."""
-    allowed = tf.convert_to_tensor(mask_mod(*mod_indices(batch, num_heads, q_pos, kv_pos)))
+    allowed = tf.convert_to_tensor(mask_mod(*mod_indices(b, num_heads, q_pos, kv_pos)))
     if allowed.dtype != tf.bool:
         raise ValueError(
             "`mask_mod` must return booleans (True: may attend). "
@@ -204,7 +210,7 @@ def mod_mask(mask_mod, batch, num_heads, num_kv_heads, q_pos, kv_pos):
     return grouped(allowed, pattern, num_kv_heads, num_heads // num_kv_heads)
 
 
-def mod_vjp(score_mod, raw, num_heads, q_pos, kv_pos, d_modded, params, variables):
+def mod_vjp(score_mod, raw, b, num_heads, q_pos, kv_pos, d_modded, params, variables):
     """The gradient of `score_mod`'s logits, back to `raw`, its tensors and its variables.
 
     Taken block by block with a tape, summed densely by the caller: no scatter with atomics,
@@ -215,7 +221,7 @@ def mod_vjp(score_mod, raw, num_heads, q_pos, kv_pos, d_modded, params, variable
         tape.watch(raw)
         tape.watch(params)
         tape.watch(variables)
-        modded = apply_score_mod(score_mod, raw, num_heads, q_pos, kv_pos)
+        modded = apply_score_mod(score_mod, raw, b, num_heads, q_pos, kv_pos)
     d_raw, d_params, d_variables = tape.gradient(
         modded,
         [raw, params, variables],

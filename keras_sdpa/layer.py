@@ -8,7 +8,7 @@ import keras
 import tensorflow as tf
 from keras.src import backend as keras_backend  # the mask accessors have no public name
 
-from keras_sdpa import ops
+from keras_sdpa import mods, ops
 
 
 @keras.saving.register_keras_serializable(package="keras_sdpa")
@@ -83,6 +83,17 @@ class ScaledDotProductAttention(keras.layers.Layer):
         scale: multiplies the scores `Q K^T`. Defaults to `1 / sqrt(key_dim)`.
         attn_logits_soft_cap: optional positive float `cap`: the logits become
             `cap * tanh(logits / cap)` before the softmax (Gemma 2).
+        score_mod: optional `score_mod(score, b, h, q_idx, kv_idx) -> score` (PyTorch
+            FlexAttention's argument order), applied to the scaled logits before
+            `attention_bias`: a built-in of `keras_sdpa.mods` (ALiBi, T5 buckets, soft
+            cap) or your own function. A mod that owns weights (the T5 table) is a
+            sublayer: its weights are this layer's, after the projections'.
+        mask_mod: optional `mask_mod(b, h, q_idx, kv_idx) -> bool`, True meaning "may
+            attend", combined with the other masks (causal, document, prefix-LM,
+            chunked-local). On the chunked path the blocks it empties are skipped.
+            Built-ins and functions registered with
+            `keras.saving.register_keras_serializable` round-trip through `get_config`
+            and `.keras` files; an unregistered function cannot be saved.
 
     Call arguments:
         query: `(B, *dims_q, E_q)` query input; rank 3 is `(B, T, E_q)`.
@@ -101,6 +112,8 @@ class ScaledDotProductAttention(keras.layers.Layer):
         query_mask, value_mask, key_mask: `(B, T)` / `(B, S)` padding masks.
             Keras fills them from the inputs' implicit masks, for example from
             `keras.layers.Embedding(mask_zero=True)`.
+        segment_ids: optional `(B, T)` integer ids of packed sequences, for a
+            `keras_sdpa.mods.document()` mask mod built without ids (self-attention).
 
     Returns:
         `(B, *dims_q, *output_shape)`, and the weights if
@@ -141,6 +154,8 @@ class ScaledDotProductAttention(keras.layers.Layer):
         chunk_size=None,
         scale=None,
         attn_logits_soft_cap=None,
+        score_mod=None,
+        mask_mod=None,
         **kwargs,
     ):
         super().__init__(activity_regularizer=activity_regularizer, **kwargs)
@@ -196,6 +211,8 @@ class ScaledDotProductAttention(keras.layers.Layer):
             ops._check_scale(scale)
             scale = float(scale)
         ops.check_soft_cap(attn_logits_soft_cap)
+        ops._check_mod("score_mod", score_mod)
+        ops._check_mod("mask_mod", mask_mod)
         self.num_heads = num_heads
         self.key_dim = key_dim
         self.value_dim = value_dim
@@ -218,6 +235,11 @@ class ScaledDotProductAttention(keras.layers.Layer):
         self.chunk_size = chunk_size
         self.scale = scale
         self.attn_logits_soft_cap = attn_logits_soft_cap
+        # Not tracked here: a mod that owns weights (the T5 table) is tracked at the end of
+        # `build`, so that its weights follow the projections' and
+        # `set_weights(mha.get_weights() + [table])` reads in MultiHeadAttention's order.
+        object.__setattr__(self, "score_mod", score_mod)
+        object.__setattr__(self, "mask_mod", mask_mod)
         self.seed_generator = keras.random.SeedGenerator(seed) if dropout > 0 else None
         self.supports_masking = True
 
@@ -272,6 +294,9 @@ class ScaledDotProductAttention(keras.layers.Layer):
                 **self._sublayer_kwargs(),
             )
             self._output_dense.build(query_shape[:-1] + (heads, self._value_dim))
+        self._mod_layers = [
+            mod for mod in (self.score_mod, self.mask_mod) if isinstance(mod, keras.layers.Layer)
+        ]
 
     def _projection(self, name, input_shape, heads_and_size, activation=None):
         rank = len(input_shape)
@@ -338,9 +363,11 @@ class ScaledDotProductAttention(keras.layers.Layer):
         return_attention_scores=False,
         training=None,
         use_causal_mask=False,
+        segment_ids=None,
     ):
         key = value if key is None else key
         self._check_call_inputs(query, value, key)
+        mask_mod = self._bound_mask_mod(segment_ids, query)
         if return_attention_scores and self.flash_attention:
             raise ValueError(
                 "`return_attention_scores=True` needs the whole (T, S) matrix, which "
@@ -378,11 +405,18 @@ class ScaledDotProductAttention(keras.layers.Layer):
                 return_attention_scores,
                 use_causal_mask=use_causal_mask,
                 attention_bias=attention_bias,
+                mask_mod=mask_mod,
             )
             out, weights = _zero_rows(out, weights, rows)
         else:
             # A subclass that overrides MultiHeadAttention's `_compute_attention`
             # gets MHA's contract: the causal mask folded into `attention_mask`.
+            if self.score_mod is not None or self.mask_mod is not None:
+                raise ValueError(
+                    "`score_mod` and `mask_mod` reach only this layer's own "
+                    f"`_compute_attention`; {type(self).__name__} overrides it. Received: "
+                    f"score_mod={self.score_mod!r}, mask_mod={self.mask_mod!r}"
+                )
             if attention_bias is not None:
                 raise ValueError(
                     "`attention_bias` reaches only this layer's own `_compute_attention`; "
@@ -410,6 +444,29 @@ class ScaledDotProductAttention(keras.layers.Layer):
             return out, weights
         return out
 
+    def _bound_mask_mod(self, segment_ids, query):
+        """The mask mod of this call, holding `segment_ids` where it takes them."""
+        if segment_ids is None:
+            return self.mask_mod
+        if self.mask_mod is None or not mods.uses_segment_ids(self.mask_mod):
+            raise ValueError(
+                "`segment_ids` are read by a `keras_sdpa.mods.document()` mask mod; this "
+                f"layer has mask_mod={self.mask_mod!r}. Received: segment_ids with shape "
+                f"{tuple(segment_ids.shape)}"
+            )
+        segment_ids = tf.convert_to_tensor(segment_ids)
+        if segment_ids.shape.rank != 2 or not segment_ids.dtype.is_integer:
+            raise ValueError(
+                "`segment_ids` must be a (B, T) integer tensor. Received: segment_ids with "
+                f"shape {tuple(segment_ids.shape)} and dtype {segment_ids.dtype.name}"
+            )
+        if query.shape.rank != 3:
+            raise ValueError(
+                "`segment_ids` need rank-3 inputs (B, T, E), one sequence per row. "
+                f"Received: query.shape={tuple(query.shape)}"
+            )
+        return mods._bind(self.mask_mod, segment_ids, None)
+
     @property
     def _own_core(self):
         """Whether attention runs in this class's `_compute_attention` (not a subclass's)."""
@@ -436,6 +493,8 @@ class ScaledDotProductAttention(keras.layers.Layer):
         if length * 4 > min(self._key_dim, self._value_dim):
             return False
         if self._kv_heads != self.num_heads or self.attn_logits_soft_cap is not None:
+            return False
+        if self.score_mod is not None or self.mask_mod is not None:
             return False
         if use_causal_mask or self.sliding_window is not None:
             return False
@@ -494,6 +553,7 @@ class ScaledDotProductAttention(keras.layers.Layer):
         return_attention_scores=False,
         use_causal_mask=False,
         attention_bias=None,
+        mask_mod=None,
     ):
         """Attention on projected tensors, MultiHeadAttention's override point.
 
@@ -506,6 +566,8 @@ class ScaledDotProductAttention(keras.layers.Layer):
             return_attention_scores: whether to return the weights.
             use_causal_mask: the causal constraint, applied inside the core.
             attention_bias: additive bias in the scores' layout, or None.
+            mask_mod: the mask mod of this call (with its segment ids); defaults to
+                the layer's.
 
         Returns:
             `(B, *dims_q, N, Hv)` and the weights in MHA's layout (or None).
@@ -552,6 +614,8 @@ class ScaledDotProductAttention(keras.layers.Layer):
             return_weights=return_attention_scores,
             implementation=self.path,
             chunk_size=self.chunk_size,
+            score_mod=self.score_mod,
+            mask_mod=self.mask_mod if mask_mod is None else mask_mod,
         )
         out, weights = result if return_attention_scores else (result, None)
         out = flat.outputs(out)  # (B, *dims_q, N, Hv)
@@ -641,6 +705,7 @@ class ScaledDotProductAttention(keras.layers.Layer):
         return_attention_scores=False,
         training=None,
         use_causal_mask=False,
+        segment_ids=None,
     ):
         key_shape = None if key is None else key.shape
         shape = self.compute_output_shape(query.shape, value.shape, key_shape)
@@ -686,9 +751,40 @@ class ScaledDotProductAttention(keras.layers.Layer):
                 "chunk_size": self.chunk_size,
                 "scale": self.scale,
                 "attn_logits_soft_cap": self.attn_logits_soft_cap,
+                "score_mod": _serialize_mod("score_mod", self.score_mod),
+                "mask_mod": _serialize_mod("mask_mod", self.mask_mod),
             }
         )
         return config
+
+    @classmethod
+    def from_config(cls, config):
+        config = dict(config)
+        for name in ("score_mod", "mask_mod"):
+            if config.get(name) is not None:
+                config[name] = keras.saving.deserialize_keras_object(config[name])
+        return cls(**config)
+
+
+def _serialize_mod(name, mod):
+    """A mod's config for saving: built-ins and registered functions; others are refused."""
+    if mod is None:
+        return None
+    if not isinstance(mod, (mods.Mod, keras.layers.Layer)):
+        registered = keras.saving.get_registered_name(mod)
+        if keras.saving.get_registered_object(registered) is not mod:
+            raise ValueError(
+                f"`{name}` must be a keras_sdpa.mods built-in or a function registered with "
+                "`@keras.saving.register_keras_serializable()` to be saved: a lambda or an "
+                f"unregistered function cannot be rebuilt on loading. Received: {name}={mod!r}"
+            )
+    if isinstance(mod, mods.Mod) and mod._tensors():
+        mod.get_config()  # refuses with a clear error where the mod holds data of one batch
+        raise ValueError(
+            f"`{name}` holds tensors of one batch and cannot be saved; build it without them "
+            f"and pass them at call time. Received: {name}={mod!r}"
+        )
+    return keras.saving.serialize_keras_object(mod)
 
 
 class _Flattener:

@@ -376,7 +376,7 @@ def _attention(
         if mask_mod is not None:
             t, s = tf.shape(q)[3], tf.shape(k)[2]
             mod = M.mod_mask(
-                mask_mod, tf.shape(q)[0], num_heads, num_kv_heads, tf.range(t), tf.range(s)
+                mask_mod, M.batch_index(tf.shape(q)[0]), num_heads, num_kv_heads, tf.range(t), tf.range(s)
             )  # (B|1, K|1, G|1, T, S)
             mask = mod if mask is None else tf.logical_and(mask, mod)
         keep = None
@@ -550,7 +550,8 @@ def create_block_mask(mask_mod, B, N, T, S, block_size=None, num_kv_heads=None):
 
 def _block_kinds(tensors, *, template, B, N, K, T, S, C):
     mask_mod = mods.as_function(mods.join(template, tensors))
-    return _chunked.kinds_of_blocks(mask_mod, B, N, K, tf.constant(T), tf.constant(S), C)
+    b_index = M.batch_index(B)
+    return _chunked.kinds_of_blocks(mask_mod, b_index, N, K, tf.constant(T), tf.constant(S), C)
 
 
 _block_kinds_xla = tf.function(_block_kinds, jit_compile=True, autograph=False)
