@@ -54,7 +54,10 @@ class Mod:
 
     A mod's config holds what is fixed (a window, a cap); its tensors (segment ids, per-row
     prefix lengths) are data of one call. The core passes the tensors into its compiled
-    program as arguments, so a new batch of segment ids does not trace a new program.
+    program as arguments, so a new batch of segment ids does not trace a new program. Two
+    mods of one class with equal configs share a compiled program: a subclass's
+    `get_config()` must hold all of its fixed state, and `_tensors()` / `_with_tensors()`
+    its tensors.
     """
 
     def get_config(self):

@@ -229,8 +229,8 @@ def scaled_dot_product_attention(
         dropout_rate=dropout_rate,
         return_weights=bool(return_weights),
         chunk_size=chunk_size,
-        score_mod=score_template,
-        mask_mod=mask_template,
+        score_mod=_trace_key(score_template),
+        mask_mod=_trace_key(mask_template),
     )
     inputs = (query, key, value, mask, bias, seed, score_tensors, mask_tensors, block_kinds)
     if path == "auto":
@@ -253,6 +253,22 @@ def scaled_dot_product_attention(
         return out
     weights.set_shape([query.shape[0], query.shape[2], query.shape[1], key.shape[1]])
     return out, weights
+
+
+# The built-in mods' templates by their trace keys. tf.function keys an object argument by
+# its identity (a weak reference), so a new `document(ids)` each call would trace a new
+# program; a string keys it by value.
+_TEMPLATES = {}
+
+
+def _trace_key(template):
+    """A `mods.Mod` template as a string that keys the trace by its config; others as is."""
+    if not isinstance(template, mods.Mod):
+        return template
+    kind = type(template)
+    key = f"{kind.__module__}.{kind.__qualname__}{template._key()!r}"
+    _TEMPLATES.setdefault(key, template)
+    return key
 
 
 def _default_chunk_size(sliding_window, mask_mod=None):
@@ -345,8 +361,8 @@ def _attention(
     `path` is `"dense"` or `"chunked"`. `score_mod` and `mask_mod` are the mods' templates,
     `score_tensors` and `mask_tensors` their tensors of this call (`mods.split`).
     """
-    score_mod = mods.as_function(mods.join(score_mod, score_tensors))
-    mask_mod = mods.as_function(mods.join(mask_mod, mask_tensors))
+    score_mod = mods.as_function(mods.join(_TEMPLATES.get(score_mod, score_mod), score_tensors))
+    mask_mod = mods.as_function(mods.join(_TEMPLATES.get(mask_mod, mask_mod), mask_tensors))
     # The score_mod's float tensors get gradients; the variables it reads do, through
     # tf.custom_gradient's own tracking.
     params = tuple(x for x in score_tensors if x.dtype.is_floating)

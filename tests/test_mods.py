@@ -1,0 +1,633 @@
+"""Programmable attention: `score_mod`, `mask_mod`, the built-ins of `keras_sdpa.mods`, block
+skipping, and the layer that holds them.
+
+Every built-in is checked on both paths, forward and gradient, against references that
+share no code with it: a float64 NumPy forward pass in which each mod is written again from
+its definition, and the gradient TensorFlow's autodiff derives from a plain float64 formula
+(the core's gradient goes through the mod by a tape inside its own hand-written one).
+"""
+
+import math
+import os
+import subprocess
+import sys
+
+import hypothesis
+import hypothesis.strategies as st
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_sdpa
+from keras_sdpa import _chunked, mods
+from keras_sdpa.ops import scaled_dot_product_attention
+
+# Pairwise-distinct sizes; T and S are not multiples of the block.
+B, T, S, N, K, H = 2, 7, 9, 6, 2, 5
+CHUNK = 3
+PATHS = ["dense", "chunked"]
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+SEGMENTS = np.array([[0, 0, 0, 1, 1, 2, 2, 2, 2], [0, 1, 1, 1, 1, 1, 1, 3, 3]])  # (B, S)
+PREFIX = np.array([2, 5])
+
+
+# ------------------------------------------------------- the mods again, in NumPy, from their definitions
+
+
+def np_t5_bucket(relative, bidirectional, num_buckets, max_distance):
+    """T5's `_relative_position_bucket` (Raffel et al., 2020), one integer at a time."""
+    bucket = 0
+    n = relative
+    if bidirectional:
+        num_buckets //= 2
+        if n > 0:
+            bucket += num_buckets
+        n = abs(n)
+    else:
+        n = max(-n, 0)
+    exact = num_buckets // 2
+    if n < exact:
+        return bucket + n
+    large = exact + int(math.log(n / exact) / math.log(max_distance / exact) * (num_buckets - exact))
+    return bucket + min(large, num_buckets - 1)
+
+
+# ALiBi's slopes from the paper's code for 8 heads (1/2 ... 1/256) and, for 6, the 4-head
+# sequence then every other one of the 8-head sequence.
+ALIBI_8 = [2.0**-i for i in range(1, 9)]
+ALIBI_6 = [2.0**-2, 2.0**-4, 2.0**-6, 2.0**-8, 2.0**-1, 2.0**-3]
+
+TABLE = np.random.default_rng(5).normal(size=(8, N))
+
+
+def np_mask(name, b, h, q, kv):
+    if name == "causal":
+        return q >= kv
+    if name == "sliding_window":
+        return np.abs(q - kv) < 3
+    if name == "prefix_lm_int":
+        return (kv <= q) | (kv < 4)
+    if name == "prefix_lm_rows":
+        return (kv <= q) | (kv < PREFIX[b])
+    if name == "document":
+        return SEGMENTS[b, np.minimum(q, T - 1)] == SEGMENTS[b, kv]
+    if name == "chunked_local":
+        return q // 4 == kv // 4
+    if name == "and_masks":
+        return (q >= kv) & (np.abs(q - kv) < 3)
+    if name == "or_masks":
+        return (q // 4 == kv // 4) | (kv < 2)
+    raise KeyError(name)
+
+
+def np_score(name, score, b, h, q, kv):
+    if name == "alibi":
+        return score - np.array(ALIBI_6)[h] * np.abs(q - kv)
+    if name == "soft_cap":
+        return 2.0 * np.tanh(score / 2.0)
+    if name in ("t5", "t5_causal"):
+        bidirectional = name == "t5"
+        buckets = np.vectorize(lambda d: np_t5_bucket(d, bidirectional, 8, 20))(kv - q)
+        return score + TABLE[buckets, h]
+    raise KeyError(name)
+
+
+def make_mask(name):
+    return {
+        "causal": lambda: mods.causal(),
+        "sliding_window": lambda: mods.sliding_window(3),
+        "prefix_lm_int": lambda: mods.prefix_lm(4),
+        "prefix_lm_rows": lambda: mods.prefix_lm(tf.constant(PREFIX)),
+        "document": lambda: mods.document(
+            tf.constant(SEGMENTS[:, :T]), kv_segment_ids=tf.constant(SEGMENTS)
+        ),
+        "chunked_local": lambda: mods.chunked_local(4),
+        "and_masks": lambda: mods.and_masks(mods.causal(), mods.sliding_window(3)),
+        "or_masks": lambda: mods.or_masks(mods.chunked_local(4), lambda b, h, q, kv: kv < 2),
+    }[name]()
+
+
+def make_score(name):
+    if name == "alibi":
+        return mods.alibi(N)
+    if name == "soft_cap":
+        return mods.soft_cap(2.0)
+    table = mods.relative_position_bias(N, 8, 20, bidirectional=name == "t5")
+    table.table.assign(TABLE)
+    return table
+
+
+MASKS = ["causal", "sliding_window", "prefix_lm_int", "prefix_lm_rows", "document",
+         "chunked_local", "and_masks", "or_masks"]  # fmt: skip
+SCORES = ["alibi", "soft_cap", "t5", "t5_causal"]
+
+
+def indices(t=T, s=S, n=N):
+    return (
+        np.arange(B)[:, None, None, None],
+        np.arange(n)[None, :, None, None],
+        np.arange(t)[None, None, :, None],
+        np.arange(s)[None, None, None, :],
+    )
+
+
+def reference(q, k, v, score=None, mask=None, bias=None):
+    """float64 NumPy: scale, score_mod, bias, masks, softmax (fully masked rows: zeros)."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    groups = q.shape[2] // k.shape[2]
+    k, v = np.repeat(k, groups, axis=2), np.repeat(v, groups, axis=2)  # head n reads n // G
+    logits = np.einsum("btnh,bsnh->bnts", q, k) / np.sqrt(q.shape[-1])  # (B, N, T, S)
+    b, h, qi, ki = indices(q.shape[1], k.shape[1], q.shape[2])
+    if score is not None:
+        logits = score(logits, b, h, qi, ki)
+    if bias is not None:
+        logits = logits + bias
+    allowed = np.ones(logits.shape, bool)
+    if mask is not None:
+        allowed &= np.broadcast_to(mask(b, h, qi, ki), logits.shape)
+    logits = np.where(allowed, logits, -np.inf)
+    row_max = logits.max(-1, keepdims=True)
+    row_max = np.where(np.isfinite(row_max), row_max, 0.0)
+    exp = np.where(allowed, np.exp(logits - row_max), 0.0)
+    total = exp.sum(-1, keepdims=True)
+    return np.einsum("bnts,bsnh->btnh", exp / np.where(total > 0, total, 1.0), v)
+
+
+def inputs(seed=0, kv_heads=K, dtype="float32"):
+    rng = np.random.default_rng(seed)
+    shapes = [(B, T, N, H), (B, S, kv_heads, H), (B, S, kv_heads, H)]
+    return [tf.constant(rng.normal(size=shape), dtype) for shape in shapes]
+
+
+# ------------------------------------------------------------------------------ the core
+
+
+@pytest.mark.parametrize("name", MASKS)
+@pytest.mark.parametrize("path", PATHS)
+def test_mask_mods_match_numpy_reference(name, path):
+    q, k, v = inputs(kv_heads=K)
+    out = scaled_dot_product_attention(
+        q, k, v, mask_mod=make_mask(name), implementation=path, chunk_size=CHUNK
+    )
+    want = reference(q, k, v, mask=lambda *i: np_mask(name, *i))
+    np.testing.assert_allclose(out, want, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", SCORES)
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("kv_heads", [N, K, 1], ids=["mha", "gqa", "mqa"])
+def test_score_mods_match_numpy_reference(name, path, kv_heads):
+    q, k, v = inputs(kv_heads=kv_heads)
+    out = scaled_dot_product_attention(
+        q, k, v, score_mod=make_score(name), implementation=path, chunk_size=CHUNK
+    )
+    want = reference(q, k, v, score=lambda *a: np_score(name, *a))
+    np.testing.assert_allclose(out, want, atol=1e-5)
+
+
+def test_alibi_slopes_are_the_papers():
+    np.testing.assert_allclose(mods.alibi_slopes(8), ALIBI_8)
+    np.testing.assert_allclose(mods.alibi_slopes(6), ALIBI_6)
+
+
+@pytest.mark.parametrize("bidirectional", [True, False])
+def test_t5_buckets_match_the_definition(bidirectional):
+    distances = np.arange(-300, 301)
+    got = mods.relative_position_bucket(tf.constant(distances), bidirectional, 32, 128)
+    want = [np_t5_bucket(int(d), bidirectional, 32, 128) for d in distances]
+    np.testing.assert_array_equal(got, want)
+
+
+def autodiff_reference(q, k, v, table, name):
+    """float64 TensorFlow: the formula with T5's bias looked up in `table` (NumPy buckets)."""
+    groups = q.shape[2] // k.shape[2]
+    k, v = tf.repeat(k, groups, axis=2), tf.repeat(v, groups, axis=2)
+    logits = tf.einsum("btnh,bsnh->bnts", q, k) / np.sqrt(H)
+    b, h, qi, ki = indices()
+    buckets = np.vectorize(lambda d: np_t5_bucket(d, name == "t5", 8, 20))(ki - qi)[0, 0]
+    logits = logits + tf.transpose(tf.gather(table, buckets), [2, 0, 1])[None]  # (1, N, T, S)
+    allowed = np.broadcast_to(np_mask("and_masks", b, h, qi, ki), logits.shape)
+    weights = tf.nn.softmax(tf.where(allowed, logits, -1e30), axis=-1)
+    return tf.einsum("bnts,bsnh->btnh", weights, v)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("name", ["t5", "t5_causal"])
+def test_gradients_reach_the_inputs_and_the_t5_table(path, name):
+    q, k, v = inputs(kv_heads=K)
+    mod = make_score(name)
+    weights = tf.constant(np.random.default_rng(9).normal(size=(B, T, N, H)), tf.float32)
+    with tf.GradientTape() as tape:
+        tape.watch([q, k, v])
+        out = scaled_dot_product_attention(
+            q, k, v, score_mod=mod, mask_mod=make_mask("and_masks"), implementation=path,
+            chunk_size=CHUNK,
+        )  # fmt: skip
+        loss = tf.reduce_sum(out * weights)
+    got = tape.gradient(loss, [q, k, v, mod.table])
+    q64, k64, v64 = (tf.cast(x, tf.float64) for x in (q, k, v))
+    table = tf.Variable(TABLE)
+    with tf.GradientTape() as tape:
+        tape.watch([q64, k64, v64])
+        loss = tf.reduce_sum(autodiff_reference(q64, k64, v64, table, name) * tf.cast(weights, "float64"))
+    want = tape.gradient(loss, [q64, k64, v64, table])
+    for name_, g, w in zip(["q", "k", "v", "table"], got, want):
+        np.testing.assert_allclose(tf.convert_to_tensor(g), tf.convert_to_tensor(w), atol=2e-5, err_msg=name_)
+    assert float(tf.reduce_max(tf.abs(got[3]))) > 1e-3  # the table's gradient is not zero
+
+
+class Slopes(mods.Mod):
+    """A score mod with a float tensor of its own: ALiBi with slopes given per call."""
+
+    def __init__(self, slopes):
+        self.slopes = slopes
+
+    def __call__(self, score, b, h, q_idx, kv_idx):
+        return score - tf.gather(self.slopes, h) * tf.cast(tf.abs(q_idx - kv_idx), score.dtype)
+
+    def _tensors(self):
+        return (self.slopes,)
+
+    def _with_tensors(self, tensors):
+        return Slopes(tensors[0])
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_gradients_reach_a_mods_tensor_and_a_captured_variable(path):
+    """The float tensor a `Mod` carries and a `tf.Variable` a plain function reads both get
+    the gradient autodiff gives the same formula."""
+    q, k, v = inputs(kv_heads=N)
+    slopes = tf.constant(ALIBI_6, tf.float32)
+    scale = tf.Variable(0.7)
+
+    def plain(score, b, h, q_idx, kv_idx):
+        return score * scale
+
+    for mod, watched in ((Slopes(slopes), slopes), (plain, scale)):
+        with tf.GradientTape() as tape:
+            tape.watch(slopes)
+            out = scaled_dot_product_attention(
+                q, k, v, score_mod=mod, implementation=path, chunk_size=CHUNK
+            )
+            loss = tf.reduce_sum(out * out)
+        got = tf.convert_to_tensor(tape.gradient(loss, watched))
+        with tf.GradientTape() as tape:
+            tape.watch(slopes)
+            b, h, qi, ki = (tf.constant(x) for x in indices())
+            logits = tf.einsum("btnh,bsnh->bnts", q, k) / np.sqrt(H)
+            logits = mod(logits, b, h, qi, ki)
+            ref = tf.einsum("bnts,bsnh->btnh", tf.nn.softmax(logits, -1), v)
+            loss = tf.reduce_sum(ref * ref)
+        want = tf.convert_to_tensor(tape.gradient(loss, watched))
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_captured_table_gradient_is_deterministic():
+    """Two runs give bit-identical gradients for the T5 table, on the chunked path."""
+    q, k, v = inputs(kv_heads=K)
+    mod = make_score("t5")
+
+    def table_gradient():
+        with tf.GradientTape() as tape:
+            out = scaled_dot_product_attention(
+                q, k, v, score_mod=mod, mask_mod=mods.causal(), implementation="chunked",
+                chunk_size=CHUNK,
+            )  # fmt: skip
+            loss = tf.reduce_sum(out * out)
+        return tf.convert_to_tensor(tape.gradient(loss, mod.table)).numpy()
+
+    first, second = table_gradient(), table_gradient()
+    assert first.tobytes() == second.tobytes()
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_mods_combine_with_the_built_in_arguments_in_the_documented_order(path):
+    """logits * scale -> score_mod -> bias -> soft cap -> masks (mask_mod and the rest)."""
+    q, k, v = inputs(kv_heads=K)
+    rng = np.random.default_rng(2)
+    bias = rng.normal(size=(1, N, T, S))
+    mask = rng.random((B, 1, T, S)) > 0.2
+    out = scaled_dot_product_attention(
+        q, k, v, mask, bias=tf.constant(bias, tf.float32), is_causal=True,
+        attn_logits_soft_cap=1.5, score_mod=make_score("alibi"),
+        mask_mod=make_mask("document"), implementation=path, chunk_size=CHUNK,
+    )  # fmt: skip
+
+    def score(logits, b, h, qi, ki):
+        logits = np_score("alibi", logits, b, h, qi, ki) + bias
+        return 1.5 * np.tanh(logits / 1.5)
+
+    def allowed(b, h, qi, ki):
+        return np_mask("document", b, h, qi, ki) & mask & (qi >= ki)
+
+    np.testing.assert_allclose(out, reference(q, k, v, score=score, mask=allowed), atol=1e-5)
+
+
+def test_fully_masked_rows_are_zero_with_finite_gradients():
+    q, k, v = inputs(kv_heads=K)
+    never = lambda b, h, q_idx, kv_idx: tf.logical_and(q_idx != 3, kv_idx >= 0)  # noqa: E731
+    for path in PATHS:
+        with tf.GradientTape() as tape:
+            tape.watch([q, k, v])
+            out = scaled_dot_product_attention(
+                q, k, v, mask_mod=never, implementation=path, chunk_size=CHUNK
+            )
+        np.testing.assert_array_equal(out[:, 3], 0.0)
+        for grad in tape.gradient(out, [q, k, v]):
+            assert np.isfinite(grad).all()
+
+
+# -------------------------------------------------------------------------- block skipping
+
+
+def brute_force_kinds(mask, t, s, c):
+    """Each block's kind from the whole `(B, N, T, S)` mask (0 empty, 1 partial, 2 full)."""
+    nq, nk = -(-t // c), -(-s // c)
+    kinds = np.zeros((nq, nk), int)
+    for i in range(nq):
+        for j in range(nk):
+            block = mask[:, :, i * c : (i + 1) * c, j * c : (j + 1) * c]
+            full = block.all() and (j + 1) * c <= s
+            kinds[i, j] = 2 if full else (1 if block.any() else 0)
+    return kinds
+
+
+@pytest.mark.parametrize("name", MASKS)
+def test_block_kinds_match_brute_force(name):
+    """At T=7, S=9 in blocks of 3 (and 2): ragged last blocks on both axes."""
+    b, h, qi, ki = indices()
+    mask = np.broadcast_to(np_mask(name, b, h, qi, ki), (B, N, T, S))
+    for c in (CHUNK, 2):
+        got = keras_sdpa.create_block_mask(make_mask(name), B, N, T, S, block_size=c).kinds
+        np.testing.assert_array_equal(got, brute_force_kinds(mask, T, S, c), err_msg=f"C={c}")
+
+
+def visits(mask_mod, t, s, c, block_kinds=None):
+    """How many blocks the chunked forward computes (the loop's own counter)."""
+    q = tf.random.normal((1, 1, 1, t, 4))  # (B, K, G, T, H)
+    k = tf.random.normal((1, 1, s, 4))
+
+    @tf.function(jit_compile=True)
+    def run(q, k):
+        kwargs = dict(
+            mask_pattern=None, bias_pattern=None, is_causal=False, window=None, cap=None,
+            dropout_rate=0.0, chunk_size=c, mask_mod=mask_mod, num_heads=1,
+            block_kinds=block_kinds, count_visits=True,
+        )  # fmt: skip
+        return _chunked.attend(q, k, k, None, None, None, **kwargs)
+
+    return int(run(q, k)[1])
+
+
+def test_the_chunked_loop_visits_only_non_empty_blocks():
+    """A spy on the forward loop: with 8 equal segments only the 8 diagonal blocks of 8 x 8
+    are computed; causal computes 36 of 64; without a mask_mod all 64."""
+    ids = tf.constant(np.repeat(np.arange(8), 16)[None])  # (1, 128)
+    assert visits(mods.document(ids), 128, 128, 16) == 8
+    assert visits(mods.causal(), 128, 128, 16) == 36
+    assert visits(None, 128, 128, 16) == 64
+    assert visits(mods.sliding_window(16), 128, 128, 16) == 8 + 2 * 7
+
+
+def test_a_shared_block_mask_gives_the_same_result_and_must_match_its_mod():
+    q, k, v = inputs(kv_heads=K)
+    mod = make_mask("document")
+    block_mask = keras_sdpa.create_block_mask(mod, B, N, T, S, block_size=CHUNK)
+    shared = scaled_dot_product_attention(
+        q, k, v, mask_mod=mod, block_mask=block_mask, implementation="chunked"
+    )
+    own = scaled_dot_product_attention(
+        q, k, v, mask_mod=mod, implementation="chunked", chunk_size=CHUNK
+    )
+    np.testing.assert_array_equal(shared, own)
+    with pytest.raises(ValueError, match="same `mask_mod`"):
+        scaled_dot_product_attention(q, k, v, mask_mod=mods.causal(), block_mask=block_mask)
+    with pytest.raises(ValueError, match="chunk_size=4, block_mask.block_size=3"):
+        scaled_dot_product_attention(
+            q, k, v, mask_mod=mod, block_mask=block_mask, chunk_size=4
+        )
+
+
+BAND = st.tuples(st.integers(-12, 12), st.integers(0, 12))
+
+
+@hypothesis.settings(max_examples=25, deadline=None)
+@hypothesis.given(
+    bands=st.lists(BAND, min_size=1, max_size=3),
+    cuts=st.lists(st.integers(1, S - 1), max_size=3),
+    combine=st.sampled_from(["and", "or"]),
+    t=st.integers(1, 11),
+)
+def test_random_band_and_segment_masks_match_on_both_paths(bands, cuts, combine, t):
+    """Random mask_mods made of bands `lo <= q - kv < lo + width` and random segments."""
+    segments = np.zeros((B, max(S, t)), int)
+    for cut in cuts:
+        segments[:, cut:] += 1
+
+    def band(lo, width):
+        return lambda b, h, q, kv: tf.logical_and(q - kv >= lo, q - kv < lo + width)
+
+    parts = [band(lo, width) for lo, width in bands]
+    np_parts = [lambda b, h, q, kv, lo=lo, w=w: (q - kv >= lo) & (q - kv < lo + w)
+                for lo, w in bands]  # fmt: skip
+    if cuts:
+        parts.append(mods.document(tf.constant(segments[:, :t]), tf.constant(segments[:, :S])))
+        np_parts.append(lambda b, h, q, kv: segments[b, q] == segments[b, kv])
+    mask_mod = (mods.and_masks if combine == "and" else mods.or_masks)(*parts)
+    op = np.logical_and if combine == "and" else np.logical_or
+
+    def np_mask_mod(b, h, q, kv):
+        result = np_parts[0](b, h, q, kv)
+        for part in np_parts[1:]:
+            result = op(result, part(b, h, q, kv))
+        return result
+
+    rng = np.random.default_rng(t)
+    q = tf.constant(rng.normal(size=(B, t, N, H)), tf.float32)
+    _, k, v = inputs(kv_heads=K)
+    want = reference(q, k, v, mask=np_mask_mod)
+    for path in PATHS:
+        out = scaled_dot_product_attention(
+            q, k, v, mask_mod=mask_mod, implementation=path, chunk_size=CHUNK
+        )
+        np.testing.assert_allclose(out, want, atol=1e-5, err_msg=path)
+
+
+def test_new_segment_ids_do_not_trace_a_new_program():
+    from keras_sdpa import ops
+
+    q, k, v = inputs(kv_heads=K)
+    mod = mods.document(tf.constant(SEGMENTS[:, :T]), tf.constant(SEGMENTS))
+    scaled_dot_product_attention(q, k, v, mask_mod=mod, implementation="chunked", chunk_size=3)
+    before = ops._attention_xla.experimental_get_tracing_count()
+    for shift in range(3):
+        ids = (SEGMENTS + shift) % 4
+        mod = mods.document(tf.constant(ids[:, :T]), tf.constant(ids))
+        scaled_dot_product_attention(q, k, v, mask_mod=mod, implementation="chunked", chunk_size=3)
+    assert ops._attention_xla.experimental_get_tracing_count() == before
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(score_mod=3), "`score_mod` must be None or a callable"),
+        (dict(mask_mod="causal"), "`mask_mod` must be None or a callable"),
+        (dict(mask_mod=lambda b, h, q, kv: tf.cast(q - kv, tf.float32)), "must return booleans"),
+        (dict(block_mask="blocks"), "`block_mask` must be a BlockMask"),
+    ],
+    ids=["score_mod", "mask_mod", "non_boolean", "block_mask"],
+)
+def test_bad_mod_arguments(kwargs, match):
+    q, k, v = inputs(kv_heads=K)
+    with pytest.raises(ValueError, match=match):
+        scaled_dot_product_attention(q, k, v, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda: mods.sliding_window(0), r"`window` must be a positive int. Received: window=0"),
+        (lambda: mods.chunked_local(2.5), r"`chunk` must be a positive int"),
+        (lambda: mods.prefix_lm(-1), r"prefix_length=-1"),
+        (lambda: mods.document(tf.constant([1, 2])), r"`segment_ids` must be a \(B, length\)"),
+        (lambda: mods.soft_cap(0), r"`cap` must be a positive number. Received: cap=0"),
+        (lambda: mods.alibi(0), r"num_heads=0"),
+        (lambda: mods.relative_position_bias(4, num_buckets=2), r"num_buckets=2"),
+        (lambda: mods.and_masks(), r"needs at least one mask mod"),
+    ],
+    ids=["window", "chunk", "prefix", "segments", "cap", "alibi", "buckets", "and_masks"],
+)
+def test_bad_mod_constructor_arguments(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+# ------------------------------------------------------------------------------ the layer
+
+
+@keras.saving.register_keras_serializable(package="test_mods")
+def every_other_key(b, h, q_idx, kv_idx):
+    return kv_idx % 2 == 0
+
+
+def test_layer_config_round_trips_built_ins_and_registered_functions():
+    layer = keras_sdpa.ScaledDotProductAttention(
+        num_heads=N, key_dim=H,
+        score_mod=mods.relative_position_bias(N, 8, 20),
+        mask_mod=mods.and_masks(mods.causal(), mods.document(), every_other_key),
+    )  # fmt: skip
+    clone = keras_sdpa.ScaledDotProductAttention.from_config(layer.get_config())
+    assert isinstance(clone.score_mod, mods.RelativePositionBias)
+    assert clone.score_mod.get_config()["num_buckets"] == 8
+    assert clone.mask_mod == layer.mask_mod
+    assert clone.mask_mod.mask_mods[2] is every_other_key
+    for mod in (mods.alibi(N), mods.soft_cap(3.0), mods.prefix_lm(2), mods.sliding_window(4)):
+        config = keras_sdpa.ScaledDotProductAttention(score_mod=mod).get_config()
+        assert keras_sdpa.ScaledDotProductAttention.from_config(config).score_mod == mod
+
+
+def test_an_unregistered_function_is_refused_at_save_time(tmp_path):
+    layer = keras_sdpa.ScaledDotProductAttention(mask_mod=lambda b, h, q, kv: q >= kv)
+    with pytest.raises(ValueError, match="`mask_mod` must be a keras_sdpa.mods built-in or a function registered"):
+        layer.get_config()
+    with pytest.raises(ValueError, match="per-row prefix lengths"):
+        keras_sdpa.ScaledDotProductAttention(mask_mod=mods.prefix_lm(tf.constant([1, 2]))).get_config()
+
+
+def test_segment_ids_need_a_document_mask():
+    layer = keras_sdpa.ScaledDotProductAttention(num_heads=2, key_dim=4, mask_mod=mods.causal())
+    x = tf.random.normal((B, T, 8))
+    with pytest.raises(ValueError, match="`segment_ids` are read by a `keras_sdpa.mods.document"):
+        layer(x, x, segment_ids=tf.zeros((B, T), tf.int32))
+    layer = keras_sdpa.ScaledDotProductAttention(num_heads=2, key_dim=4, mask_mod=mods.document())
+    with pytest.raises(ValueError, match=r"`segment_ids` must be a \(B, T\) integer tensor"):
+        layer(x, x, segment_ids=tf.zeros((B, T)))
+
+
+def test_layer_with_mods_matches_keras_mha_with_the_same_weights_and_mask():
+    """A document mask as mask_mod gives MultiHeadAttention's output with the same mask."""
+    x = tf.random.normal((B, T, 12))
+    ids = tf.constant(SEGMENTS[:, :T])
+    ours = keras_sdpa.ScaledDotProductAttention(num_heads=3, key_dim=4, mask_mod=mods.document())
+    mha = keras.layers.MultiHeadAttention(num_heads=3, key_dim=4)
+    mha(x, x)
+    ours(x, x, segment_ids=ids)
+    ours.set_weights(mha.get_weights())
+    mask = ids[:, :, None] == ids[:, None, :]  # (B, T, T)
+    for path in ("dense", "chunked"):
+        ours.implementation = path
+        np.testing.assert_allclose(
+            ours(x, x, segment_ids=ids), mha(x, x, attention_mask=mask), atol=1e-5
+        )
+
+
+@pytest.fixture(scope="module")
+def t5_document_model(tmp_path_factory):
+    """A small model with a T5 bias and a document mask, trained by `fit`, saved to `.keras`
+    and exported as a SavedModel."""
+    length, width = 16, 16
+    tokens = keras.Input((length,), dtype="int32", name="tokens")
+    segments = keras.Input((length,), dtype="int32", name="segments")
+    x = keras.layers.Embedding(40, width)(tokens)
+    attention = keras_sdpa.ScaledDotProductAttention(
+        num_heads=4, key_dim=4, score_mod=mods.relative_position_bias(4, 8, 16),
+        mask_mod=mods.and_masks(mods.causal(), mods.document()), chunk_size=8,
+        implementation="chunked",
+    )  # fmt: skip
+    x = attention(x, x, segment_ids=segments)
+    out = keras.layers.Dense(1)(keras.layers.GlobalAveragePooling1D()(x))
+    model = keras.Model([tokens, segments], out)
+    model.compile(keras.optimizers.Adam(0.01), "mse")
+    rng = np.random.default_rng(0)
+    data = [rng.integers(0, 40, (64, length)), np.sort(rng.integers(0, 3, (64, length)), axis=1)]
+    target = (data[0][:, :1] > 20).astype("float32")
+    before = attention.score_mod.table.numpy().copy()
+    history = model.fit(data, target, epochs=3, batch_size=16, verbose=0)
+    folder = tmp_path_factory.mktemp("t5_document")
+    model.save(folder / "model.keras")
+    export = keras.export.ExportArchive()
+    export.track(model)
+    spec = tf.TensorSpec((None, length), tf.int32)
+    export.add_endpoint(
+        "serve", lambda t, s: model([t, s], training=False), input_signature=[spec, spec]
+    )
+    export.write_out(str(folder / "saved_model"))
+    return model, attention, before, history, data, folder
+
+
+def test_a_t5_document_model_trains_under_fit(t5_document_model):
+    model, attention, before, history, _, _ = t5_document_model
+    losses = history.history["loss"]
+    assert losses[-1] < losses[0]
+    assert np.abs(attention.score_mod.table.numpy() - before).max() > 1e-3
+    assert attention.weights[-1] is attention.score_mod.table  # after the projections
+
+
+def test_a_t5_document_model_reloads_from_keras_file(t5_document_model):
+    model, _, _, _, data, folder = t5_document_model
+    reloaded = keras.saving.load_model(folder / "model.keras")
+    np.testing.assert_allclose(reloaded.predict(data, verbose=0), model.predict(data, verbose=0), atol=1e-6)
+
+
+def test_a_t5_document_model_serves_without_this_package(t5_document_model):
+    model, _, _, _, data, folder = t5_document_model
+    np.save(folder / "tokens.npy", data[0][:8])
+    np.save(folder / "segments.npy", data[1][:8])
+    script = (
+        "import sys, numpy as np, tensorflow as tf\n"
+        "folder = sys.argv[1]\n"
+        "served = tf.saved_model.load(folder + '/saved_model')\n"
+        "out = served.serve(tf.constant(np.load(folder + '/tokens.npy'), tf.int32),\n"
+        "                   tf.constant(np.load(folder + '/segments.npy'), tf.int32))\n"
+        "assert 'keras_sdpa' not in sys.modules\n"
+        "np.save(folder + '/served.npy', out.numpy())\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script, str(folder)], capture_output=True, timeout=300,
+        cwd=str(folder),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr.decode()[-3000:]
+    served = np.load(folder / "served.npy")
+    np.testing.assert_allclose(served, model.predict([d[:8] for d in data], verbose=0), atol=1e-5)
