@@ -130,7 +130,8 @@ def scaled_dot_product_attention(
             unknown (Keras's `fit`), it decides while tracing, from one
             example's scores: chunked past 32 MiB (256 MiB at a batch of 8);
             there, unknown lengths stay dense, since XLA cannot compile the
-            chunked path's block loops without them. `return_weights` needs
+            chunked path's block loops without them. With a `score_mod` it decides
+            while tracing in the same way everywhere. `return_weights` needs
             the whole matrix and always runs dense.
         chunk_size: block size of the chunked path. Defaults to 2048, or with a
             `sliding_window` of `W` to the power of two at or above `W / 2`
@@ -199,6 +200,12 @@ def scaled_dot_product_attention(
     dropout_rate = float(dropout_rate) if training else 0.0
     seed = _as_seed(seed) if dropout_rate > 0.0 else None
     path = _choose_path(implementation, query, key, return_weights, chunk_size)
+    if path == "auto" and score_mod is not None:
+        # The run-time choice is a tf.cond around two programs, and TensorFlow cannot take
+        # the gradient of the variables a score_mod reads through one ("Tensor.graph is
+        # undefined when eager execution is enabled"): decide while tracing instead, from
+        # one example's scores, as inside a caller's XLA step.
+        path = _choose_path_from_one_example(query, key, chunk_size)
     longest = max(query.shape[1] or 0, key.shape[1] or 0)
     if path == "chunked" and None not in (query.shape[1], key.shape[1]) and longest and (
         block_kinds is None
@@ -305,14 +312,20 @@ def _choose_path(implementation, query, key, return_weights, chunk_size):
             # the batch left unknown, as Keras traces `fit`), the choice is made here from
             # one example's scores; with unknown lengths the chunked path cannot compile
             # at all there (its block counts must be constants), so it stays dense.
-            _, n, t, s = sizes
-            if t is None or s is None:
-                return "dense"
-            large = n * t * s * 4 > _AUTO_CHUNKED_BYTES_PER_EXAMPLE
-            return "chunked" if large and max(t, s) > chunk_size else "dense"
+            return _choose_path_from_one_example(query, key, chunk_size)
         return "auto"  # decided at run time, from the actual sizes
     large = math.prod(sizes) * 4 > _AUTO_CHUNKED_BYTES
     return "chunked" if large and max(sizes[2], sizes[3]) > chunk_size else "dense"
+
+
+def _choose_path_from_one_example(query, key, chunk_size):
+    """Chunked when one example's float32 scores pass 32 MiB and a sequence is longer than a
+    block; dense otherwise, and for lengths unknown while tracing."""
+    n, t, s = query.shape[2], query.shape[1], key.shape[1]
+    if t is None or s is None:
+        return "dense"
+    large = n * t * s * 4 > _AUTO_CHUNKED_BYTES_PER_EXAMPLE
+    return "chunked" if large and max(t, s) > chunk_size else "dense"
 
 
 def _empty_result(query, key, value, return_weights):

@@ -631,3 +631,18 @@ def test_a_t5_document_model_serves_without_this_package(t5_document_model):
     assert result.returncode == 0, result.stderr.decode()[-3000:]
     served = np.load(folder / "served.npy")
     np.testing.assert_allclose(served, model.predict([d[:8] for d in data], verbose=0), atol=1e-5)
+
+
+@pytest.mark.parametrize("jit_compile", [False, True], ids=["graph", "xla"])
+def test_t5_table_trains_under_fit_with_the_automatic_path(jit_compile):
+    """`implementation="auto"` with a batch unknown while tracing: the choice is made then
+    (a run-time choice between two programs loses the gradient of the mod's variables)."""
+    tokens = keras.Input((12,), dtype="int32")
+    x = keras.layers.Embedding(30, 16)(tokens)
+    bias = mods.relative_position_bias(4, 8, 16)
+    x = keras_sdpa.ScaledDotProductAttention(num_heads=4, key_dim=4, score_mod=bias)(x, x)
+    model = keras.Model(tokens, keras.layers.Dense(1)(x[:, -1]))
+    model.compile(keras.optimizers.Adam(0.01), "mse", jit_compile=jit_compile)
+    rng = np.random.default_rng(0)
+    model.fit(rng.integers(0, 30, (16, 12)), rng.normal(size=(16, 1)), epochs=2, verbose=0)
+    assert np.abs(bias.table.numpy()).max() > 1e-3  # the table starts at zeros
