@@ -350,9 +350,9 @@ def _attention(
     mask,
     bias,
     seed,
-    score_tensors,
-    mask_tensors,
-    block_kinds,
+    score_tensors=(),
+    mask_tensors=(),
+    block_kinds=None,
     *,
     num_heads,
     num_kv_heads,
@@ -366,8 +366,8 @@ def _attention(
     return_weights,
     path,
     chunk_size,
-    score_mod,
-    mask_mod,
+    score_mod=None,
+    mask_mod=None,
 ):
     """The whole computation, traced once per static configuration.
 
