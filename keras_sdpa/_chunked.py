@@ -62,8 +62,9 @@ def attend(
     logits; the gradient goes back through it by a tape in each block, summed densely into
     the gradients of `params` (its float tensors) and of the variables it reads.
 
-    Returns the output `(B, K, G, T, Hv)`, and with `count_visits` also the number of
-    blocks the forward pass computed.
+    Returns the output `(B, K, G, T, Hv)`, and with `count_visits` also, as a `(2,)` int32
+    tensor, the number of blocks the forward pass computed and how many of them called
+    `mask_mod`.
     """
     groups = q.shape[2]
     compute = q.dtype if operand is None else tf.float32
@@ -162,7 +163,7 @@ def attend(
                     # loop's carried shapes must stay as they entered.
                     for carried, before in ((m_new, m), (total_new, total), (acc_new, acc)):
                         carried.set_shape(before.shape)
-                    return m_new, total_new, acc_new, visits + 1
+                    return m_new, total_new, acc_new, visits + [1, int(with_mod)]
 
                 return (j + 1, *visit(i, j, (m, total, acc, visits), compute))
 
@@ -187,7 +188,7 @@ def attend(
                 tf.constant(0),
                 tf.TensorArray(compute, size=num_q, element_shape=None),
                 tf.TensorArray(compute, size=num_q, element_shape=None),
-                tf.constant(0),
+                tf.zeros((2,), tf.int32),
             ),
         )
         out_blocks, lse_blocks = outs.stack(), lses.stack()  # (nq, B, K, G, C, Hv), (…, C, 1)

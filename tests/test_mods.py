@@ -365,7 +365,8 @@ def test_block_kinds_match_brute_force(name):
 
 
 def visits(mask_mod, t, s, c, block_kinds=None):
-    """How many blocks the chunked forward computes (the loop's own counter)."""
+    """How many blocks the chunked forward computes, and in how many of them it calls the
+    mask_mod (the loop's own counters)."""
     q = tf.random.normal((1, 1, 1, t, 4))  # (B, K, G, T, H)
     k = tf.random.normal((1, 1, s, 4))
 
@@ -378,17 +379,22 @@ def visits(mask_mod, t, s, c, block_kinds=None):
         )  # fmt: skip
         return _chunked.attend(q, k, k, None, None, None, **kwargs)
 
-    return int(run(q, k)[1])
+    return tuple(int(x) for x in run(q, k)[1])
 
 
 def test_the_chunked_loop_visits_only_non_empty_blocks():
     """A spy on the forward loop: with 8 equal segments only the 8 diagonal blocks of 8 x 8
-    are computed; causal computes 36 of 64; without a mask_mod all 64."""
+    are computed, all full, so the mod is never called in them; causal computes 36 of 64
+    and calls the mod on the 8 diagonal ones; without a mask_mod all 64."""
     ids = tf.constant(np.repeat(np.arange(8), 16)[None])  # (1, 128)
-    assert visits(mods.document(ids), 128, 128, 16) == 8
-    assert visits(mods.causal(), 128, 128, 16) == 36
-    assert visits(None, 128, 128, 16) == 64
-    assert visits(mods.sliding_window(16), 128, 128, 16) == 8 + 2 * 7
+    assert visits(mods.document(ids), 128, 128, 16) == (8, 0)
+    assert visits(mods.causal(), 128, 128, 16) == (36, 8)
+    assert visits(None, 128, 128, 16) == (64, 64)
+    assert visits(mods.sliding_window(16), 128, 128, 16) == (8 + 2 * 7, 2 * 7)  # diagonal: full
+    unaligned = tf.constant(np.repeat(np.arange(11), 12)[None, :128])  # (1, 128): ragged
+    count, with_mod = visits(mods.document(unaligned), 128, 128, 16)
+    kinds = keras_sdpa.create_block_mask(mods.document(unaligned), 1, 1, 128, 128, 16).kinds
+    assert count == int(np.sum(kinds.numpy() > 0)) and with_mod == int(np.sum(kinds.numpy() == 1))
 
 
 def test_a_shared_block_mask_gives_the_same_result_and_must_match_its_mod():
