@@ -5,12 +5,15 @@
 
     skipping   chunked, T=S=8,192: a mask_mod against no mask at all. The chunked loops
                never compute the blocks the mod empties, so the time falls with them:
-               causal (about half the blocks), document with 8 equal segments (1/8),
-               sliding_window(512).
+               causal (about half the blocks) as `mods.causal()` and as a plain function,
+               document with 8 equal segments (1/8), sliding_window(512).
+               `mods.causal()` and `mods.sliding_window()` run as the built-in arguments
+               (skipped by range); the plain function and `document` go through the block
+               map.
     same as    a mod against the built-in argument that computes the same thing: causal
-               as `mask_mod` against `is_causal=True`, ALiBi as `score_mod` against the
-               same ALiBi as `attention_bias`, on the chunked path (T=8,192) and the
-               dense one (T=2,048).
+               as `mask_mod` (the built-in mod, and a plain function) against
+               `is_causal=True`, ALiBi as `score_mod` against the same ALiBi as
+               `attention_bias`, on the chunked path (T=8,192) and the dense one (T=2,048).
     memory     chunked with a document mask (8 equal segments) at T=16,384 and T=32,768:
                peak resident memory in a child process each. O(T) memory doubles with T;
                anything of size T x S would quadruple.
@@ -57,12 +60,18 @@ def arguments(variant, length):
     return {
         "none": dict(),
         "causal_mod": dict(mask_mod=mods.causal()),
+        "causal_fn": dict(mask_mod=causal_function),
         "causal_arg": dict(is_causal=True),
         "document_mod": dict(mask_mod=mods.document(segments)),
         "window_mod": dict(mask_mod=mods.sliding_window(512)),
         "alibi_mod": dict(score_mod=mods.alibi(N)),
         "alibi_bias": dict(bias=bias),
     }[variant.removesuffix("_dense")] | dict(implementation=path)
+
+
+def causal_function(b, h, q_idx, kv_idx):
+    """Causal as a plain function: the block map and per-block tests, not the built-in."""
+    return q_idx >= kv_idx
 
 
 def make_step(variant, length):
@@ -188,16 +197,20 @@ def main(argv=None):
     lengths = [int(x) for x in args.memory_lengths.split(",") if x]
     t, d = args.length, args.dense_length
     rows = [
-        compare("causal `mask_mod` vs no mask, chunked", "causal_mod", "none", t, args.rounds, 0.60),
+        compare("`mods.causal()` vs no mask, chunked", "causal_mod", "none", t, args.rounds, 0.60),
+        compare("causal as a plain function vs no mask, chunked", "causal_fn", "none", t,
+                args.rounds, 0.60),
         compare("`document` (8 segments) vs no mask, chunked", "document_mod", "none", t,
                 args.rounds, 0.25),
         compare("`sliding_window(512)` vs no mask, chunked", "window_mod", "none", t,
                 args.rounds, 0.20),
-        compare("causal `mask_mod` vs `is_causal=True`, chunked", "causal_mod", "causal_arg", t,
+        compare("`mods.causal()` vs `is_causal=True`, chunked", "causal_mod", "causal_arg", t,
                 args.rounds, 1.10),
+        compare("causal as a plain function vs `is_causal=True`, chunked", "causal_fn",
+                "causal_arg", t, args.rounds, 1.10),
         compare("ALiBi `score_mod` vs ALiBi `bias`, chunked", "alibi_mod", "alibi_bias", t,
                 args.rounds, 1.10),
-        compare("causal `mask_mod` vs `is_causal=True`, dense", "causal_mod_dense",
+        compare("causal as a plain function vs `is_causal=True`, dense", "causal_fn_dense",
                 "causal_arg_dense", d, args.rounds, 1.10),
         compare("ALiBi `score_mod` vs ALiBi `bias`, dense", "alibi_mod_dense",
                 "alibi_bias_dense", d, args.rounds, 1.10),

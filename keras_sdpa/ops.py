@@ -146,7 +146,8 @@ def scaled_dot_product_attention(
         mask_mod: optional `mask_mod(b, h, q_idx, kv_idx) -> bool`, True meaning "may
             attend", combined with the other masks by logical and. On the chunked
             path, blocks it empties are never computed and on blocks it fills it is
-            not called.
+            not called. `mods.causal()` and `mods.sliding_window(w)` (alone or in
+            `mods.and_masks`) run as `is_causal` and `sliding_window`, the same masks.
         block_mask: optional `keras_sdpa.BlockMask` from `create_block_mask`, the
             chunked path's block kinds for this `mask_mod` and these sizes,
             precomputed so that layers can share them. Optional: without it the
@@ -186,6 +187,9 @@ def scaled_dot_product_attention(
     block_kinds = None
     if block_mask is not None:
         block_kinds, chunk_size = _check_block_mask(block_mask, mask_mod, chunk_size)
+    mask_mod, is_causal, sliding_window = _lower_mask_mod(mask_mod, is_causal, sliding_window)
+    if mask_mod is None:
+        block_kinds = None
     if implementation not in ("auto", "dense", "chunked"):
         raise ValueError(
             '`implementation` must be "auto", "dense" or "chunked". '
@@ -316,6 +320,27 @@ def _choose_path(implementation, query, key, return_weights, chunk_size):
         return "auto"  # decided at run time, from the actual sizes
     large = math.prod(sizes) * 4 > _AUTO_CHUNKED_BYTES
     return "chunked" if large and max(sizes[2], sizes[3]) > chunk_size else "dense"
+
+
+def _lower_mask_mod(mask_mod, is_causal, sliding_window):
+    """`mods.causal()` and `mods.sliding_window(w)`, alone or inside `and_masks`, become the
+    core's `is_causal` and `sliding_window`: the same masks, whose blocks the chunked loops
+    skip by range, with no block map and no per-block test (see BENCHMARKS.md). Returns the
+    mask mod left (or None) and the two arguments."""
+    parts = mask_mod.mask_mods if isinstance(mask_mod, mods.AndMasks) else (mask_mod,)
+    rest = []
+    for part in parts:
+        if isinstance(part, mods.Causal):
+            is_causal = True
+        elif isinstance(part, mods.SlidingWindow):
+            window = part.window
+            sliding_window = window if sliding_window is None else min(sliding_window, window)
+        elif part is not None:
+            rest.append(part)
+    if len(rest) == len(parts):
+        return mask_mod, is_causal, sliding_window
+    left = None if not rest else rest[0] if len(rest) == 1 else mods.AndMasks(*rest)
+    return left, is_causal, sliding_window
 
 
 def _choose_path_from_one_example(query, key, chunk_size):

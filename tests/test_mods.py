@@ -63,7 +63,7 @@ TABLE = np.random.default_rng(5).normal(size=(8, N))
 
 
 def np_mask(name, b, h, q, kv):
-    if name == "causal":
+    if name in ("causal", "causal_function"):
         return q >= kv
     if name == "sliding_window":
         return np.abs(q - kv) < 3
@@ -97,6 +97,7 @@ def np_score(name, score, b, h, q, kv):
 def make_mask(name):
     return {
         "causal": lambda: mods.causal(),
+        "causal_function": lambda: lambda b, h, q_idx, kv_idx: q_idx >= kv_idx,
         "sliding_window": lambda: mods.sliding_window(3),
         "prefix_lm_int": lambda: mods.prefix_lm(4),
         "prefix_lm_rows": lambda: mods.prefix_lm(tf.constant(PREFIX)),
@@ -119,7 +120,7 @@ def make_score(name):
     return table
 
 
-MASKS = ["causal", "sliding_window", "prefix_lm_int", "prefix_lm_rows", "document",
+MASKS = ["causal", "causal_function", "sliding_window", "prefix_lm_int", "prefix_lm_rows", "document",
          "chunked_local", "and_masks", "or_masks"]  # fmt: skip
 SCORES = ["alibi", "soft_cap", "t5", "t5_causal"]
 
@@ -397,6 +398,35 @@ def test_the_chunked_loop_visits_only_non_empty_blocks():
     assert count == int(np.sum(kinds.numpy() > 0)) and with_mod == int(np.sum(kinds.numpy() == 1))
 
 
+@pytest.mark.parametrize(
+    "mask_mod, lowered",
+    [
+        (mods.causal(), (True, None, False)),
+        (mods.sliding_window(4), (False, 4, False)),
+        (mods.and_masks(mods.causal(), mods.sliding_window(4)), (True, 4, False)),
+        (mods.and_masks(mods.sliding_window(5), mods.chunked_local(4)), (False, 5, True)),
+        (mods.or_masks(mods.causal(), mods.chunked_local(4)), (False, None, True)),
+    ],
+    ids=["causal", "window", "causal_window", "window_and_other", "or"],
+)
+def test_causal_and_window_mods_run_as_the_built_in_arguments(monkeypatch, mask_mod, lowered):
+    """What the compiled core receives: `is_causal`, `sliding_window`, and a mask_mod only
+    for what is left (an `or` is never split)."""
+    from keras_sdpa import ops
+
+    seen = []
+    compiled = ops._attention_xla
+
+    def spy(*args, **kwargs):
+        seen.append((kwargs["is_causal"], kwargs["window"], kwargs["mask_mod"] is not None))
+        return compiled(*args, **kwargs)
+
+    monkeypatch.setattr(ops, "_attention_xla", spy)
+    q, k, v = inputs(kv_heads=K)
+    scaled_dot_product_attention(q, k, v, mask_mod=mask_mod, implementation="chunked")
+    assert seen == [lowered]
+
+
 def test_a_shared_block_mask_gives_the_same_result_and_must_match_its_mod():
     q, k, v = inputs(kv_heads=K)
     mod = make_mask("document")
@@ -652,3 +682,25 @@ def test_t5_table_trains_under_fit_with_the_automatic_path(jit_compile):
     rng = np.random.default_rng(0)
     model.fit(rng.integers(0, 30, (16, 12)), rng.normal(size=(16, 1)), epochs=2, verbose=0)
     assert np.abs(bias.table.numpy()).max() > 1e-3  # the table starts at zeros
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_dropout_with_a_score_mod_and_a_mask_mod_matches_finite_differences(path):
+    """float64 central differences through seeded dropout, ALiBi and a document mask: the
+    gradient redraws the forward's keep-mask and goes through the mod (on the chunked path
+    in the queries' layout, where the key-side products read the blocks transposed)."""
+    from test_ops import assert_gradients_match_finite_differences
+
+    rng = np.random.default_rng(31)
+    q, k, v = (tf.constant(rng.normal(size=(B, t, n, 3))) for t, n in ((5, N), (7, K), (7, K)))
+    c = tf.constant(rng.normal(size=(B, 5, N, 3)))
+    ids = tf.constant(SEGMENTS[:, :7])
+
+    def loss(q, k, v):
+        out = scaled_dot_product_attention(
+            q, k, v, dropout_rate=0.4, training=True, seed=11, score_mod=mods.alibi(N),
+            mask_mod=mods.document(ids[:, :5], ids), implementation=path, chunk_size=CHUNK,
+        )  # fmt: skip
+        return tf.reduce_sum(out * c)
+
+    assert_gradients_match_finite_differences(loss, [q, k, v])
