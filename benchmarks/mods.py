@@ -149,8 +149,8 @@ def table(rows, memory, args):
         "",
         f"On {cpu_name()}, {os.cpu_count()} cores. "
         f"`keras_sdpa.ops.scaled_dot_product_attention`, forward plus backward, B=1, N={N}, "
-        f"H={H}, default block sizes (2048 without a mask_mod, 1024 with one, 256 for the "
-        f"window). Times: {args.rounds} alternating rounds in one process after one warm-up "
+        f"H={H}, default block sizes (2048 unmasked, 512 causal or with a mask_mod, 256 for "
+        f"the window of 512). Times: {args.rounds} alternating rounds in one process after one warm-up "
         "each; ratio = median of the per-round ratios (range in brackets).",
         "",
         "| comparison | T=S | ours s | peer s | time ratio | target | met |",

@@ -118,11 +118,19 @@ def attend(
         block_seed = tf.random.experimental.stateless_fold_in(seed, i * num_k + j, alg="philox")
         return tf.random.stateless_uniform(shape, block_seed, alg="philox") >= dropout_rate
 
+    spans = None if block_kinds is None else nonempty_spans(block_kinds)
+
     def key_range(i):
-        return key_block_range(i, num_k, c, is_causal, window)
+        lo, hi = key_block_range(i, num_k, c, is_causal, window)
+        if spans is not None:  # and within the row's first and last non-empty block
+            lo, hi = tf.maximum(lo, spans[0][i]), tf.minimum(hi, spans[1][i])
+        return lo, hi
 
     def query_range(j):
-        return query_block_range(j, num_q, c, is_causal, window)
+        lo, hi = query_block_range(j, num_q, c, is_causal, window)
+        if spans is not None:
+            lo, hi = tf.maximum(lo, spans[2][j]), tf.minimum(hi, spans[3][j])
+        return lo, hi
 
     def matmul(a, b, transpose_b=False, transpose_a=False):
         return M.matmul(a, b, operand, transpose_b, transpose_a)
@@ -417,6 +425,20 @@ def kinds_of_blocks(mask_mod, b_index, num_heads, num_kv_heads, t, s, chunk_size
     )
     return tf.reshape(kinds.stack(), tf.stack([num_q, num_k]))
 
+
+
+def nonempty_spans(kinds):
+    """From `(nq, nk)` block kinds: each row's first and one-past-last non-empty key block,
+    and each column's first and one-past-last non-empty query block. The loops run over
+    these spans and skip the empty blocks inside them (a causal map halves the visits)."""
+    nonempty = kinds > 0
+    num_q, num_k = tf.shape(kinds)[0], tf.shape(kinds)[1]
+    keys, queries = tf.range(num_k)[None, :], tf.range(num_q)[:, None]
+    row_lo = tf.reduce_min(tf.where(nonempty, keys, num_k), axis=1)
+    row_hi = tf.reduce_max(tf.where(nonempty, keys + 1, 0), axis=1)
+    col_lo = tf.reduce_min(tf.where(nonempty, queries, num_q), axis=0)
+    col_hi = tf.reduce_max(tf.where(nonempty, queries + 1, 0), axis=0)
+    return row_lo, row_hi, col_lo, col_hi
 
 
 def key_block_range(i, num_k, chunk_size, is_causal, window):
