@@ -397,3 +397,29 @@ def test_serving_figures_are_the_measured_ones():
     rates = re.findall(r"^\| (?:empty XLA cache|XLA cache kept[^|]*) \| [\d.]+ \| (\d+) \|",
                        benchmarks, flags=re.M)  # fmt: skip
     assert f"at {rates[0]} reviews/s with an empty XLA cache and {rates[1]} reviews/s" in text
+
+
+def test_mods_figures_are_the_benchmarks():
+    """The README's programmable-attention ratios are `benchmarks/mods.py`'s table, and every
+    target there is met."""
+    benchmarks = (ROOT / "BENCHMARKS.md").read_text()
+    section = benchmarks[benchmarks.index("<!-- mods:start -->") : benchmarks.index("<!-- mods:end -->")]
+    rows = dict(re.findall(r"^\| (.+?) \| \d+ \| [\d.]+ \| [\d.]+ \| \*\*([\d.]+)\*\*", section, flags=re.M))
+    assert len(rows) == 9, rows
+    assert "| **no** |" not in section
+    text = " ".join(README.read_text().split())
+    quoted = [
+        ("`mods.causal()` vs no mask, chunked", "takes **{}x** the time"),
+        ("causal as a plain function vs no mask, chunked", "(through the block map) **{}x**"),
+        ("`document` (8 segments) vs no mask, chunked", "8 equal segments **{}x**"),
+        ("`sliding_window(512)` vs no mask, chunked", "`sliding_window(512)` **{}x**"),
+        ("causal as a plain function vs `is_causal=True`, chunked", "plain function **{}x**"),
+        ("causal as a plain function vs `is_causal=True`, dense", "chunked and **{}x** dense (T=2,048)"),
+        ("ALiBi `score_mod` vs ALiBi `bias`, chunked", "as `score_mod` **{}x**"),
+        ("ALiBi `score_mod` vs ALiBi `bias`, dense", "chunked and **{}x** dense (the bias"),
+        ("`mods.causal()` vs `is_causal=True`, chunked", "**{}x** `is_causal=True`. That"),
+    ]
+    for label, phrase in quoted:
+        assert phrase.format(rows[label]) in text, (label, rows[label])
+    growth = re.search(r"peak memory x([\d.]+)", section)[1]
+    assert f"grows **{growth}x** from T=16,384 to T=32,768" in text
