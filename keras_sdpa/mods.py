@@ -469,6 +469,42 @@ def relative_position_bucket(relative_position, bidirectional, num_buckets, max_
     return buckets + tf.where(is_small, position, large)
 
 
+class WithTensors(Mod):
+    """A score mod function with tensors of its own: `fn(score, b, h, q_idx, kv_idx, *tensors)`.
+
+    The tensors enter the compiled program as its arguments, so their gradients leave it
+    and a new value does not trace a new program. A tensor that a plain function captures
+    instead is a constant to the core's hand-written gradients.
+    """
+
+    def __init__(self, fn, *tensors):
+        if not callable(fn):
+            raise ValueError(f"`fn` must be a callable. Received: fn={fn!r}")
+        self.fn = fn
+        self.tensors = tuple(tensors)
+
+    def __call__(self, score, b, h, q_idx, kv_idx):
+        return self.fn(score, b, h, q_idx, kv_idx, *self.tensors)
+
+    def get_config(self):
+        raise ValueError(
+            "A `with_tensors` mod holds tensors and cannot be saved. Give the layer a mod that "
+            f"owns its weights (a Keras layer, as relative_position_bias). Received: fn={self.fn!r}"
+        )
+
+    def _key(self):
+        return (type(self), self.fn, len(self.tensors))
+
+    def _tensors(self):
+        return self.tensors
+
+    def _with_tensors(self, tensors):
+        return WithTensors(self.fn, *tensors)
+
+    def __repr__(self):
+        return f"WithTensors({self.fn!r}, {len(self.tensors)} tensors)"
+
+
 # ------------------------------------------------------------------------- the factories
 
 
@@ -505,6 +541,11 @@ def and_masks(*mask_mods):
 def or_masks(*mask_mods):
     """A mask mod that allows a key when any of `mask_mods` allows it."""
     return OrMasks(*mask_mods)
+
+
+def with_tensors(fn, *tensors):
+    """The score mod `fn(score, b, h, q_idx, kv_idx, *tensors)`, whose tensors get gradients."""
+    return WithTensors(fn, *tensors)
 
 
 def soft_cap(cap):

@@ -143,8 +143,9 @@ def scaled_dot_product_attention(
             PyTorch FlexAttention's argument order: changes each scaled logit, before
             the bias. See `keras_sdpa.mods` for the layout of its arguments and the
             built-ins (ALiBi, T5 buckets, soft cap). Its gradient reaches the scores and
-            what the mod reads: the variables it reads, and the float tensors of a
-            `keras_sdpa.mods.Mod`.
+            what the mod reads: the variables it reads, and the float tensors given by
+            `keras_sdpa.mods.with_tensors` or held by a `keras_sdpa.mods.Mod`. A tensor a
+            plain function captures is a constant to the gradient.
         mask_mod: optional `mask_mod(b, h, q_idx, kv_idx) -> bool`, True meaning "may
             attend", combined with the other masks by logical and. On the chunked
             path, blocks it empties are never computed and on blocks it fills it is
@@ -404,7 +405,8 @@ def _attention(
     score_mod = mods.as_function(mods.join(_TEMPLATES.get(score_mod, score_mod), score_tensors))
     mask_mod = mods.as_function(mods.join(_TEMPLATES.get(mask_mod, mask_mod), mask_tensors))
     # The score_mod's float tensors get gradients; the variables it reads do, through
-    # tf.custom_gradient's own tracking.
+    # tf.custom_gradient's own tracking. (A tensor a plain function captures is a constant
+    # to the paths' custom gradients: `mods.with_tensors` passes it as a tensor of its own.)
     params = tuple(x for x in score_tensors if x.dtype.is_floating)
     dtype = query.dtype
     compute = tf.float64 if dtype == tf.float64 else tf.float32  # never below float32

@@ -257,8 +257,8 @@ class Slopes(mods.Mod):
 
 @pytest.mark.parametrize("path", PATHS)
 def test_gradients_reach_a_mods_tensor_and_a_captured_variable(path):
-    """The float tensor a `Mod` carries and a `tf.Variable` a plain function reads both get
-    the gradient autodiff gives the same formula."""
+    """The float tensor a `Mod` carries, a `tf.Variable` a plain function reads and a plain
+    tensor a closure captures all get the gradient autodiff gives the same formula."""
     q, k, v = inputs(kv_heads=N)
     slopes = tf.constant(ALIBI_6, tf.float32)
     scale = tf.Variable(0.7)
@@ -283,6 +283,43 @@ def test_gradients_reach_a_mods_tensor_and_a_captured_variable(path):
             loss = tf.reduce_sum(ref * ref)
         want = tf.convert_to_tensor(tape.gradient(loss, watched))
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_gradients_reach_the_tensors_of_with_tensors(path):
+    """`mods.with_tensors(fn, slopes)`, eagerly and inside a traced function (as in `fit`):
+    `slopes` gets the gradient autodiff gives the same formula."""
+    q, k, v = inputs(kv_heads=N)
+    slopes = tf.constant(ALIBI_6, tf.float32)
+
+    def alibi(score, b, h, q_idx, kv_idx, slopes):
+        return score - tf.gather(slopes, h) * tf.cast(tf.abs(q_idx - kv_idx), score.dtype)
+
+    def with_closure(slopes, attend):
+        out = attend(mods.with_tensors(alibi, slopes))
+        return tf.reduce_sum(out * out)
+
+    def ours(mod):
+        return scaled_dot_product_attention(q, k, v, score_mod=mod, implementation=path,
+                                             chunk_size=CHUNK)  # fmt: skip
+
+    def formula(mod):
+        logits = tf.einsum("btnh,bsnh->bnts", q, k) / np.sqrt(H)
+        logits = mod(logits, *(tf.constant(x) for x in indices()))
+        return tf.einsum("bnts,bsnh->btnh", tf.nn.softmax(logits, -1), v)
+
+    grads = []
+    for attend in (ours, formula, ours):
+        traced = lambda slopes, attend=attend: with_closure(slopes, attend)  # noqa: E731
+        if len(grads) == 2:  # ours again, inside a tf.function
+            traced = tf.function(traced)
+        with tf.GradientTape() as tape:
+            tape.watch(slopes)
+            loss = traced(slopes)
+        grads.append(tf.convert_to_tensor(tape.gradient(loss, slopes)))
+    np.testing.assert_allclose(grads[0], grads[1], rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(grads[2], grads[1], rtol=1e-4, atol=1e-5)
+    assert float(tf.reduce_max(tf.abs(grads[0]))) > 1e-3
 
 
 def test_captured_table_gradient_is_deterministic():
@@ -704,3 +741,53 @@ def test_dropout_with_a_score_mod_and_a_mask_mod_matches_finite_differences(path
         return tf.reduce_sum(out * c)
 
     assert_gradients_match_finite_differences(loss, [q, k, v])
+
+
+def tf_score(name, score, b, h, q, kv):
+    """The score mods again, in float64 TensorFlow, for autodiff."""
+    distance = tf.cast(tf.abs(q - kv), score.dtype)
+    if name == "alibi":
+        return score - tf.gather(tf.constant(ALIBI_6, score.dtype), h) * distance
+    if name == "soft_cap":
+        return 2.0 * tf.tanh(score / 2.0)
+    buckets = np.vectorize(lambda d: np_t5_bucket(d, name == "t5", 8, 20))(kv - q)[0, 0]
+    return score + tf.transpose(tf.gather(tf.constant(TABLE, score.dtype), buckets), [2, 0, 1])[None]
+
+
+@pytest.mark.parametrize(
+    "score, mask",
+    [(None, name) for name in MASKS] + [(name, None) for name in SCORES],
+    ids=MASKS + SCORES,
+)
+@pytest.mark.parametrize("path", PATHS)
+def test_every_built_in_has_the_gradient_autodiff_gives(score, mask, path):
+    """d q, d k, d v of every built-in, against TensorFlow's autodiff of the float64 formula
+    with the mod written again (NumPy masks, TensorFlow scores)."""
+    q, k, v = inputs(kv_heads=K)
+    c = tf.constant(np.random.default_rng(8).normal(size=(B, T, N, H)), tf.float32)
+    with tf.GradientTape() as tape:
+        tape.watch([q, k, v])
+        out = scaled_dot_product_attention(
+            q, k, v, score_mod=make_score(score) if score else None,
+            mask_mod=make_mask(mask) if mask else None, implementation=path, chunk_size=CHUNK,
+        )  # fmt: skip
+        loss = tf.reduce_sum(out * c)
+    got = tape.gradient(loss, [q, k, v])
+    q64, k64, v64 = (tf.cast(x, tf.float64) for x in (q, k, v))
+    with tf.GradientTape() as tape:
+        tape.watch([q64, k64, v64])
+        kk, vv = tf.repeat(k64, N // K, axis=2), tf.repeat(v64, N // K, axis=2)
+        logits = tf.einsum("btnh,bsnh->bnts", q64, kk) / np.sqrt(H)
+        b, h, qi, ki = indices()
+        if score:
+            logits = tf_score(score, logits, b, h, qi, ki)
+        allowed = np.ones(logits.shape, bool)
+        if mask:
+            allowed = np.broadcast_to(np_mask(mask, b, h, qi, ki), logits.shape)
+        weights = tf.nn.softmax(tf.where(allowed, logits, -1e30), axis=-1)
+        weights = tf.where(allowed.any(-1, keepdims=True), weights, 0.0)
+        ref = tf.einsum("bnts,bsnh->btnh", weights, vv)
+        loss = tf.reduce_sum(ref * tf.cast(c, tf.float64))
+    want = tape.gradient(loss, [q64, k64, v64])
+    for name, g, w in zip("qkv", got, want):
+        np.testing.assert_allclose(g, w, atol=2e-5, err_msg=name)
