@@ -5,6 +5,7 @@ import math
 import string
 
 import keras
+import numpy as np
 import tensorflow as tf
 from keras.src import backend as keras_backend  # the mask accessors have no public name
 
@@ -115,6 +116,15 @@ class ScaledDotProductAttention(keras.layers.Layer):
             `keras.layers.Embedding(mask_zero=True)`.
         segment_ids: optional `(B, T)` integer ids of packed sequences, for a
             `keras_sdpa.mods.document()` mask mod built without ids (self-attention).
+        cache: optional key/value cache `(B, 2, S, K, H)` for generation, with
+            keras-hub's `CachedMultiHeadAttention` contract: without
+            `cache_update_index` the cached keys and values are used and the inputs'
+            ignored; with it, the new keys and values are written there first. The call
+            then returns `(out, cache)`, or `(out, scores, cache)`.
+        cache_update_index: where the new keys and values go: an int, or a `(B,)`
+            integer tensor with one position per row (rows of different lengths). Query
+            `i` of row `b` sits at `index[b] + i`: `use_causal_mask`, the window and the
+            mods count from there, so keys past a row's position are never read.
 
     Returns:
         `(B, *dims_q, *output_shape)`, and the weights if
@@ -365,10 +375,18 @@ class ScaledDotProductAttention(keras.layers.Layer):
         training=None,
         use_causal_mask=False,
         segment_ids=None,
+        cache=None,
+        cache_update_index=None,
     ):
         key = value if key is None else key
         self._check_call_inputs(query, value, key)
         mask_mod = self._bound_mask_mod(segment_ids, query)
+        if cache is not None or cache_update_index is not None:
+            return self._call_cached(
+                query, value, key, query_mask, value_mask, key_mask, attention_mask,
+                attention_bias, return_attention_scores, use_causal_mask, mask_mod, cache,
+                cache_update_index,
+            )  # fmt: skip
         if return_attention_scores and self.flash_attention:
             raise ValueError(
                 "`return_attention_scores=True` needs the whole (T, S) matrix, which "
@@ -429,6 +447,97 @@ class ScaledDotProductAttention(keras.layers.Layer):
                 mask = causal if mask is None else tf.logical_and(mask, causal)
             out, weights = self._compute_attention(q, k, v, mask, training, return_attention_scores)
         return self._finish(query, out, weights, gate, return_attention_scores)
+
+    def _call_cached(
+        self, query, value, key, query_mask, value_mask, key_mask, attention_mask,
+        attention_bias, return_attention_scores, use_causal_mask, mask_mod, cache, index,
+    ):  # fmt: skip
+        """keras-hub's `CachedMultiHeadAttention` contract, with per-row positions.
+
+        `cache` is `(B, 2, S, K, H)`: the projected keys and values of `S` positions. Without
+        `cache_update_index` it is read as it is (the inputs' keys and values are ignored);
+        with it, the new keys and values are written at that position (an int for every row,
+        or a `(B,)` tensor, one per row) and the updated cache is returned. Query `i` of row
+        `b` sits at position `index[b] + i`: a causal mask, a window and the mods count from
+        there (bottom-right alignment), so keys past a row's position are never read.
+        """
+        if cache is None:
+            raise ValueError(
+                "`cache_update_index` needs a `cache`. Received: cache=None, "
+                f"cache_update_index={index!r}"
+            )
+        if not self._own_core:
+            raise ValueError(
+                f"A `cache` reaches only this layer's own attention; {type(self).__name__} "
+                "overrides `_compute_attention`."
+            )
+        if query.shape.rank != 3:
+            raise ValueError(
+                "A `cache` needs rank-3 inputs (B, T, E). "
+                f"Received: query.shape={tuple(query.shape)}"
+            )
+        if value_mask is not None or key_mask is not None:
+            raise ValueError(
+                "Padding masks of the new keys cannot mark the cache; pass `attention_mask` "
+                "(B, T, S) over the cached positions instead. Received: a value or key mask "
+                "with a cache"
+            )
+        if self._value_dim != self._key_dim:
+            raise ValueError(
+                "A `cache` stacks keys and values, so `value_dim` must equal `key_dim`. "
+                f"Received: key_dim={self._key_dim}, value_dim={self._value_dim}"
+            )
+        cache = tf.convert_to_tensor(cache)
+        want = (2, self._kv_heads, self._key_dim)
+        if cache.shape.rank != 5 or tuple(cache.shape[i] for i in (1, 3, 4)) != want:
+            raise ValueError(
+                "`cache` must be (B, 2, S, K, H) with K = num_key_value_heads = "
+                f"{self._kv_heads} and H = key_dim = {self._key_dim}. "
+                f"Received: cache.shape={tuple(cache.shape)}"
+            )
+        q = self._query_dense(query)  # (B, T, N, H)
+        keys, values = cache[:, 0], cache[:, 1]  # (B, S, K, H)
+        offset = tf.zeros(tf.shape(query)[:1], tf.int32)  # (B,): where each row's queries start
+        if index is not None:
+            offset = _check_cache_index(index, tf.shape(query)[0], query.shape[1], cache.shape[2])
+            new_keys = tf.cast(self._key_dense(key), cache.dtype)  # (B, t, K, H)
+            new_values = tf.cast(self._value_dense(value), cache.dtype)
+            keys = _write_rows(keys, new_keys, offset)
+            values = _write_rows(values, new_values, offset)
+            cache = tf.stack([keys, values], axis=1)  # (B, 2, S, K, H)
+        positioned = _Positioned(
+            offset, bool(use_causal_mask), self.sliding_window, mask_mod, self.score_mod
+        )
+        mask = None
+        if attention_mask is not None:
+            mask = tf.convert_to_tensor(attention_mask)
+            if mask.dtype != tf.bool:
+                mask = tf.not_equal(mask, tf.zeros((), mask.dtype))
+            mask = mask[:, None] if mask.shape.rank == 3 else mask  # (B, 1|N, T, S)
+        bias = None
+        if attention_bias is not None:
+            bias = tf.cast(attention_bias, self.compute_dtype)
+        result = ops.scaled_dot_product_attention(
+            q,
+            tf.cast(keys, q.dtype),
+            tf.cast(values, q.dtype),
+            mask,
+            bias=bias,
+            attn_logits_soft_cap=self.attn_logits_soft_cap,
+            scale=self.scale,
+            return_weights=return_attention_scores,
+            implementation=self.path,
+            chunk_size=self.chunk_size,
+            score_mod=positioned.score_mod(),
+            mask_mod=positioned.mask_mod(),
+        )
+        out, weights = result if return_attention_scores else (result, None)
+        out, weights = _zero_rows(out, weights, query_mask)
+        gate = self._gate_dense(query) if self.use_gate else None
+        out = self._finish(query, out, weights, gate, return_attention_scores)
+        if return_attention_scores:
+            return out[0], out[1], cache
+        return out, cache
 
     def _finish(self, query, out, weights, gate, return_attention_scores):
         """The gate and `W_O` on the heads' outputs `(B, *dims_q, N, Hv)`."""
@@ -707,6 +816,8 @@ class ScaledDotProductAttention(keras.layers.Layer):
         training=None,
         use_causal_mask=False,
         segment_ids=None,
+        cache=None,
+        cache_update_index=None,
     ):
         key_shape = None if key is None else key.shape
         shape = self.compute_output_shape(query.shape, value.shape, key_shape)
@@ -786,6 +897,98 @@ def _serialize_mod(name, mod):
             f"and pass them at call time. Received: {name}={mod!r}"
         )
     return keras.saving.serialize_keras_object(mod)
+
+
+def _check_cache_index(index, batch, length, size):
+    """`cache_update_index` as a `(B,)` int32 tensor, checked where its value is known."""
+    if isinstance(index, (int, np.integer)) and not isinstance(index, bool):
+        if index < 0 or (None not in (length, size) and index + length > size):
+            raise ValueError(
+                f"`cache_update_index` must leave room for the {length} new positions in a "
+                f"cache of {size}. Received: cache_update_index={index}"
+            )
+    index = tf.convert_to_tensor(index)
+    if not index.dtype.is_integer or index.shape.rank not in (0, 1):
+        raise ValueError(
+            "`cache_update_index` must be an int, or an integer scalar or (B,) tensor. "
+            f"Received: cache_update_index with shape {tuple(index.shape)} and dtype "
+            f"{index.dtype.name}"
+        )
+    index = tf.cast(index, tf.int32)
+    if index.shape.rank == 0:
+        index = tf.fill(batch[None], index)
+    return index
+
+
+def _write_rows(cache, update, offset):
+    """`cache[b, offset[b] : offset[b] + t] = update[b]` for each row: `(B, S, K, H)`."""
+    t = tf.shape(update)[1]
+    rows = tf.broadcast_to(tf.range(tf.shape(update)[0])[:, None], tf.shape(update)[:2])
+    positions = offset[:, None] + tf.range(t)[None, :]  # (B, t)
+    return tf.tensor_scatter_nd_update(cache, tf.stack([rows, positions], -1), update)
+
+
+class _Positioned(mods.Mod):
+    """The layer's masks and mods for a query block that starts at `offset[b]` in a cache.
+
+    Causal: `kv_idx <= offset[b] + q_idx`; the window: `|offset[b] + q_idx - kv_idx| < W`;
+    the layer's `mask_mod` and `score_mod` get `q_idx` shifted the same way. The offsets are
+    a tensor of the call, so a new position does not trace a new program.
+    """
+
+    def __init__(self, offset, causal, window, inner_mask, inner_score):
+        self.offset, self.causal, self.window = offset, causal, window
+        self.inner_mask, self.inner_score = inner_mask, inner_score
+
+    def mask_mod(self):
+        if not (self.causal or self.window or self.inner_mask):
+            return None
+        return _PositionedMask(self.offset, self.causal, self.window, self.inner_mask, None)
+
+    def score_mod(self):
+        if self.inner_score is None:
+            return None
+        return _PositionedScore(self.offset, None, None, None, self.inner_score)
+
+    def _position(self, b, q_idx):
+        return q_idx + tf.gather(tf.cast(self.offset, tf.int32), b)  # (B, 1, t, 1)
+
+    def _key(self):
+        return (
+            type(self), self.causal, self.window,
+            mods._static_key(self.inner_mask), mods._static_key(self.inner_score),
+        )  # fmt: skip
+
+    def _tensors(self):
+        return (self.offset,) + mods.split(self.inner_mask)[1]
+
+    def _with_tensors(self, tensors):
+        inner = mods.join(mods.split(self.inner_mask)[0], tuple(tensors[1:]))
+        return type(self)(tensors[0], self.causal, self.window, inner, self.inner_score)
+
+
+class _PositionedMask(_Positioned):
+    def __call__(self, b, h, q_idx, kv_idx):
+        position = self._position(b, q_idx)
+        allowed = tf.ones_like(position - kv_idx, tf.bool)  # (B, 1, t, s)
+        if self.causal:
+            allowed = tf.logical_and(allowed, kv_idx <= position)
+        if self.window:
+            allowed = tf.logical_and(allowed, tf.abs(position - kv_idx) < self.window)
+        if self.inner_mask is not None:
+            allowed = tf.logical_and(allowed, self.inner_mask(b, h, position, kv_idx))
+        return allowed
+
+
+class _PositionedScore(_Positioned):
+    def __call__(self, score, b, h, q_idx, kv_idx):
+        return mods.as_function(self.inner_score)(score, b, h, self._position(b, q_idx), kv_idx)
+
+    def _tensors(self):
+        return (self.offset,)
+
+    def _with_tensors(self, tensors):
+        return _PositionedScore(tensors[0], None, None, None, self.inner_score)
 
 
 class _Flattener:

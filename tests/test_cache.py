@@ -1,0 +1,138 @@
+"""The key/value cache: keras-hub's `CachedMultiHeadAttention` contract, with per-row positions.
+
+Cached decoding is checked token by token against the same layer recomputing full causal
+attention over the whole sequence, which shares none of the cache's code paths.
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from keras_sdpa import ScaledDotProductAttention, mods
+
+B, L, E, H = 3, 12, 16, 4
+
+
+def sequences(seed=0):
+    return tf.constant(np.random.default_rng(seed).normal(size=(B, L, E)), tf.float32)
+
+
+def layer_for(kind, **kwargs):
+    heads = {"mha": (4, None), "gqa": (4, 2), "mqa": (4, 1)}[kind]
+    layer = ScaledDotProductAttention(
+        num_heads=heads[0], key_dim=H, num_key_value_heads=heads[1], **kwargs
+    )
+    layer(sequences(), sequences())  # build
+    return layer
+
+
+def empty_cache(layer, length=L):
+    return tf.zeros((B, 2, length, layer._kv_heads, H))
+
+
+@pytest.mark.parametrize(
+    "kind, kwargs",
+    [
+        ("mha", {}),
+        ("gqa", {}),
+        ("mqa", {}),
+        ("gqa", dict(sliding_window=3)),
+        ("mha", dict(score_mod=mods.alibi(4))),
+        ("mha", dict(implementation="chunked", chunk_size=4)),
+    ],
+    ids=["mha", "gqa", "mqa", "window", "alibi", "chunked"],
+)
+def test_prefill_then_one_token_a_step_equals_full_recomputation(kind, kwargs):
+    """A prompt of 5 written at 0, then each next token at its position: every step's output
+    equals the full causal layer's at that position, to 1e-5."""
+    layer = layer_for(kind, **kwargs)
+    x = sequences()
+    full = layer(x, x, use_causal_mask=True)  # (B, L, E)
+    out, cache = layer(x[:, :5], x[:, :5], use_causal_mask=True, cache=empty_cache(layer),
+                       cache_update_index=0)  # fmt: skip
+    np.testing.assert_allclose(out, full[:, :5], atol=1e-5)
+    for position in range(5, L):
+        token = x[:, position : position + 1]
+        out, cache = layer(token, token, use_causal_mask=True, cache=cache,
+                           cache_update_index=position)  # fmt: skip
+        np.testing.assert_allclose(out[:, 0], full[:, position], atol=1e-5, err_msg=str(position))
+
+
+def test_per_row_positions_decode_ragged_prompts():
+    """Rows with prompts of 2, 5 and 7 tokens decode in one batch, each writing and reading at
+    its own position (a (B,) cache_update_index); each row equals its full recomputation."""
+    layer = layer_for("gqa")
+    x = sequences(1)
+    full = layer(x, x, use_causal_mask=True)
+    prompts = np.array([2, 5, 7])
+    _, cache = layer(x[:, :7], x[:, :7], use_causal_mask=True, cache=empty_cache(layer),
+                     cache_update_index=0)  # fmt: skip
+    for step in range(L - 7):
+        positions = prompts + step
+        token = tf.gather(x, positions[:, None], axis=1, batch_dims=1)  # (B, 1, E)
+        out, cache = layer(token, token, use_causal_mask=True, cache=cache,
+                           cache_update_index=tf.constant(positions))  # fmt: skip
+        want = tf.gather(full, positions[:, None], axis=1, batch_dims=1)
+        np.testing.assert_allclose(out, want, atol=1e-5, err_msg=str(step))
+
+
+def test_a_compiled_generate_step_equals_eager():
+    """One `jit_compile=True` step with a per-row index: the same output and cache as eager."""
+    layer = layer_for("mha")
+    x = sequences(2)
+    cache = empty_cache(layer)
+    _, cache = layer(x[:, :4], x[:, :4], use_causal_mask=True, cache=cache, cache_update_index=0)
+    index = tf.constant([4, 4, 4])
+
+    @tf.function(jit_compile=True)
+    def step(token, cache, index):
+        return layer(token, token, use_causal_mask=True, cache=cache, cache_update_index=index)
+
+    token = x[:, 4:5]
+    compiled = step(token, cache, index)
+    eager = layer(token, token, use_causal_mask=True, cache=cache, cache_update_index=index)
+    for a, b in zip(compiled, eager):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+def test_a_static_cache_is_cross_attention_to_what_it_holds():
+    """With `cache_update_index=None` the cache's keys and values are read as they are, and the
+    inputs' ignored: the same as attending to the memory they were projected from."""
+    layer = layer_for("gqa")
+    query, memory = sequences(3)[:, :4], sequences(4)
+    keys = layer._key_dense(memory)
+    values = layer._value_dense(memory)
+    cache = tf.stack([keys, values], axis=1)  # (B, 2, S, K, H)
+    out, returned = layer(query, tf.zeros_like(query), cache=cache)
+    np.testing.assert_allclose(out, layer(query, memory), atol=1e-5)
+    assert returned is cache or np.array_equal(returned, cache)
+
+
+def test_scores_come_back_with_the_cache():
+    layer = layer_for("mha")
+    x = sequences()
+    out, scores, cache = layer(x[:, :3], x[:, :3], use_causal_mask=True,
+                               cache=empty_cache(layer), cache_update_index=0,
+                               return_attention_scores=True)  # fmt: skip
+    assert scores.shape == (B, 4, 3, L) and cache.shape == (B, 2, L, 4, H)
+    np.testing.assert_array_equal(scores[:, :, :, 3:], 0.0)  # past each row's position
+    np.testing.assert_allclose(tf.reduce_sum(scores, -1), 1.0, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda layer, x: layer(x, x, cache_update_index=0), "`cache_update_index` needs a `cache`"),
+        (lambda layer, x: layer(x, x, cache=tf.zeros((B, 2, L, 2, H)), cache_update_index=0),
+         r"`cache` must be \(B, 2, S, K, H\) with K = num_key_value_heads = 4"),
+        (lambda layer, x: layer(x, x, cache=tf.zeros((B, L, 4, H)), cache_update_index=0),
+         r"Received: cache.shape=\(3, 12, 4, 4\)"),
+        (lambda layer, x: layer(x, x, cache=tf.zeros((B, 2, L, 4, H)), cache_update_index=11),
+         "must leave room for the 2 new positions in a cache of 12. Received: cache_update_index=11"),
+    ],
+    ids=["index_without_cache", "head_count", "cache_rank", "index_past_the_cache"],
+)
+def test_bad_cache_arguments(call, match):
+    layer = layer_for("mha")
+    with pytest.raises(ValueError, match=match):
+        call(layer, sequences()[:, :2])
