@@ -27,9 +27,6 @@ import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from attention import _PeakSampler, _rss_mib  # noqa: E402, F401 (the child uses them)
-
 START, END = "<!-- features:start -->", "<!-- features:end -->"
 H = 64
 
@@ -83,20 +80,26 @@ def alternate(ours, peer, length, window, rounds):
     return times
 
 
-def peak_memory(variant, length, window):
-    """In a child process: peak resident MiB above the level before the first call."""
+def child_peak_mib(module, step_args, timeout=1800):
+    """In a child process: the peak resident MiB of `module.make_step(*step_args)()` above
+    the level before the call (compilation included), or `"exit <code>"`."""
     here = os.path.dirname(os.path.abspath(__file__))
     script = (
-        f"import sys, json; sys.path.insert(0, {here!r}); import features as f; "
-        "base = f._rss_mib(); s = f._PeakSampler(); "
-        f"f.make_step({variant!r}, {length}, {window})(); print(json.dumps(s.stop() - base))"
+        f"import sys, json; sys.path.insert(0, {here!r}); import {module} as m; "
+        "from attention import _PeakSampler, _rss_mib; base = _rss_mib(); s = _PeakSampler(); "
+        f"m.make_step(*{tuple(step_args)!r})(); print(json.dumps(s.stop() - base))"
     )
     result = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=1800
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout
     )
     if result.returncode:
         return f"exit {result.returncode}"
     return round(json.loads(result.stdout.strip().splitlines()[-1]))
+
+
+def peak_memory(variant, length, window):
+    """In a child process: peak resident MiB above the level before the first call."""
+    return child_peak_mib("features", (variant, length, window))
 
 
 def row(label, ours, peer, length, window, rounds):

@@ -28,15 +28,13 @@ Usage:
 """
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from attention import _PeakSampler, _rss_mib  # noqa: E402, F401 (the child uses them)
-from features import replace_section  # noqa: E402
+from attention import cpu_name  # noqa: E402
+from features import child_peak_mib, replace_section  # noqa: E402
 from long_sequences import time_alternating  # noqa: E402
 
 START, END = "<!-- mods:start -->", "<!-- mods:end -->"
@@ -114,29 +112,7 @@ def compare(label, ours, peer, length, rounds, target):
 
 def peak_memory(variant, length):
     """In a child process: peak resident MiB above the level before the first call."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    script = (
-        f"import sys, json; sys.path.insert(0, {here!r}); import mods as m; "
-        "base = m._rss_mib(); s = m._PeakSampler(); "
-        f"m.make_step({variant!r}, {length})(); print(json.dumps(s.stop() - base))"
-    )
-    result = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=3600
-    )
-    if result.returncode:
-        return f"exit {result.returncode}"
-    return round(json.loads(result.stdout.strip().splitlines()[-1]))
-
-
-def cpu_name():
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown CPU"
+    return child_peak_mib("mods", (variant, length), timeout=3600)
 
 
 def table(rows, memory, args):
@@ -147,11 +123,11 @@ def table(rows, memory, args):
         "",
         f"    python benchmarks/mods.py --rounds {args.rounds} --output BENCHMARKS.md",
         "",
-        f"On {cpu_name()}, {os.cpu_count()} cores. "
+        f"On {cpu_name()}. "
         f"`keras_sdpa.ops.scaled_dot_product_attention`, forward plus backward, B=1, N={N}, "
         f"H={H}, default block sizes (2048 unmasked, 512 causal or with a mask_mod, 256 for "
-        f"the window of 512). Times: {args.rounds} alternating rounds in one process after one warm-up "
-        "each; ratio = median of the per-round ratios (range in brackets).",
+        f"the window of 512). Times: {args.rounds} alternating rounds in one process after one "
+        "warm-up each; ratio = median of the per-round ratios (range in brackets).",
         "",
         "| comparison | T=S | ours s | peer s | time ratio | target | met |",
         "|---|---|---|---|---|---|---|",

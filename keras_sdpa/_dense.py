@@ -166,7 +166,8 @@ def attend(
         def grad_through_mod(d_scores, rows_d_out, variables):
             """The gradient with a score_mod: back through the mod, then the products."""
             d_raw, d_params, d_variables = M.mod_vjp(
-                score_mod, raw_logits(q, k), b_index, num_heads, *positions, d_scores, params, variables
+                score_mod, raw_logits(q, k), b_index, num_heads, *positions, d_scores, params,
+                variables,
             )
             d_q = M.scaled(M.from_rows(matmul(M.to_rows(d_raw), k), groups), logit_scale)
             d_k = M.scaled(matmul(M.to_rows(d_raw), M.to_rows(q), transpose_a=True), logit_scale)

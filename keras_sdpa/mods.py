@@ -32,7 +32,8 @@ Example:
 >>> from keras_sdpa import mods
 >>> q = tf.random.normal((2, 6, 4, 8))  # (B, T, N, H)
 >>> out = scaled_dot_product_attention(
-...     q, q, q, score_mod=mods.alibi(4), mask_mod=mods.and_masks(mods.causal(), mods.sliding_window(3))
+...     q, q, q, score_mod=mods.alibi(4),
+...     mask_mod=mods.and_masks(mods.causal(), mods.sliding_window(3)),
 ... )
 >>> out.shape
 TensorShape([2, 6, 4, 8])
@@ -108,7 +109,7 @@ class Causal(Mod):
 
 @keras.saving.register_keras_serializable(package=_PACKAGE)
 class SlidingWindow(Mod):
-    """`|q_idx - kv_idx| < window`: the band of `keras.layers.MultiHeadAttention(sliding_window=...)`.
+    """`|q_idx - kv_idx| < window`: the band of Keras's `MultiHeadAttention(sliding_window=...)`.
 
     Combine with `causal()` (`and_masks`) for the causal band of Mistral.
     """

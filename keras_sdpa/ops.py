@@ -434,7 +434,8 @@ def _attention(
         if mask_mod is not None:
             t, s = tf.shape(q)[3], tf.shape(k)[2]
             mod = M.mod_mask(
-                mask_mod, M.batch_index(tf.shape(q)[0]), num_heads, num_kv_heads, tf.range(t), tf.range(s)
+                mask_mod, M.batch_index(tf.shape(q)[0]), num_heads, num_kv_heads,
+                tf.range(t), tf.range(s),
             )  # (B|1, K|1, G|1, T, S)
             mask = mod if mask is None else tf.logical_and(mask, mod)
         keep = None
@@ -546,10 +547,11 @@ def check_soft_cap(attn_logits_soft_cap):
 
 def _check_mod(name, mod):
     if mod is not None and not callable(mod):
+        arguments = "(b, h, q_idx, kv_idx)"
+        if name == "score_mod":
+            arguments = "(score, b, h, q_idx, kv_idx)"
         raise ValueError(
-            f"`{name}` must be None or a callable "
-            f"{'(score, b, h, q_idx, kv_idx)' if name == 'score_mod' else '(b, h, q_idx, kv_idx)'}. "
-            f"Received: {name}={mod!r}"
+            f"`{name}` must be None or a callable {arguments}. Received: {name}={mod!r}"
         )
 
 

@@ -123,9 +123,9 @@ def test_chunked_path_is_one_xla_program_with_loops():
         q, k, v, None, None, None, (), (), None, **{**kwargs, "path": "chunked"}
     )(stage="optimized_hlo")
     assert "while" in hlo and " dot(" in hlo and "exponential(" in hlo
-    dense = ops._attention_xla.experimental_get_compiler_ir(q, k, v, None, None, None, (), (), None, **kwargs)(
-        stage="optimized_hlo"
-    )
+    dense = ops._attention_xla.experimental_get_compiler_ir(
+        q, k, v, None, None, None, (), (), None, **kwargs
+    )(stage="optimized_hlo")
     assert "while" not in dense
 
 

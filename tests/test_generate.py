@@ -1,6 +1,7 @@
 """The tiny causal LM of `apps.generate`: cached greedy decoding equals greedy decoding by full
 recomputation, and the exported `generate` signature gives the same tokens without this package."""
 
+import os
 import subprocess
 import sys
 
@@ -11,7 +12,7 @@ import tensorflow as tf
 
 from apps import generate as app
 
-ROOT = __import__("os").path.dirname(__import__("os").path.dirname(__import__("os").path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +57,8 @@ def test_the_generate_signature_serves_without_this_package(trained, tmp_path):
         "np.save(sys.argv[3], tokens.numpy())\n"
     )
     result = subprocess.run(
-        [sys.executable, "-c", script, path, str(tmp_path / "prompt.npy"), str(tmp_path / "out.npy")],
+        [sys.executable, "-c", script, path, str(tmp_path / "prompt.npy"),
+         str(tmp_path / "out.npy")],
         capture_output=True, timeout=300, cwd=str(tmp_path),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr.decode()[-3000:]

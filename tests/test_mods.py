@@ -33,7 +33,7 @@ SEGMENTS = np.array([[0, 0, 0, 1, 1, 2, 2, 2, 2], [0, 1, 1, 1, 1, 1, 1, 3, 3]]) 
 PREFIX = np.array([2, 5])
 
 
-# ------------------------------------------------------- the mods again, in NumPy, from their definitions
+# ------------------------------------------ the mods again, in NumPy, from their definitions
 
 
 def np_t5_bucket(relative, bidirectional, num_buckets, max_distance):
@@ -50,7 +50,8 @@ def np_t5_bucket(relative, bidirectional, num_buckets, max_distance):
     exact = num_buckets // 2
     if n < exact:
         return bucket + n
-    large = exact + int(math.log(n / exact) / math.log(max_distance / exact) * (num_buckets - exact))
+    ratio = math.log(n / exact) / math.log(max_distance / exact)
+    large = exact + int(ratio * (num_buckets - exact))
     return bucket + min(large, num_buckets - 1)
 
 
@@ -120,8 +121,8 @@ def make_score(name):
     return table
 
 
-MASKS = ["causal", "causal_function", "sliding_window", "prefix_lm_int", "prefix_lm_rows", "document",
-         "chunked_local", "and_masks", "or_masks"]  # fmt: skip
+MASKS = ["causal", "causal_function", "sliding_window", "prefix_lm_int", "prefix_lm_rows",
+         "document", "chunked_local", "and_masks", "or_masks"]  # fmt: skip
 SCORES = ["alibi", "soft_cap", "t5", "t5_causal"]
 
 
@@ -232,10 +233,13 @@ def test_gradients_reach_the_inputs_and_the_t5_table(path, name):
     table = tf.Variable(TABLE)
     with tf.GradientTape() as tape:
         tape.watch([q64, k64, v64])
-        loss = tf.reduce_sum(autodiff_reference(q64, k64, v64, table, name) * tf.cast(weights, "float64"))
+        ref = autodiff_reference(q64, k64, v64, table, name)
+        loss = tf.reduce_sum(ref * tf.cast(weights, "float64"))
     want = tape.gradient(loss, [q64, k64, v64, table])
     for name_, g, w in zip(["q", "k", "v", "table"], got, want):
-        np.testing.assert_allclose(tf.convert_to_tensor(g), tf.convert_to_tensor(w), atol=2e-5, err_msg=name_)
+        np.testing.assert_allclose(
+            tf.convert_to_tensor(g), tf.convert_to_tensor(w), atol=2e-5, err_msg=name_
+        )
     assert float(tf.reduce_max(tf.abs(got[3]))) > 1e-3  # the table's gradient is not zero
 
 
@@ -603,10 +607,12 @@ def test_layer_config_round_trips_built_ins_and_registered_functions():
 
 def test_an_unregistered_function_is_refused_at_save_time(tmp_path):
     layer = keras_sdpa.ScaledDotProductAttention(mask_mod=lambda b, h, q, kv: q >= kv)
-    with pytest.raises(ValueError, match="`mask_mod` must be a keras_sdpa.mods built-in or a function registered"):
+    refused = "`mask_mod` must be a keras_sdpa.mods built-in or a function registered"
+    with pytest.raises(ValueError, match=refused):
         layer.get_config()
     with pytest.raises(ValueError, match="per-row prefix lengths"):
-        keras_sdpa.ScaledDotProductAttention(mask_mod=mods.prefix_lm(tf.constant([1, 2]))).get_config()
+        per_row = mods.prefix_lm(tf.constant([1, 2]))
+        keras_sdpa.ScaledDotProductAttention(mask_mod=per_row).get_config()
 
 
 def test_segment_ids_need_a_document_mask():
@@ -681,7 +687,9 @@ def test_a_t5_document_model_trains_under_fit(t5_document_model):
 def test_a_t5_document_model_reloads_from_keras_file(t5_document_model):
     model, _, _, _, data, folder = t5_document_model
     reloaded = keras.saving.load_model(folder / "model.keras")
-    np.testing.assert_allclose(reloaded.predict(data, verbose=0), model.predict(data, verbose=0), atol=1e-6)
+    np.testing.assert_allclose(
+        reloaded.predict(data, verbose=0), model.predict(data, verbose=0), atol=1e-6
+    )
 
 
 def test_a_t5_document_model_serves_without_this_package(t5_document_model):
@@ -751,7 +759,8 @@ def tf_score(name, score, b, h, q, kv):
     if name == "soft_cap":
         return 2.0 * tf.tanh(score / 2.0)
     buckets = np.vectorize(lambda d: np_t5_bucket(d, name == "t5", 8, 20))(kv - q)[0, 0]
-    return score + tf.transpose(tf.gather(tf.constant(TABLE, score.dtype), buckets), [2, 0, 1])[None]
+    table = tf.gather(tf.constant(TABLE, score.dtype), buckets)  # (T, S, N)
+    return score + tf.transpose(table, [2, 0, 1])[None]
 
 
 @pytest.mark.parametrize(

@@ -403,8 +403,10 @@ def test_mods_figures_are_the_benchmarks():
     """The README's programmable-attention ratios are `benchmarks/mods.py`'s table, and every
     target there is met."""
     benchmarks = (ROOT / "BENCHMARKS.md").read_text()
-    section = benchmarks[benchmarks.index("<!-- mods:start -->") : benchmarks.index("<!-- mods:end -->")]
-    rows = dict(re.findall(r"^\| (.+?) \| \d+ \| [\d.]+ \| [\d.]+ \| \*\*([\d.]+)\*\*", section, flags=re.M))
+    start, end = benchmarks.index("<!-- mods:start -->"), benchmarks.index("<!-- mods:end -->")
+    section = benchmarks[start:end]
+    row = r"^\| (.+?) \| \d+ \| [\d.]+ \| [\d.]+ \| \*\*([\d.]+)\*\*"
+    rows = dict(re.findall(row, section, flags=re.M))
     assert len(rows) == 9, rows
     assert "| **no** |" not in section
     text = " ".join(README.read_text().split())
@@ -414,7 +416,8 @@ def test_mods_figures_are_the_benchmarks():
         ("`document` (8 segments) vs no mask, chunked", "8 equal segments **{}x**"),
         ("`sliding_window(512)` vs no mask, chunked", "`sliding_window(512)` **{}x**"),
         ("causal as a plain function vs `is_causal=True`, chunked", "plain function **{}x**"),
-        ("causal as a plain function vs `is_causal=True`, dense", "chunked and **{}x** dense (T=2,048)"),
+        ("causal as a plain function vs `is_causal=True`, dense",
+         "chunked and **{}x** dense (T=2,048)"),
         ("ALiBi `score_mod` vs ALiBi `bias`, chunked", "as `score_mod` **{}x**"),
         ("ALiBi `score_mod` vs ALiBi `bias`, dense", "chunked and **{}x** dense (the bias"),
         ("`mods.causal()` vs `is_causal=True`, chunked", "**{}x** `is_causal=True`. That"),
