@@ -984,11 +984,15 @@ class _PositionedScore(_Positioned):
     def __call__(self, score, b, h, q_idx, kv_idx):
         return mods.as_function(self.inner_score)(score, b, h, self._position(b, q_idx), kv_idx)
 
+    def _key(self):
+        return (type(self), mods._static_key(self.inner_score))
+
     def _tensors(self):
-        return (self.offset,)
+        return (self.offset,) + mods.split(self.inner_score)[1]
 
     def _with_tensors(self, tensors):
-        return _PositionedScore(tensors[0], None, None, None, self.inner_score)
+        inner = mods.join(mods.split(self.inner_score)[0], tuple(tensors[1:]))
+        return _PositionedScore(tensors[0], None, None, None, inner)
 
 
 class _Flattener:

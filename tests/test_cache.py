@@ -13,8 +13,8 @@ from keras_sdpa import ScaledDotProductAttention, mods
 B, L, E, H = 3, 12, 16, 4
 
 
-def sequences(seed=0):
-    return tf.constant(np.random.default_rng(seed).normal(size=(B, L, E)), tf.float32)
+def sequences(seed=0, length=L):
+    return tf.constant(np.random.default_rng(seed).normal(size=(B, length, E)), tf.float32)
 
 
 def layer_for(kind, **kwargs):
@@ -30,30 +30,57 @@ def empty_cache(layer, length=L):
     return tf.zeros((B, 2, length, layer._kv_heads, H))
 
 
+PROMPT, STEPS = 6, 64
+
+
+def even_keys_and_the_diagonal(b, h, q_idx, kv_idx):
+    """A user mask_mod: a query sees the even positions and itself."""
+    return tf.logical_or(kv_idx % 2 == 0, kv_idx == q_idx)
+
+
+def distance_penalty(score, b, h, q_idx, kv_idx, slope):
+    return score - slope * tf.cast(tf.abs(q_idx - kv_idx), score.dtype)
+
+
 @pytest.mark.parametrize(
-    "kind, kwargs",
+    "kind, kwargs, biased",
     [
-        ("mha", {}),
-        ("gqa", {}),
-        ("mqa", {}),
-        ("gqa", dict(sliding_window=3)),
-        ("mha", dict(score_mod=mods.alibi(4))),
-        ("mha", dict(implementation="chunked", chunk_size=4)),
+        ("mha", {}, False),
+        ("gqa", {}, False),
+        ("mqa", {}, False),
+        ("gqa", dict(sliding_window=3), False),
+        ("mha", dict(score_mod=mods.alibi(4)), False),
+        ("gqa", dict(mask_mod=even_keys_and_the_diagonal), False),
+        ("mha", dict(score_mod=mods.with_tensors(distance_penalty, tf.constant(0.3))), False),
+        ("gqa", {}, True),
+        ("mha", dict(implementation="chunked", chunk_size=16), False),
     ],
-    ids=["mha", "gqa", "mqa", "window", "alibi", "chunked"],
+    ids=["mha", "gqa", "mqa", "window", "alibi", "mask_mod", "with_tensors", "bias", "chunked"],
 )
-def test_prefill_then_one_token_a_step_equals_full_recomputation(kind, kwargs):
-    """A prompt of 5 written at 0, then each next token at its position: every step's output
-    equals the full causal layer's at that position, to 1e-5."""
+def test_prefill_then_one_token_a_step_equals_full_recomputation(kind, kwargs, biased):
+    """A prompt of 6 written at 0, then 64 tokens one at a time, each at its position: every
+    step's output equals the full causal layer's at that position, to 1e-5. The mods, the
+    window and the bias count positions from the cache's, as in training."""
+    length = PROMPT + STEPS
     layer = layer_for(kind, **kwargs)
-    x = sequences()
-    full = layer(x, x, use_causal_mask=True)  # (B, L, E)
-    out, cache = layer(x[:, :5], x[:, :5], use_causal_mask=True, cache=empty_cache(layer),
+    x = sequences(length=length)
+    bias = None
+    if biased:
+        bias = tf.constant(np.random.default_rng(9).normal(size=(B, 4, length, length)),
+                           tf.float32)  # fmt: skip
+
+    def rows(start, stop):  # the bias of queries start..stop-1, over the whole cache
+        return None if bias is None else bias[:, :, start:stop]
+
+    full = layer(x, x, use_causal_mask=True, attention_bias=bias)  # (B, length, E)
+    out, cache = layer(x[:, :PROMPT], x[:, :PROMPT], use_causal_mask=True,
+                       attention_bias=rows(0, PROMPT), cache=empty_cache(layer, length),
                        cache_update_index=0)  # fmt: skip
-    np.testing.assert_allclose(out, full[:, :5], atol=1e-5)
-    for position in range(5, L):
+    np.testing.assert_allclose(out, full[:, :PROMPT], atol=1e-5)
+    for position in range(PROMPT, length):
         token = x[:, position : position + 1]
-        out, cache = layer(token, token, use_causal_mask=True, cache=cache,
+        out, cache = layer(token, token, use_causal_mask=True,
+                           attention_bias=rows(position, position + 1), cache=cache,
                            cache_update_index=position)  # fmt: skip
         np.testing.assert_allclose(out[:, 0], full[:, position], atol=1e-5, err_msg=str(position))
 
@@ -138,3 +165,17 @@ def test_bad_cache_arguments(call, match):
     layer = layer_for("mha")
     with pytest.raises(ValueError, match=match):
         call(layer, sequences()[:, :2])
+
+
+def test_a_score_mods_tensors_are_those_of_its_own_layer_in_decode():
+    """Two layers with one score function and different tensors (`with_tensors`) decode each
+    with its own: the tensors are arguments of the program, not baked into the first trace."""
+    x = sequences(5)
+    for slope in (0.3, 2.0):
+        layer = layer_for("mha", score_mod=mods.with_tensors(distance_penalty, tf.constant(slope)))
+        full = layer(x, x, use_causal_mask=True)
+        _, cache = layer(x[:, :6], x[:, :6], use_causal_mask=True, cache=empty_cache(layer),
+                         cache_update_index=0)  # fmt: skip
+        out, _ = layer(x[:, 6:7], x[:, 6:7], use_causal_mask=True, cache=cache,
+                       cache_update_index=6)  # fmt: skip
+        np.testing.assert_allclose(out[:, 0], full[:, 6], atol=1e-5, err_msg=str(slope))
