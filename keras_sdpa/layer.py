@@ -502,9 +502,8 @@ class ScaledDotProductAttention(keras.layers.Layer):
             offset = _check_cache_index(index, tf.shape(query)[0], query.shape[1], cache.shape[2])
             new_keys = tf.cast(self._key_dense(key), cache.dtype)  # (B, t, K, H)
             new_values = tf.cast(self._value_dense(value), cache.dtype)
-            keys = _write_rows(keys, new_keys, offset)
-            values = _write_rows(values, new_values, offset)
-            cache = tf.stack([keys, values], axis=1)  # (B, 2, S, K, H)
+            cache = _write_rows(cache, tf.stack([new_keys, new_values], axis=1), offset)
+            keys, values = cache[:, 0], cache[:, 1]
         positioned = _Positioned(
             offset, bool(use_causal_mask), self.sliding_window, mask_mod, self.score_mod
         )
@@ -921,11 +920,15 @@ def _check_cache_index(index, batch, length, size):
 
 
 def _write_rows(cache, update, offset):
-    """`cache[b, offset[b] : offset[b] + t] = update[b]` for each row: `(B, S, K, H)`."""
-    t = tf.shape(update)[1]
-    rows = tf.broadcast_to(tf.range(tf.shape(update)[0])[:, None], tf.shape(update)[:2])
-    positions = offset[:, None] + tf.range(t)[None, :]  # (B, t)
-    return tf.tensor_scatter_nd_update(cache, tf.stack([rows, positions], -1), update)
+    """`cache[b, :, offset[b] : offset[b] + t] = update[b]` for each row, in one scatter:
+    `cache (B, 2, S, K, H)`, `update (B, 2, t, K, H)`. Inside a compiled generate loop XLA
+    writes it in place; splitting the keys and values and stacking them again copied the
+    whole cache on every token."""
+    shape = tf.shape(update)
+    rows = tf.broadcast_to(tf.range(shape[0])[:, None, None], shape[:3])
+    halves = tf.broadcast_to(tf.range(2)[None, :, None], shape[:3])
+    positions = tf.broadcast_to(offset[:, None, None] + tf.range(shape[2])[None, None], shape[:3])
+    return tf.tensor_scatter_nd_update(cache, tf.stack([rows, halves, positions], -1), update)
 
 
 class _Positioned(mods.Mod):

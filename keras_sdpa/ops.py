@@ -29,7 +29,7 @@ import numbers
 import keras
 import tensorflow as tf
 
-from keras_sdpa import _chunked, _dense, mods
+from keras_sdpa import _chunked, _decode, _dense, mods
 from keras_sdpa import _masking as M
 
 # implementation="auto" goes chunked above this many bytes of float32 scores (B * N * T * S * 4).
@@ -134,7 +134,11 @@ def scaled_dot_product_attention(
             there, unknown lengths stay dense, since XLA cannot compile the
             chunked path's block loops without them. With a `score_mod` it decides
             while tracing in the same way everywhere. `return_weights` needs
-            the whole matrix and always runs dense.
+            the whole matrix and always runs dense. A single query row
+            (`T == 1`, a decoder's step against its key/value cache) takes a
+            decode path under "auto": two multiply-and-reduce passes that read
+            the keys and values in their `(B, S, K, H)` layout, with no
+            transposed copy (without dropout; its gradient is autodiff's).
         chunk_size: block size of the chunked path. Defaults to 2048, or with a
             `sliding_window` of `W` to the power of two at or above `W / 2`
             (at least 128), so that the skipped blocks are most of them, or to 512
@@ -213,6 +217,8 @@ def scaled_dot_product_attention(
         # undefined when eager execution is enabled"): decide while tracing instead, from
         # one example's scores, as inside a caller's XLA step.
         path = _choose_path_from_one_example(query, key, chunk_size)
+    if path == "decode" and dropout_rate > 0.0:
+        path = "dense"  # the decode path serves inference; dropout's mask is the dense path's
     longest = max(query.shape[1] or 0, key.shape[1] or 0)
     if path == "chunked" and None not in (query.shape[1], key.shape[1]) and longest and (
         block_kinds is None
@@ -300,16 +306,20 @@ def _default_chunk_size(sliding_window, masked=False):
 
 
 def _choose_path(implementation, query, key, return_weights, chunk_size):
-    """`"dense"`, `"chunked"`, or `"auto"` when only the run-time sizes can tell.
+    """`"dense"`, `"chunked"`, `"decode"`, or `"auto"` when only the run-time sizes can tell.
 
-    "auto" goes chunked when the scores would pass `_AUTO_CHUNKED_BYTES` and a sequence is
-    longer than one block: below that, the chunked path holds a whole `(T, S)` block per
-    head anyway, as much as dense, and a large batch of short sequences stays dense.
+    "auto" takes the decode path for one query row (`T == 1`, known while tracing): a
+    generating decoder's step against its cache. It goes chunked when the scores would pass
+    `_AUTO_CHUNKED_BYTES` and a sequence is longer than one block: below that, the chunked
+    path holds a whole `(T, S)` block per head anyway, as much as dense, and a large batch of
+    short sequences stays dense.
     """
     if implementation == "dense" or return_weights:
         return "dense"
     if implementation == "chunked":
         return "chunked"
+    if query.shape[1] == 1:
+        return "decode"  # one query row against any number of keys: O(S), no (T, S) blocks
     sizes = [query.shape[0], query.shape[2], query.shape[1], key.shape[1]]  # B, N, T, S
     if any(size is None for size in sizes):
         if _inside_xla():
@@ -350,6 +360,8 @@ def _choose_path_from_one_example(query, key, chunk_size):
     """Chunked when one example's float32 scores pass 32 MiB and a sequence is longer than a
     block; dense otherwise, and for lengths unknown while tracing."""
     n, t, s = query.shape[2], query.shape[1], key.shape[1]
+    if t == 1:
+        return "decode"
     if t is None or s is None:
         return "dense"
     large = n * t * s * 4 > _AUTO_CHUNKED_BYTES_PER_EXAMPLE
@@ -399,8 +411,9 @@ def _attention(
 ):
     """The whole computation, traced once per static configuration.
 
-    `path` is `"dense"` or `"chunked"`. `score_mod` and `mask_mod` are the mods' templates,
-    `score_tensors` and `mask_tensors` their tensors of this call (`mods.split`).
+    `path` is `"dense"`, `"chunked"` or `"decode"` (`_decode.py`). `score_mod` and `mask_mod`
+    are the mods' templates, `score_tensors` and `mask_tensors` their tensors of this call
+    (`mods.split`).
     """
     score_mod = mods.as_function(mods.join(_TEMPLATES.get(score_mod, score_mod), score_tensors))
     mask_mod = mods.as_function(mods.join(_TEMPLATES.get(mask_mod, mask_mod), mask_tensors))
@@ -429,15 +442,36 @@ def _attention(
     if bias is not None:
         bias = M.grouped(tf.cast(bias, compute), bias_pattern, num_kv_heads, groups)
 
+    def with_mask_mod(mask):
+        if mask_mod is None:
+            return mask
+        t, s = tf.shape(q)[3], tf.shape(key)[1]
+        mod = M.mod_mask(
+            mask_mod, M.batch_index(tf.shape(q)[0]), num_heads, num_kv_heads,
+            tf.range(t), tf.range(s),
+        )  # (B|1, K|1, G|1, T, S)
+        return mod if mask is None else tf.logical_and(mask, mod)
+
+    def decode():
+        t, s = tf.shape(q)[3], tf.shape(key)[1]
+        constraint = M.band(tf.range(t), tf.range(s), is_causal, window)  # (T, S) or None
+        allowed = M.combine(with_mask_mod(mask), constraint)
+        return _decode.attend(
+            q,
+            key,
+            value,
+            allowed,
+            bias,
+            cap=cap,
+            return_weights=return_weights,
+            logit_scale=logit_scale,
+            score_mod=score_mod,
+            num_heads=num_heads,
+        )
+
     def dense():
         nonlocal mask
-        if mask_mod is not None:
-            t, s = tf.shape(q)[3], tf.shape(k)[2]
-            mod = M.mod_mask(
-                mask_mod, M.batch_index(tf.shape(q)[0]), num_heads, num_kv_heads,
-                tf.range(t), tf.range(s),
-            )  # (B|1, K|1, G|1, T, S)
-            mask = mod if mask is None else tf.logical_and(mask, mod)
+        mask = with_mask_mod(mask)
         keep = None
         if dropout_rate > 0.0:
             b, t, s = tf.shape(q)[0], tf.shape(q)[3], tf.shape(k)[2]
@@ -491,7 +525,7 @@ def _attention(
         )
         return out, None
 
-    out, weights = dense() if path == "dense" else chunked()
+    out, weights = {"dense": dense, "chunked": chunked, "decode": decode}[path]()
     shape = tf.shape(out)  # (B, K, G, T, Hv)
     out = tf.reshape(out, tf.stack([shape[0], num_heads, shape[3], shape[4]]))  # (B, N, T, Hv)
     out = tf.cast(tf.transpose(out, [0, 2, 1, 3]), dtype)  # (B, T, N, Hv)

@@ -1,0 +1,156 @@
+"""The decode path: one query row against the keys in their `(B, S, K, H)` layout.
+
+`implementation="auto"` takes it for `T == 1`, a generating decoder's step. It is checked
+against the float64 NumPy reference of `test_core_features.py`, against TensorFlow's
+autodiff of the formula for the gradients, and against the dense path for the mods.
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from test_core_features import HV, B, K, N, S, autodiff_reference, inputs, reference
+
+from keras_sdpa import _decode, mods
+from keras_sdpa.ops import scaled_dot_product_attention
+
+
+def mask_with_an_empty_row(seed=1):
+    """`(B, 1, 1, S)`: random holes, and example 0 sees no key at all."""
+    mask = np.random.default_rng(seed).random((B, 1, 1, S)) > 0.3
+    mask[0] = False
+    return mask
+
+
+def bias(shape, seed=3):
+    return tf.constant(np.random.default_rng(seed).normal(size=shape) * 2.0)
+
+
+FEATURES = {
+    "plain": {},
+    "mask": dict(mask=mask_with_an_empty_row()),
+    "bias_per_head": dict(bias=bias((1, N, 1, S))),
+    "bias_per_key": dict(bias=bias((B, 1, 1, S))),
+    "window": dict(window=3),
+    "causal": dict(is_causal=True),
+    "cap": dict(cap=1.5),
+    "everything": dict(mask=mask_with_an_empty_row(), bias=bias((1, N, 1, S)), window=4, cap=2.0),
+}
+
+
+def decode_call(q, k, v, spec, **kwargs):
+    return scaled_dot_product_attention(
+        q, k, v, spec.get("mask"), bias=spec.get("bias"), is_causal=spec.get("is_causal", False),
+        sliding_window=spec.get("window"), attn_logits_soft_cap=spec.get("cap"), **kwargs,
+    )  # fmt: skip
+
+
+@pytest.fixture
+def decode_spy(monkeypatch):
+    """Counts the decode path's traces (a new shape each test, so each traces anew)."""
+    calls = []
+    attend = _decode.attend
+
+    def spy(*args, **kwargs):
+        calls.append(args[0].shape)
+        return attend(*args, **kwargs)
+
+    monkeypatch.setattr(_decode, "attend", spy)
+    return calls
+
+
+def test_auto_takes_the_decode_path_for_one_query_row(decode_spy):
+    q, k, v = inputs(t=1, s=S + 4, k=K, dtype="float32")
+    scaled_dot_product_attention(q, k, v)
+    assert len(decode_spy) == 1
+    scaled_dot_product_attention(q, k, v, implementation="dense")
+    q2, k2, v2 = inputs(t=2, s=S + 4, k=K, dtype="float32")
+    scaled_dot_product_attention(q2, k2, v2)
+    assert len(decode_spy) == 1  # "dense" asked for, and two rows: not decode
+
+
+def test_dropout_runs_dense_with_the_same_keep_mask(decode_spy):
+    q, k, v = inputs(t=1, s=S + 5, k=K, dtype="float32")
+    args = dict(dropout_rate=0.5, training=True, seed=7)
+    auto = scaled_dot_product_attention(q, k, v, **args)
+    dense = scaled_dot_product_attention(q, k, v, implementation="dense", **args)
+    np.testing.assert_array_equal(auto, dense)
+    assert not decode_spy
+
+
+@pytest.mark.parametrize("feature", list(FEATURES))
+@pytest.mark.parametrize("kv_heads", [N, K, 1], ids=["mha", "gqa", "mqa"])
+def test_forward_matches_numpy_reference(feature, kv_heads):
+    q, k, v = inputs(t=1, k=kv_heads)
+    spec = FEATURES[feature]
+    want, _ = reference(q, k, v, **spec)
+    np.testing.assert_allclose(decode_call(q, k, v, spec), want, atol=1e-10)
+
+
+@pytest.mark.parametrize("feature", list(FEATURES))
+def test_gradients_match_autodiff_of_the_formula(feature):
+    q, k, v = inputs(t=1, k=K)
+    spec = FEATURES[feature]
+    c = tf.constant(np.random.default_rng(9).normal(size=(B, 1, N, HV)))
+    watched = [q, k, v] + ([spec["bias"]] if "bias" in spec else [])
+    grads = []
+    for attention in (lambda: decode_call(q, k, v, spec), lambda: autodiff_reference(
+        q, k, v, **spec
+    )):  # fmt: skip
+        with tf.GradientTape() as tape:
+            tape.watch(watched)
+            loss = tf.reduce_sum(attention() * c)
+        grads.append(tape.gradient(loss, watched))
+    for name, a, b in zip(["d_query", "d_key", "d_value", "d_bias"], *grads):
+        np.testing.assert_allclose(a, b, atol=1e-10, err_msg=name)
+
+
+def skip_every_third_key(b, h, q_idx, kv_idx):
+    return kv_idx % 3 != 0
+
+
+@pytest.mark.parametrize(
+    "mod",
+    [
+        dict(score_mod=mods.alibi(N)),
+        dict(score_mod=mods.soft_cap(1.0)),
+        dict(mask_mod=skip_every_third_key),
+        dict(mask_mod=mods.document(tf.constant([[0] * 4 + [1] * (S - 4)] * B))),
+        dict(score_mod=mods.alibi(N), mask_mod=skip_every_third_key),
+    ],
+    ids=["alibi", "soft_cap", "mask_fn", "document", "both"],
+)
+def test_mods_match_the_dense_path_forward_and_gradient(mod):
+    q, k, v = inputs(t=1, k=K)
+    results = []
+    for implementation in ("auto", "dense"):
+        with tf.GradientTape() as tape:
+            tape.watch([q, k, v])
+            out = scaled_dot_product_attention(q, k, v, implementation=implementation, **mod)
+            loss = tf.reduce_sum(out * tf.range(HV, dtype=out.dtype))
+        results.append([out, *tape.gradient(loss, [q, k, v])])
+    for name, a, b in zip(["out", "d_query", "d_key", "d_value"], *results):
+        np.testing.assert_allclose(a, b, atol=1e-10, err_msg=name)
+
+
+def test_a_bfloat16_cache_is_read_as_it_is_and_multiplied_in_float32():
+    q, k, v = inputs(t=1, s=64, k=K)
+    want, _ = reference(q, k, v)
+    half = [tf.cast(x, tf.bfloat16) for x in (q, k, v)]
+    out = scaled_dot_product_attention(*half)
+    assert out.dtype == tf.bfloat16
+    rounded, _ = reference(*[tf.cast(x, tf.float64) for x in half])  # the inputs' rounding
+    np.testing.assert_allclose(tf.cast(out, tf.float64), rounded, atol=1e-2)
+    np.testing.assert_allclose(tf.cast(out, tf.float64), want, atol=5e-2)
+
+
+def test_inside_a_compiled_step_with_an_unknown_batch(decode_spy):
+    """Keras traces `predict` with the batch unknown: T == 1 still takes the decode path."""
+    q, k, v = inputs(t=1, k=K, dtype="float32")
+    step = tf.function(
+        lambda q, k, v: scaled_dot_product_attention(q, k, v, is_causal=False),
+        jit_compile=True,
+        input_signature=[tf.TensorSpec((None,) + tuple(x.shape[1:]), x.dtype) for x in (q, k, v)],
+    )
+    want, _ = reference(q, k, v)
+    np.testing.assert_allclose(step(q, k, v), want, atol=1e-5)
+    assert len(decode_spy) == 1
