@@ -426,3 +426,25 @@ def test_mods_figures_are_the_benchmarks():
         assert phrase.format(rows[label]) in text, (label, rows[label])
     growth = re.search(r"peak memory x([\d.]+)", section)[1]
     assert f"grows **{growth}x** from T=16,384 to T=32,768" in text
+
+
+def test_decode_figures_are_the_benchmarks():
+    """The README's generation figures are `benchmarks/decode.py`'s table, every per-token
+    target there (<= 0.8x keras-hub) is met, and a token at S=32,768 costs more than at 8,192."""
+    benchmarks = (ROOT / "BENCHMARKS.md").read_text()
+    start, end = benchmarks.index("<!-- decode:start -->"), benchmarks.index("<!-- decode:end -->")
+    section = benchmarks[start:end]
+    row = r"^\| (\d+) \| (\d+) \| ([\d.]+) \| [\d.]+ \| \*\*([\d.]+)\*\*"
+    rows = {(int(b), int(s)): (ms, ratio) for b, s, ms, ratio in re.findall(row, section, re.M)}
+    assert {(1, 1024), (8, 8192), (1, 32768)} <= set(rows), rows
+    assert "| **no** |" not in section
+    faster = re.search(r"\*\*([\d.]+)x faster\*\*", section)[1]
+    peaks = dict(re.findall(r"^\| (\d+) \((?:MHA|GQA)\) \| \d+ \| (\d+) \|", section, re.M))
+    text = " ".join(README.read_text().split())
+    assert f"**{rows[1, 1024][1]}x** keras-hub's `CachedMultiHeadAttention` at B=1, S=1,024" in text
+    assert f"**{rows[8, 8192][1]}x** at B=8, S=8,192" in text
+    assert f"**{rows[1, 32768][1]}x** at B=1, S=32,768" in text
+    assert f"a token costs {rows[1, 32768][0]} ms against {rows[1, 8192][0]} ms" in text
+    assert float(rows[1, 32768][0]) > float(rows[1, 8192][0])
+    assert f"the cache is **{faster}x faster**" in text
+    assert f"peak {peaks['2']} MiB against {peaks['8']}" in text
