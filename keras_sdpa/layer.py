@@ -525,7 +525,9 @@ class ScaledDotProductAttention(keras.layers.Layer):
             attn_logits_soft_cap=self.attn_logits_soft_cap,
             scale=self.scale,
             return_weights=return_attention_scores,
-            implementation=self.path,
+            # One new token against the cache: the core's decode path reads the cache in its
+            # (B, S, K, H) layout, where the others would transpose a copy of it every token.
+            implementation="decode" if self.path == "auto" and query.shape[1] == 1 else self.path,
             chunk_size=self.chunk_size,
             score_mod=positioned.score_mod(),
             mask_mod=positioned.mask_mod(),

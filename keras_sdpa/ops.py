@@ -134,11 +134,13 @@ def scaled_dot_product_attention(
             there, unknown lengths stay dense, since XLA cannot compile the
             chunked path's block loops without them. With a `score_mod` it decides
             while tracing in the same way everywhere. `return_weights` needs
-            the whole matrix and always runs dense. A single query row
-            (`T == 1`, a decoder's step against its key/value cache) takes a
-            decode path under "auto": two multiply-and-reduce passes that read
-            the keys and values in their `(B, S, K, H)` layout, with no
-            transposed copy (without dropout; its gradient is autodiff's).
+            the whole matrix and always runs dense. `"decode"` is for a few
+            query rows against a long key/value cache (the layer uses it for
+            a cached call with `T == 1`): two multiply-and-reduce passes that
+            read the keys and values in their `(B, S, K, H)` layout, with no
+            transposed copy. Its gradient is TensorFlow's autodiff (3.2x the
+            dense path's forward plus backward time at the app's pooling
+            sizes, so "auto" never picks it), and with dropout it runs dense.
         chunk_size: block size of the chunked path. Defaults to 2048, or with a
             `sliding_window` of `W` to the power of two at or above `W / 2`
             (at least 128), so that the skipped blocks are most of them, or to 512
@@ -197,9 +199,9 @@ def scaled_dot_product_attention(
     mask_mod, is_causal, sliding_window = _lower_mask_mod(mask_mod, is_causal, sliding_window)
     if mask_mod is None:
         block_kinds = None
-    if implementation not in ("auto", "dense", "chunked"):
+    if implementation not in ("auto", "dense", "chunked", "decode"):
         raise ValueError(
-            '`implementation` must be "auto", "dense" or "chunked". '
+            '`implementation` must be "auto", "dense", "chunked" or "decode". '
             f"Received: implementation={implementation!r}"
         )
     if chunk_size is None:
@@ -308,18 +310,15 @@ def _default_chunk_size(sliding_window, masked=False):
 def _choose_path(implementation, query, key, return_weights, chunk_size):
     """`"dense"`, `"chunked"`, `"decode"`, or `"auto"` when only the run-time sizes can tell.
 
-    "auto" takes the decode path for one query row (`T == 1`, known while tracing): a
-    generating decoder's step against its cache. It goes chunked when the scores would pass
+    "auto" goes chunked when the scores would pass
     `_AUTO_CHUNKED_BYTES` and a sequence is longer than one block: below that, the chunked
     path holds a whole `(T, S)` block per head anyway, as much as dense, and a large batch of
     short sequences stays dense.
     """
     if implementation == "dense" or return_weights:
         return "dense"
-    if implementation == "chunked":
-        return "chunked"
-    if query.shape[1] == 1:
-        return "decode"  # one query row against any number of keys: O(S), no (T, S) blocks
+    if implementation in ("chunked", "decode"):
+        return implementation
     sizes = [query.shape[0], query.shape[2], query.shape[1], key.shape[1]]  # B, N, T, S
     if any(size is None for size in sizes):
         if _inside_xla():
@@ -360,8 +359,6 @@ def _choose_path_from_one_example(query, key, chunk_size):
     """Chunked when one example's float32 scores pass 32 MiB and a sequence is longer than a
     block; dense otherwise, and for lengths unknown while tracing."""
     n, t, s = query.shape[2], query.shape[1], key.shape[1]
-    if t == 1:
-        return "decode"
     if t is None or s is None:
         return "dense"
     large = n * t * s * 4 > _AUTO_CHUNKED_BYTES_PER_EXAMPLE

@@ -1,8 +1,10 @@
-"""The decode path: one query row against the keys in their `(B, S, K, H)` layout.
+"""The decode path: a few query rows against the keys in their `(B, S, K, H)` layout.
 
-`implementation="auto"` takes it for `T == 1`, a generating decoder's step. It is checked
-against the float64 NumPy reference of `test_core_features.py`, against TensorFlow's
-autodiff of the formula for the gradients, and against the dense path for the mods.
+The layer takes it (`implementation="decode"`) for a cached call with one new token, a
+generating decoder's step; "auto" never does, since its autodiff gradient is slower than the
+dense path's in training. It is checked against the float64 NumPy reference of
+`test_core_features.py`, against TensorFlow's autodiff of the formula for the gradients, and
+against the dense path for the mods.
 """
 
 import numpy as np
@@ -10,7 +12,7 @@ import pytest
 import tensorflow as tf
 from test_core_features import HV, B, K, N, S, autodiff_reference, inputs, reference
 
-from keras_sdpa import _decode, mods
+from keras_sdpa import ScaledDotProductAttention, _decode, mods
 from keras_sdpa.ops import scaled_dot_product_attention
 
 
@@ -37,10 +39,11 @@ FEATURES = {
 }
 
 
-def decode_call(q, k, v, spec, **kwargs):
+def decode_call(q, k, v, spec):
     return scaled_dot_product_attention(
         q, k, v, spec.get("mask"), bias=spec.get("bias"), is_causal=spec.get("is_causal", False),
-        sliding_window=spec.get("window"), attn_logits_soft_cap=spec.get("cap"), **kwargs,
+        sliding_window=spec.get("window"), attn_logits_soft_cap=spec.get("cap"),
+        implementation="decode",
     )  # fmt: skip
 
 
@@ -58,20 +61,29 @@ def decode_spy(monkeypatch):
     return calls
 
 
-def test_auto_takes_the_decode_path_for_one_query_row(decode_spy):
-    q, k, v = inputs(t=1, s=S + 4, k=K, dtype="float32")
-    scaled_dot_product_attention(q, k, v)
+def test_the_layer_decodes_one_cached_token_and_nothing_else(decode_spy):
+    """A cached call with one new token takes the decode path; "auto" elsewhere, a cached call
+    of several tokens, and a layer asked for "dense" do not."""
+    x = tf.random.normal((2, 5, 16))
+    layer = ScaledDotProductAttention(num_heads=4, key_dim=4, num_key_value_heads=2)
+    dense = ScaledDotProductAttention(num_heads=4, key_dim=4, implementation="dense")
+    for each in (layer, dense):
+        each(x, x)
+    cache = tf.zeros((2, 2, 13, 2, 4))
+    _, cache = layer(x, x, use_causal_mask=True, cache=cache, cache_update_index=0)
+    layer(x[:, :1], x[:, :1], cache=cache, cache_update_index=5)
     assert len(decode_spy) == 1
-    scaled_dot_product_attention(q, k, v, implementation="dense")
-    q2, k2, v2 = inputs(t=2, s=S + 4, k=K, dtype="float32")
-    scaled_dot_product_attention(q2, k2, v2)
-    assert len(decode_spy) == 1  # "dense" asked for, and two rows: not decode
+    layer(x[:, :1], x)  # one query row, no cache
+    q, k, v = inputs(t=1, s=S + 4, k=K, dtype="float32")
+    scaled_dot_product_attention(q, k, v)  # "auto"
+    dense(x[:, :1], x[:, :1], cache=tf.zeros((2, 2, 13, 4, 4)), cache_update_index=5)
+    assert len(decode_spy) == 1
 
 
 def test_dropout_runs_dense_with_the_same_keep_mask(decode_spy):
     q, k, v = inputs(t=1, s=S + 5, k=K, dtype="float32")
     args = dict(dropout_rate=0.5, training=True, seed=7)
-    auto = scaled_dot_product_attention(q, k, v, **args)
+    auto = scaled_dot_product_attention(q, k, v, implementation="decode", **args)
     dense = scaled_dot_product_attention(q, k, v, implementation="dense", **args)
     np.testing.assert_array_equal(auto, dense)
     assert not decode_spy
@@ -122,7 +134,7 @@ def skip_every_third_key(b, h, q_idx, kv_idx):
 def test_mods_match_the_dense_path_forward_and_gradient(mod):
     q, k, v = inputs(t=1, k=K)
     results = []
-    for implementation in ("auto", "dense"):
+    for implementation in ("decode", "dense"):
         with tf.GradientTape() as tape:
             tape.watch([q, k, v])
             out = scaled_dot_product_attention(q, k, v, implementation=implementation, **mod)
@@ -136,7 +148,7 @@ def test_a_bfloat16_cache_is_read_as_it_is_and_multiplied_in_float32():
     q, k, v = inputs(t=1, s=64, k=K)
     want, _ = reference(q, k, v)
     half = [tf.cast(x, tf.bfloat16) for x in (q, k, v)]
-    out = scaled_dot_product_attention(*half)
+    out = scaled_dot_product_attention(*half, implementation="decode")
     assert out.dtype == tf.bfloat16
     rounded, _ = reference(*[tf.cast(x, tf.float64) for x in half])  # the inputs' rounding
     np.testing.assert_allclose(tf.cast(out, tf.float64), rounded, atol=1e-2)
@@ -144,10 +156,10 @@ def test_a_bfloat16_cache_is_read_as_it_is_and_multiplied_in_float32():
 
 
 def test_inside_a_compiled_step_with_an_unknown_batch(decode_spy):
-    """Keras traces `predict` with the batch unknown: T == 1 still takes the decode path."""
+    """The decode path compiles inside a caller's XLA program with the batch unknown."""
     q, k, v = inputs(t=1, k=K, dtype="float32")
     step = tf.function(
-        lambda q, k, v: scaled_dot_product_attention(q, k, v, is_causal=False),
+        lambda q, k, v: scaled_dot_product_attention(q, k, v, implementation="decode"),
         jit_compile=True,
         input_signature=[tf.TensorSpec((None,) + tuple(x.shape[1:]), x.dtype) for x in (q, k, v)],
     )
