@@ -138,9 +138,9 @@ def scaled_dot_product_attention(
             query rows against a long key/value cache (the layer uses it for
             a cached call with `T == 1`): two multiply-and-reduce passes that
             read the keys and values in their `(B, S, K, H)` layout, with no
-            transposed copy. Its gradient is TensorFlow's autodiff (3.2x the
-            dense path's forward plus backward time at the app's pooling
-            sizes, so "auto" never picks it), and with dropout it runs dense.
+            transposed copy. Its gradient is TensorFlow's autodiff, several times
+            slower than the dense path's in training, so "auto" never picks
+            it; with dropout it runs dense.
         chunk_size: block size of the chunked path. Defaults to 2048, or with a
             `sliding_window` of `W` to the power of two at or above `W / 2`
             (at least 128), so that the skipped blocks are most of them, or to 512
