@@ -59,10 +59,10 @@ class ScaledDotProductAttention(keras.layers.Layer):
             `|t - s| < W`; with `use_causal_mask`, the causal band (Mistral).
         flash_attention: `True` runs the chunked `O(T)`-memory path, `False`
             the dense path, `None` (default) lets `implementation` decide.
-        kernel_initializer, bias_initializer, kernel_regularizer,
-        bias_regularizer, activity_regularizer, kernel_constraint,
-        bias_constraint: as for `keras.layers.EinsumDense`, applied to every
-            projection.
+        kernel_initializer: as for `keras.layers.EinsumDense`, applied to every
+            projection; so are `bias_initializer`, `kernel_regularizer`,
+            `bias_regularizer`, `activity_regularizer`, `kernel_constraint`
+            and `bias_constraint`.
         use_gate: gated attention (Qiu et al., 2025): each head's output is
             multiplied by a sigmoid of its own projection of the query before
             `W_O`, as in `keras.layers.MultiHeadAttention(use_gate=True)`.

@@ -616,7 +616,10 @@ def create_block_mask(mask_mod, B, N, T, S, block_size=None, num_kv_heads=None):
 
     Args:
         mask_mod: the mask mod, `(b, h, q_idx, kv_idx) -> bool`.
-        B, N, T, S: batch, query heads, query length and key length.
+        B: the batch size.
+        N: the number of query heads.
+        T: the query length.
+        S: the key length.
         block_size: the chunked path's block size. Defaults to the one it would use.
         num_kv_heads: key/value heads `K` (defaults to `N`); only the grouping matters.
 

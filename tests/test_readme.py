@@ -1,25 +1,99 @@
-"""The README's Python examples run as written."""
+"""The README's and the documentation pages' Python examples run as written, every figure they
+quote is the one in the file it comes from, and the documentation site builds strictly."""
 
 import json
+import os
 import pathlib
 import re
+import subprocess
+import sys
 
 import pytest
 
-README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
-BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+DOCS = ROOT / "docs"
+PAGES = [README] + sorted(DOCS.glob("*.md"))
+BLOCKS = {
+    f"{page.relative_to(ROOT)} block {index}": code
+    for page in PAGES
+    for index, code in enumerate(re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.S))
+}
+
+
+def pages_text():
+    """The README and every documentation page, where the figures are quoted."""
+    return "\n".join(page.read_text() for page in PAGES)
 
 
 def test_readme_has_examples():
-    assert len(BLOCKS) >= 2
+    assert sum(name.startswith("README.md") for name in BLOCKS) >= 3
+    assert len(BLOCKS) >= 10
 
 
-@pytest.mark.parametrize("index", range(len(BLOCKS)))
-def test_readme_example_runs(index):
-    exec(compile(BLOCKS[index], f"README.md block {index}", "exec"), {})
+@pytest.mark.parametrize("name", list(BLOCKS))
+def test_readme_example_runs(name):
+    exec(compile(BLOCKS[name], name, "exec"), {})
 
 
-ROOT = README.parent
+def test_readme_is_a_five_minute_read():
+    """At most 150 lines, in the order a newcomer needs them, linking every documentation page."""
+    text = README.read_text()
+    assert len(text.splitlines()) <= 150
+    headings = re.findall(r"^## (.+)$", text, flags=re.M)
+    assert headings == [
+        "Why use it instead of `keras.layers.MultiHeadAttention`", "Install", "The two commands",
+        "Three examples", "Documentation",
+    ]  # fmt: skip
+    assert sum(name.startswith("README.md") for name in BLOCKS) == 3
+    for page in sorted(DOCS.glob("*.md")):
+        if page.name != "benchmarks.md":  # BENCHMARKS.md itself, linked as such
+            assert f"](docs/{page.name})" in text, page.name
+    assert "](BENCHMARKS.md)" in text
+
+
+def test_documentation_builds_strictly(tmp_path):
+    """`mkdocs build --strict`: a broken link or image, a page missing from the navigation, or
+    a docstring that no longer parses fails it; the API reference comes from the docstrings."""
+    result = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    api = (tmp_path / "api" / "index.html").read_text()
+    for name in ("ScaledDotProductAttention", "scaled_dot_product_attention", "sliding_window",
+                 "create_block_mask", "relative_position_bias"):  # fmt: skip
+        assert name in api, name
+    assert (tmp_path / "saved_models" / "imdb_sdpa" / "viewer.png").exists()
+    benchmarks = (tmp_path / "benchmarks" / "index.html").read_text()
+    assert "Generation with the key/value cache" in benchmarks  # BENCHMARKS.md, included
+
+
+def test_readme_table_figures_are_measured():
+    """Each row of the README's "why" table quotes a figure from the file that holds it."""
+    text = " ".join(README.read_text().split())
+    benchmarks = (ROOT / "BENCHMARKS.md").read_text()
+
+    def section(name):
+        return benchmarks[benchmarks.index(f"<!-- {name}:start -->") :
+                          benchmarks.index(f"<!-- {name}:end -->")]  # fmt: skip
+
+    long_row = re.search(r"^\| 8192 \|(.*)$", section("long-sequences"), flags=re.M)[1].split("|")
+    chunked_mib, keras_mib = long_row[5].strip(), long_row[7].strip()
+    assert f"peak **{chunked_mib} MiB** against Keras's {keras_mib}" in text
+    document = re.search(r"^\| `document` \(8 segments\) vs no mask, chunked \| 8192 \| "
+                         r"[\d.]+ \| [\d.]+ \| \*\*([\d.]+)\*\*", section("mods"), re.M)[1]
+    assert f"**{document}x** the unmasked time at T=8,192" in text
+    decode = section("decode")
+    per_token = re.search(r"^\| 8 \| 8192 \| [\d.]+ \| [\d.]+ \| \*\*([\d.]+)\*\*", decode, re.M)[1]
+    assert f"**{per_token}x** keras-hub's `CachedMultiHeadAttention` at B=8, S=8,192" in text
+    peaks = dict(re.findall(r"^\| (\d+) \((?:MHA|GQA)\) \| \d+ \| (\d+) \|", decode, re.M))
+    assert f"**{peaks['2']} MiB** peak against {peaks['8']} with 8" in text
+    step = re.search(r"^\| sdpa_layer vs keras_mha \| 512 \| fwd_bwd \|.*?\*\*([\d.]+)\*\*",
+                     section("attention-float32-jit"), re.M)[1]  # fmt: skip
+    assert f"**{step}x** Keras's layer, T=512" in text
+    metrics = json.loads((ROOT / "saved_models/imdb_sdpa/metrics.json").read_text())
+    assert f"**{_percent(metrics['test_accuracy'])}** on IMDB's test split" in text
 
 
 def _percent(value):
@@ -29,7 +103,7 @@ def _percent(value):
 def test_readme_results_are_the_committed_metrics():
     """Every accuracy the READMEs quote is the one the app wrote to a metrics.json."""
     metrics = json.loads((ROOT / "saved_models/imdb_sdpa/metrics.json").read_text())
-    text = README.read_text()
+    text = pages_text()
     assert f"**{_percent(metrics['test_accuracy'])}**" in text
     assert _percent(metrics["validation_accuracy"]) in text
     card = (ROOT / "saved_models/imdb_sdpa/README.md").read_text()
@@ -60,7 +134,7 @@ def test_shipped_run_is_the_quickstart_command_on_the_apps_defaults():
     metrics = json.loads((ROOT / "saved_models/imdb_sdpa/metrics.json").read_text())
     quickstart = re.search(
         r'^    pip install -e "\.\[dev\]" && (python -m apps\.train_sentiment.*)$',
-        README.read_text(), flags=re.M,
+        README.read_text(), flags=re.M,  # the README's own command
     ).group(1)  # fmt: skip
     assert metrics["command"] == quickstart
     defaults = dataclasses.asdict(train_sentiment.Config())
@@ -97,7 +171,7 @@ def test_readme_quotes_the_default_configurations_seeds_and_the_shipped_run_is_s
         assert differing <= {"seed", "verbose", "output", "data_dir"}, differing
     minutes = statistics.fmean(run["train_seconds"] for run in runs) / 60
     tests = [100 * run["test_accuracy"] for run in runs]
-    text = " ".join(README.read_text().split())
+    text = " ".join(pages_text().split())
     assert (
         f"(`saved_models/experiments/seeds/{DEFAULT_SEEDS}/`, the seeds 0, 1 and 2 of "
         f"`python -m apps.sweep`; seed 0 is the shipped run, to the review) read "
@@ -174,7 +248,7 @@ def test_readme_quotes_the_best_configuration_from_its_seed_files():
     folder = ROOT / "saved_models/experiments/seeds/pairs200k_tri200k_vocab30k_drop04_wd05"
     runs = [json.loads(path.read_text()) for path in sorted(folder.glob("*.json"))]
     tests = [100 * run["test_accuracy"] for run in runs]
-    text = " ".join(README.read_text().split())
+    text = " ".join(pages_text().split())
     assert len(runs) == 3
     assert (
         f"{statistics.fmean(tests):.2f} ± {statistics.stdev(tests):.2f}% on test "
@@ -193,7 +267,7 @@ def test_readme_quotes_the_naive_bayes_screen_from_its_seed_file():
     )
     assert run["config"]["naive_bayes_alpha"] == 1 and run["config"]["naive_bayes_folds"] == 5
     aopc = run["faithfulness"]["comprehensiveness_aopc"]["attention"]["mean"]
-    text = " ".join(README.read_text().split())
+    text = " ".join(pages_text().split())
     assert (
         f"read {_percent(run['validation_accuracy'])} on validation but "
         f"{_percent(run['test_accuracy'])} on test (seed 0, `{name}`), with an attention AOPC of "
@@ -230,7 +304,7 @@ def test_readme_quotes_the_unlabelled_vocabulary_seeds_from_their_files():
     assert len(runs) == 3
     assert all(run["config"]["vocabulary_source"] == "train+unsupervised" for run in runs)
     minutes = statistics.fmean(run["train_seconds"] for run in runs) / 60
-    text = " ".join(README.read_text().split())
+    text = " ".join(pages_text().split())
     assert (
         f"reads {cell('validation_accuracy')} on validation and {cell('test_accuracy')} on test "
         f"over 3 seeds (`{name}`), in {minutes:.1f} minutes"
@@ -251,7 +325,7 @@ def test_readme_quotes_each_configurations_seeds_from_their_files(name, flag, va
 
     runs, cell, aopc = _seed_figures(name)
     assert len(runs) == 3 and all(run["config"][flag] == value for run in runs)
-    text = " ".join(README.read_text().split())
+    text = " ".join(pages_text().split())
     minutes = statistics.fmean(run["train_seconds"] for run in runs) / 60
     minutes = f", in {minutes:.1f} minutes of training"
     assert any(
@@ -280,7 +354,7 @@ def test_math_section_quotes_the_committed_measurements():
     }
     assert all(rechecked.values()), rechecked
     assert rechecked == metrics["holds"]
-    section = README.read_text().split("## The math, verified")[1].split("\n## ")[0]
+    section = (DOCS / "math.md").read_text()
     variance = claims["1_variance"]
     last = claims["3_saturation"][-1]
     training = claims["5_training"]
@@ -340,7 +414,7 @@ def test_faithfulness_table_is_the_committed_report():
     from apps import explain
 
     payload = json.loads((ROOT / "saved_models/imdb_sdpa/faithfulness.json").read_text())
-    text = README.read_text()
+    text = pages_text()
     for name, row in payload["rankings"].items():
         cells = [
             explain._cell(row["comprehensiveness_aopc"]),
@@ -378,7 +452,7 @@ def test_bucket_ratio_is_the_benchmarks():
     benchmarks = (ROOT / "BENCHMARKS.md").read_text()
     section = benchmarks[benchmarks.index("<!-- buckets:start -->") :]
     ratio = re.search(r"^\| \*\*ratio\*\* \| \*\*([\d.]+)\*\*", section, flags=re.M)[1]
-    text = " ".join(README.read_text().split())
+    text = " ".join(pages_text().split())
     assert f"takes **{ratio}x** the time of the same batches padded to 512" in text
 
 
@@ -386,7 +460,7 @@ def test_serving_figures_are_the_measured_ones():
     """The README's serving figures are serving.json's (written at export) and BENCHMARKS.md's."""
     serving = json.loads((ROOT / "saved_models/imdb_sdpa/serving.json").read_text())
     benchmarks = (ROOT / "BENCHMARKS.md").read_text()
-    text = " ".join(README.read_text().split())
+    text = " ".join(pages_text().split())
     assert f"measured {serving['reviews_per_second']:.0f} reviews/s at batch 256" in text
     assert f"{serving['batch_1_p50_ms']:.1f} ms p50 for one review a call" in text
     ratios = dict(
@@ -409,7 +483,7 @@ def test_mods_figures_are_the_benchmarks():
     rows = dict(re.findall(row, section, flags=re.M))
     assert len(rows) == 9, rows
     assert "| **no** |" not in section
-    text = " ".join(README.read_text().split())
+    text = " ".join(pages_text().split())
     quoted = [
         ("`mods.causal()` vs no mask, chunked", "takes **{}x** the time"),
         ("causal as a plain function vs no mask, chunked", "(through the block map) **{}x**"),
@@ -440,7 +514,7 @@ def test_decode_figures_are_the_benchmarks():
     assert "| **no** |" not in section
     faster = re.search(r"\*\*([\d.]+)x faster\*\*", section)[1]
     peaks = dict(re.findall(r"^\| (\d+) \((?:MHA|GQA)\) \| \d+ \| (\d+) \|", section, re.M))
-    text = " ".join(README.read_text().split())
+    text = " ".join(pages_text().split())
     assert f"**{rows[1, 1024][1]}x** keras-hub's `CachedMultiHeadAttention` at B=1, S=1,024" in text
     assert f"**{rows[8, 8192][1]}x** at B=8, S=8,192" in text
     assert f"**{rows[1, 32768][1]}x** at B=1, S=32,768" in text
