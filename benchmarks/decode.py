@@ -25,9 +25,7 @@ Usage:
 
 import argparse
 import os
-import statistics
 import sys
-import time
 
 # Imported before the memory baseline of a child process (`child_peak_mib` imports this
 # module first), so that the peak counts the cache, the step and its compilation only.
@@ -38,7 +36,7 @@ from keras_hub.layers import CachedMultiHeadAttention
 from keras_sdpa import ScaledDotProductAttention
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from attention import cpu_name  # noqa: E402
+from attention import alternate, cpu_name  # noqa: E402
 from features import child_peak_mib, replace_section  # noqa: E402
 
 START, END = "<!-- decode:start -->", "<!-- decode:end -->"
@@ -84,28 +82,14 @@ def make_step(kind, batch, length, kv_heads=N):
     return lambda: generate(token, cache).numpy()
 
 
-def per_call(step, calls=3):
-    start = time.perf_counter()
-    for _ in range(calls):
-        step()
-    return (time.perf_counter() - start) / calls
-
-
-def compare(ours, peer, rounds, ours_per, peer_per):
-    """Alternating rounds: seconds per token of each, and the per-round ratios."""
-    ours(), peer()  # trace and compile
-    times = {"ours": [], "peer": []}
-    for index in range(rounds):
-        pairs = [("ours", ours, ours_per), ("peer", peer, peer_per)]
-        for name, step, per in pairs if index % 2 == 0 else pairs[::-1]:
-            times[name].append(per_call(step) / per)
-    ratios = sorted(a / b for a, b in zip(times["ours"], times["peer"]))
+def per_token(ours, peer, rounds, ours_tokens, peer_tokens):
+    """`attention.alternate`'s rounds (3 calls each), in milliseconds per generated token."""
+    result = alternate(ours, peer, rounds, repeats=3)
+    scale = peer_tokens / ours_tokens  # a call of ours makes ours_tokens, the peer's peer_tokens
     return {
-        "ours_ms": statistics.median(times["ours"]) * 1e3,
-        "peer_ms": statistics.median(times["peer"]) * 1e3,
-        "ratio": statistics.median(ratios),
-        "low": ratios[0],
-        "high": ratios[-1],
+        "ours_ms": result["ms"] / ours_tokens,
+        "peer_ms": result["peer_ms"] / peer_tokens,
+        **{key: result[key] * scale for key in ("ratio", "low", "high")},
     }
 
 
@@ -182,7 +166,7 @@ def main(argv=None):
                 continue
             print(f"keras-hub: B={batch} S={length}", file=sys.stderr)
             ours, peer = make_step("ours", batch, length), make_step("keras_hub", batch, length)
-            row = compare(ours, peer, args.rounds, STEPS, STEPS)
+            row = per_token(ours, peer, args.rounds, STEPS, STEPS)
             rows.append(dict(row, batch=batch, length=length))
             print(f"  {row}", file=sys.stderr)
     nocache = None
@@ -190,7 +174,7 @@ def main(argv=None):
         length = args.nocache_length
         print(f"no cache: S={length}", file=sys.stderr)
         cached, recompute = make_step("ours", 1, length), make_step("ours_nocache", 1, length)
-        nocache = dict(compare(cached, recompute, args.rounds, STEPS, 1), length=length)
+        nocache = dict(per_token(cached, recompute, args.rounds, STEPS, 1), length=length)
     memory = []
     if args.memory_length:
         for heads in (N, 2):
