@@ -34,7 +34,8 @@ import tensorflow as tf  # noqa: E402
 from keras_sdpa import ScaledDotProductAttention  # noqa: E402
 from keras_sdpa.ops import scaled_dot_product_attention  # noqa: E402
 
-from . import cli, export  # noqa: E402
+from . import cli  # noqa: E402
+from .serving import export  # noqa: E402
 
 # Standard errors a measurement may lie from its prediction before a claim fails.
 # A false failure at 5 standard errors has probability below 1e-6 per number.

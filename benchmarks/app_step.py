@@ -3,11 +3,11 @@
 The shipped configuration (`apps.train_sentiment`'s defaults: E=64, 2 heads of 32, one
 block plus attention pooling over each token's embedding, vocabulary 30,000 with 200,000
 word pairs and 200,000 triples 16 wide, batch 64, the app's Adam) is built twice by
-`apps.model.build_classifier`: once as shipped, on `keras_sdpa.ScaledDotProductAttention`,
+`apps.sentiment.model.build_classifier`: once as shipped, on `keras_sdpa.ScaledDotProductAttention`,
 and once with `keras.layers.MultiHeadAttention` in its place (same arguments, same weights
 copied over). Each step is `model.train_on_batch` on the same batch of random token ids,
 cut to `--length` (one of the app's length buckets: 512, the longest, by default),
-compiled as the app compiles it (`apps.model.Adam`, `jit_compile=False`: the attention
+compiled as the app compiles it (`apps.sentiment.model.Adam`, `jit_compile=False`: the attention
 core is XLA-compiled on its own).
 
 Rounds alternate the two in one process; the table gives the median of the
@@ -40,7 +40,7 @@ MODEL_ARGUMENTS = (
 
 def shipped_config():
     """The model arguments and batch size of `apps.train_sentiment`'s defaults."""
-    from apps.train_sentiment import Config
+    from apps.sentiment.train import Config
 
     config = Config()
     return {name: getattr(config, name) for name in MODEL_ARGUMENTS}, config.batch_size
@@ -51,8 +51,8 @@ def build(kind, ids, config, policy="float32"):
     its layers built under the dtype `policy`."""
     import keras
 
-    from apps import model as model_lib
-    from apps.train_sentiment import _dtype_policy
+    from apps.sentiment import model as model_lib
+    from apps.sentiment.train import _dtype_policy
 
     class KerasTwin(keras.layers.MultiHeadAttention):
         """Keras's layer under our layer's arguments: it has no `scale`, only the default."""

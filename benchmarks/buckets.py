@@ -33,8 +33,8 @@ def build(config, vectorizer):
     """The shipped configuration's classifier, compiled as the app compiles it."""
     import keras
 
-    from apps import data
-    from apps import model as model_lib
+    from apps.sentiment import data
+    from apps.sentiment import model as model_lib
 
     keras.utils.set_random_seed(config["seed"])
     model, _ = model_lib.build_classifier(
@@ -76,7 +76,8 @@ def main(argv=None):
     sys.path.insert(0, ROOT)
     import numpy as np
 
-    from apps import data, train_sentiment
+    from apps.sentiment import data
+    from apps.sentiment import train as train_sentiment
 
     with open(os.path.join(RUN, "metrics.json")) as f:
         config = json.load(f)["config"]
@@ -124,7 +125,7 @@ def main(argv=None):
             "",
             "The shipped configuration (`saved_models/imdb_sdpa/metrics.json`), trained as the "
             f"app trains it, on the first {args.steps} batches of {config['batch_size']} real IMDB "
-            f"training reviews of `apps.train_sentiment.training_stream` (mean width "
+            f"training reviews of `apps.sentiment.train.training_stream` (mean width "
             f"{statistics.fmean(widths):.0f} tokens), against the same batches padded to {length}; "
             f"{args.rounds} alternating rounds in one process; ratio = median of the per-round "
             "ratios (bucketed / padded; range in brackets).",

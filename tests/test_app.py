@@ -15,8 +15,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from apps import data, predict, train_sentiment
-from apps import model as model_lib
+from apps.sentiment import data
+from apps.sentiment import model as model_lib
+from apps.sentiment import train as train_sentiment
+from apps.serving import predict
 from keras_sdpa import ScaledDotProductAttention
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -868,7 +870,7 @@ def test_pooling_scale_multiplies_the_pooling_logits():
 
 
 def test_pooling_sharpness_reads_uniform_as_1_and_one_token_as_0():
-    from apps import export
+    from apps.serving import export
 
     uniform = {"pooling": np.full((2, 8), 1 / 8).tolist()}
     one_token = {"pooling": np.eye(1, 8).repeat(2, 0).tolist()}

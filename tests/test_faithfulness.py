@@ -1,5 +1,5 @@
-"""The deletion tests and rankings of `apps.faithfulness` / `apps.explain`, checked against
-synthetic models with a known answer, finite differences, brute force and the SavedModel."""
+"""The deletion tests and rankings of `apps.faithfulness` / `apps.inspection.explain`, checked
+against synthetic models with a known answer, finite differences, brute force and the SavedModel."""
 
 import itertools
 import json
@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from apps import data, explain, faithfulness, runs
-from apps import model as model_lib
+from apps.inspection import explain, faithfulness
+from apps.sentiment import data, runs
+from apps.sentiment import model as model_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHIPPED = os.path.join(ROOT, "saved_models", "imdb_sdpa")

@@ -6,7 +6,7 @@ import keras
 import numpy as np
 import pytest
 
-from apps import model as model_lib
+from apps.sentiment import model as model_lib
 
 # Six short reviews over a vocabulary of 10 ids (0 = padding, 1 = out of vocabulary).
 IDS = np.array(

@@ -35,7 +35,7 @@ def test_wheel_installs_two_packages_of_its_own(wheel):
         scripts = archive.read(entry_points).decode()
     top_level = {name.split("/")[0] for name in names if ".dist-info/" not in name}
     assert top_level == {"keras_sdpa", "keras_sdpa_apps"}
-    assert "keras_sdpa_apps/predict.py" in names and "keras_sdpa_apps/page.py" in names
+    assert "keras_sdpa_apps/predict.py" in names and "keras_sdpa_apps/inspection/page.py" in names
     targets = [line.split("=")[1].strip() for line in scripts.splitlines() if "=" in line]
     assert targets and all(t.startswith("keras_sdpa_apps.") for t in targets), targets
 

@@ -129,7 +129,7 @@ def test_shipped_run_is_the_quickstart_command_on_the_apps_defaults():
     import shlex
     import subprocess
 
-    from apps import train_sentiment
+    from apps.sentiment import train as train_sentiment
 
     metrics = json.loads((ROOT / "saved_models/imdb_sdpa/metrics.json").read_text())
     quickstart = re.search(
@@ -161,7 +161,7 @@ def test_readme_quotes_the_default_configurations_seeds_and_the_shipped_run_is_s
     import dataclasses
     import statistics
 
-    from apps import train_sentiment
+    from apps.sentiment import train as train_sentiment
 
     runs, cell, aopc = _seed_figures(DEFAULT_SEEDS)
     assert [run["config"]["seed"] for run in runs] == [0, 1, 2]
@@ -393,7 +393,7 @@ def test_committed_saved_model_reproduces_its_recorded_accuracy():
     import numpy as np
     import tensorflow as tf
 
-    from apps import data
+    from apps.sentiment import data
 
     metrics = json.loads((ROOT / "saved_models/imdb_sdpa/metrics.json").read_text())
     splits = data.load_splits(seed=metrics["config"]["seed"])
@@ -411,7 +411,7 @@ def test_committed_saved_model_reproduces_its_recorded_accuracy():
 
 def test_faithfulness_table_is_the_committed_report():
     """The README's faithfulness table and its claims are the shipped faithfulness.json's."""
-    from apps import explain
+    from apps.inspection import explain
 
     payload = json.loads((ROOT / "saved_models/imdb_sdpa/faithfulness.json").read_text())
     text = pages_text()

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from apps import buckets, data, export, predict
+from apps.sentiment import buckets, data
+from apps.serving import export, predict
 
 # Under pytest-xdist, the tests that use this module's module fixtures share one worker
 # (tests/conftest.py), so each fixture is built once.
@@ -116,7 +117,7 @@ def test_saved_model_cli_lists_both_signatures():
 @pytest.fixture(scope="module")
 def fresh_export(tmp_path_factory):
     """The shipped run exported again by this code (the committed one is an artifact)."""
-    from apps import runs
+    from apps.sentiment import runs
 
     run = runs.load_run(os.path.dirname(SAVED_MODEL))
     path = str(tmp_path_factory.mktemp("export") / "saved_model")

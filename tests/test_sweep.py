@@ -8,11 +8,11 @@ import shlex
 
 import pytest
 
-from apps import sweep
+from apps.sentiment import sweep
 
 
 def _metrics(seed, validation, test, seconds, flags="--dropout 0.4"):
-    from apps import train_sentiment
+    from apps.sentiment import train as train_sentiment
 
     config = dataclasses.asdict(train_sentiment.Config())
     return {
@@ -48,7 +48,7 @@ def test_against_todays_defaults_rebuilds_every_recorded_configuration():
     """For every configuration in `saved_models/experiments/seeds/`, the table's flags against
     today's defaults, given to today's app, ask for what its runs recorded (a setting that
     predates its flag counts as what the flag's first default did)."""
-    from apps import train_sentiment
+    from apps.sentiment import train as train_sentiment
 
     defaults = dataclasses.asdict(train_sentiment.Config())
     configurations = sweep.read_configurations(sweep.SEEDS_FOLDER)

@@ -4,7 +4,7 @@ The page under test is the one the training app's export writes for a few real I
 reviews, from a classifier with two blocks and two heads. Every check compares what the page
 shows with the `attention.jsonl` written beside it. Chromium and its driver come from Debian's
 `chromium` and `chromium-driver` packages, which `.ci/run` installs; without them these tests
-fail with a message that says so (`apps.viewer.chromium`)."""
+fail with a message that says so (`apps.inspection.viewer.chromium`)."""
 
 import json
 import os
@@ -15,8 +15,10 @@ import pytest
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import Select
 
-from apps import data, export, viewer
-from apps import model as model_lib
+from apps.inspection import viewer
+from apps.sentiment import data
+from apps.sentiment import model as model_lib
+from apps.serving import export
 
 # Under pytest-xdist, the tests that use this module's module fixtures share one worker
 # (tests/conftest.py), so each fixture is built once.

@@ -2,7 +2,7 @@
 
 The SavedModel's signatures take raw text and run the app's own `TextVectorization`
 and model inside one TensorFlow graph, so anyone with TensorFlow can serve it
-(`apps/predict.py`, TF Serving) without this package: `serving_default` returns the
+(`apps/serving/predict.py`, TF Serving) without this package: `serving_default` returns the
 label and probability, `inspect` the tokens and attention weights too.
 """
 
@@ -17,9 +17,9 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from . import explain, page
-from . import model as model_lib
-from .buckets import LENGTH_BUCKETS, bucket_sizes  # noqa: F401 (part of this module's API)
+from ..inspection import explain, page
+from ..sentiment import model as model_lib
+from ..sentiment.buckets import LENGTH_BUCKETS, bucket_sizes  # noqa: F401 (part of this module's API)
 
 PAD = ""  # the vectorizer's padding token (id 0)
 ROW_STEP = 32  # a group's rows are padded to a power of two up to this, then to a multiple of it

@@ -1,7 +1,7 @@
 """The lengths the SavedModel computes reviews at, and a review's token count without TensorFlow.
 
-Kept free of Keras and TensorFlow: `apps.export` builds `serving_default` from these buckets,
-and `apps.predict` (which never imports Keras) groups its batches by them.
+Kept free of Keras and TensorFlow: `apps.serving.export` builds `serving_default` from these
+buckets, and `apps.predict` (which never imports Keras) groups its batches by them.
 """
 
 import bisect
@@ -12,9 +12,9 @@ import re
 LENGTH_BUCKETS = (64, 96, 128, 192, 256, 384, 512)
 
 _LINE_BREAK = re.compile(rb"<br\s*/?>", re.IGNORECASE)
-# A word as `apps.data.standardize` leaves it: letters and digits, with apostrophes inside or at
-# its ends (stripped there, which does not change the count); a run of apostrophes alone is no
-# word. `[^\W_]` is a letter or a digit.
+# A word as `apps.sentiment.data.standardize` leaves it: letters and digits, with apostrophes
+# inside or at its ends (stripped there, which does not change the count); a run of
+# apostrophes alone is no word. `[^\W_]` is a letter or a digit.
 _WORD = re.compile(r"'*[^\W_]+(?:'+[^\W_]*)*")
 
 

@@ -1,0 +1,1 @@
+"""The sentiment app's inspection: gradients, deletion tests, the viewer page."""

@@ -1,0 +1,193 @@
+"""Train one configuration of the sentiment app over several seeds and tabulate every one tried.
+
+Usage:
+    python -m apps.sweep default --seeds 0 1 2
+    python -m apps.sweep lr3e-3 --seeds 0 1 2 -- --learning_rate 3e-3
+    python -m apps.sweep --table_only
+
+Each seed runs `python -m apps.train_sentiment FLAGS --seed K` in its own process, into
+`--runs/NAME/seedK/`, and its `metrics.json` is kept as
+`saved_models/experiments/seeds/NAME/seedK.metrics.json`. A seed already recorded there is
+not run again, so an interrupted sweep continues where it stopped. The table,
+`saved_models/experiments/seeds/README.md`, is written anew from every recorded file: for each
+configuration, its flags, the seeds, and validation and test accuracy as mean ± std (sample
+standard deviation) and min, plus the mean training time.
+"""
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SEEDS_FOLDER = os.path.join(ROOT, "saved_models", "experiments", "seeds")
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(
+        prog="python -m apps.sweep", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("name", nargs="?", help="the configuration's name (a folder name)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--runs", default="/tmp/keras_sdpa_sweep", help="where the runs write")
+    parser.add_argument("--folder", default=SEEDS_FOLDER, help="where metrics.json files are kept")
+    parser.add_argument("--table_only", action="store_true", help="only rewrite the table")
+    args, flags = parser.parse_known_args(argv)
+    flags = [flag for flag in flags if flag != "--"]
+    if not args.table_only and not args.name:
+        parser.error("a configuration `name` is required (or pass --table_only)")
+    if args.name and (os.sep in args.name or args.name.startswith(".")):
+        parser.error(f"`name` must be a plain folder name. Received: name={args.name!r}")
+    if "--seed" in flags or "--output" in flags:
+        parser.error("pass seeds with --seeds; the sweep chooses each run's --seed and --output")
+    return args, flags
+
+
+def run_seeds(name, seeds, flags, runs, folder):
+    """Runs every seed not yet recorded; returns the exit code of the first that failed, or 0."""
+    for seed in seeds:
+        kept = os.path.join(folder, name, f"seed{seed}.metrics.json")
+        if os.path.exists(kept):
+            print(f"{name} seed {seed}: recorded already ({kept})")
+            continue
+        output = os.path.join(runs, name, f"seed{seed}")
+        shutil.rmtree(output, ignore_errors=True)
+        command = [sys.executable, "-m", "apps.train_sentiment", *flags, "--seed", str(seed),
+                   "--output", output]  # fmt: skip
+        print(f"{name} seed {seed}: {' '.join(command[1:])}", flush=True)
+        code = subprocess.call(command, cwd=ROOT)
+        if code != 0:
+            print(f"{name} seed {seed}: the run exited {code}", file=sys.stderr)
+            return code
+        # Made only now: a configuration whose first seed failed leaves no empty folder behind,
+        # which the table would list with no seeds.
+        os.makedirs(os.path.join(folder, name), exist_ok=True)
+        shutil.copyfile(os.path.join(output, "metrics.json"), kept)
+        print(f"{name} seed {seed}: kept {kept}")
+    return 0
+
+
+def read_configurations(folder):
+    """`{name: [metrics, ...]}` for every configuration folder, seeds in order."""
+    found = {}
+    if not os.path.isdir(folder):
+        return found
+    for name in sorted(os.listdir(folder)):
+        path = os.path.join(folder, name)
+        if not os.path.isdir(path):
+            continue
+        files = sorted(
+            (f for f in os.listdir(path) if f.endswith(".metrics.json")),
+            key=lambda f: int(f.removeprefix("seed").split(".")[0]),
+        )
+        found[name] = [json.load(open(os.path.join(path, f))) for f in files]
+    return found
+
+
+def summarize(values):
+    """`(mean, sample std, min)` of a list of numbers (std 0 for one value)."""
+    std = statistics.stdev(values) if len(values) > 1 else 0.0
+    return statistics.fmean(values), std, min(values)
+
+
+def _flags(metrics):
+    words = shlex.split(metrics.get("command", ""))[3:]  # after `python -m apps.train_sentiment`
+    shown, skip = [], False
+    for word in words:
+        if skip:
+            skip = False
+            continue
+        if word in ("--seed", "--output"):
+            skip = True
+            continue
+        shown.append(word)
+    return shlex.join(shown) or "(defaults)"
+
+
+# The settings a run recorded before its flag existed did what the flag's first default did:
+# each flag came in with the behaviour of its day as its default.
+_BEFORE_THE_FLAG = {
+    "trigram_vocab_size": 0, "ngram_dim": None, "vocabulary_source": "train",
+    "naive_bayes_alpha": 0.0, "pooling_scale": None, "pooling_values": "block",
+    "mixed_precision": None, "weight_decay": 0.0,
+}  # fmt: skip
+# Where a run read and wrote, and what it exported besides the model: not a configuration.
+_NOT_CONFIGURATION = (
+    "seed", "output", "data_dir", "verbose", "resume", "save_every", "inspect_examples",
+    "faithfulness_examples",
+)  # fmt: skip
+
+
+def against_defaults(config, defaults):
+    """The flags that turn today's defaults (`defaults`, a dict) into the configuration a run
+    recorded (`config`), or "(today's defaults)". The recorded commands are relative to the
+    defaults of their day; this column stays true when the defaults change."""
+    config = {**_BEFORE_THE_FLAG, **config}
+    if not config.get("naive_bayes_alpha"):
+        config["naive_bayes_folds"] = defaults.get("naive_bayes_folds")  # unused without ratios
+    flags = []
+    for name, default in defaults.items():
+        if name in _NOT_CONFIGURATION or name not in config or config[name] == default:
+            continue
+        value = config[name]
+        flags.append(f"--{name} {'none' if value is None else value}")
+    return " ".join(flags) or "(today's defaults)"
+
+
+def write_table(folder):
+    import dataclasses
+
+    from .train import Config
+
+    defaults = dataclasses.asdict(Config())
+    rows = []
+    for name, runs in read_configurations(folder).items():
+        if not runs:
+            continue
+        validation = summarize([100 * m["validation_accuracy"] for m in runs])
+        test = summarize([100 * m["test_accuracy"] for m in runs])
+        minutes = statistics.fmean(m["train_seconds"] for m in runs) / 60
+        seeds = ", ".join(str(m["config"]["seed"]) for m in runs)
+        rows.append(
+            f"| `{name}` | `{_flags(runs[0])}` | `{against_defaults(runs[0]['config'], defaults)}` "
+            f"| {seeds} | "
+            f"{validation[0]:.2f} ± {validation[1]:.2f} (min {validation[2]:.2f}) | "
+            f"{test[0]:.2f} ± {test[1]:.2f} (min {test[2]:.2f}) | {minutes:.1f} |"
+        )
+    lines = [
+        "# Configurations of the training app, over seeds",
+        "",
+        "Written by `python -m apps.sweep` from the `metrics.json` files in the folders beside",
+        "this one (one per seed). Accuracy in percent: mean ± sample std (min). Configurations",
+        "are chosen on validation; test is reported, never used to choose. `flags` is the command",
+        "each configuration ran with, on the defaults of its day; `against today's defaults` is",
+        "the same configuration as flags on `python -m apps.train_sentiment` today.",
+        "",
+        "| configuration | flags | against today's defaults | seeds | validation | test "
+        "| train minutes |",
+        "|---|---|---|---|---|---|---|",
+        *rows,
+        "",
+    ]
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, "README.md")
+    with open(path, "w") as f:
+        f.write("\n".join(lines))
+    return path
+
+
+def main(argv=None):
+    args, flags = parse_args(argv)
+    code = 0
+    if not args.table_only:
+        code = run_seeds(args.name, args.seeds, flags, args.runs, args.folder)
+    print(f"Wrote {write_table(args.folder)}")
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
