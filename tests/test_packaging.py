@@ -1,7 +1,9 @@
 """The wheel a `pip install keras-sdpa` would get: what it puts on the path, and that it runs."""
 
 import glob
+import importlib
 import os
+import re
 import subprocess
 import sys
 import zipfile
@@ -64,3 +66,26 @@ def test_installed_apps_import_each_other_under_their_new_name(wheel, tmp_path):
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.startswith("positive")
+
+
+def test_every_command_the_docs_show_is_a_module_with_a_main():
+    """`python -m apps.<name>` in the README and the pages, and every console script, name a
+    module that has a `main`: the commands survive the apps' regrouping."""
+    pages = [os.path.join(ROOT, "README.md"), os.path.join(ROOT, "apps", "README.md")]
+    pages += glob.glob(os.path.join(ROOT, "docs", "*.md"))
+    commands = set()
+    for page in pages:
+        with open(page, encoding="utf-8") as f:
+            commands |= set(re.findall(r"python -m (apps(?:\.\w+)+)", f.read()))
+    assert {"apps.train_sentiment", "apps.predict", "apps.faithfulness", "apps.viewer"} <= commands
+    with open(os.path.join(ROOT, "pyproject.toml"), encoding="utf-8") as f:
+        scripts = re.search(r"\[project\.scripts\]\n(.*?)\n\n", f.read(), re.S).group(1)
+    for line in scripts.splitlines():
+        if "=" in line:
+            target = line.split("=", 1)[1].strip().strip('"')
+            module, function = target.split(":")
+            assert function == "main", line
+            commands.add(module.replace("keras_sdpa_apps", "apps", 1))
+    for name in sorted(commands):
+        module = importlib.import_module(name)
+        assert callable(getattr(module, "main", None)), name
