@@ -251,7 +251,7 @@ def test_predict_counts_words_in_a_forked_process_before_tensorflow():
     the same counts as in-process, and never forked once TensorFlow is imported."""
     script = (
         "import sys\n"
-        "from apps import predict\n"
+        "from apps.serving import predict\n"
         "texts = [line.encode() * (i % 7) for i, line in enumerate(sys.argv[1:])]\n"
         "future = predict._count_aside(texts)\n"
         "assert future is not None, 'no process forked'\n"
