@@ -38,9 +38,42 @@ if "TFDS_DATA_DIR" not in os.environ and os.path.isdir(_SHARED_TFDS):
     os.environ["TFDS_DATA_DIR"] = os.path.abspath(_SHARED_TFDS)
 
 
+import fnmatch  # noqa: E402
+import json  # noqa: E402
 import zlib  # noqa: E402
 
 import pytest  # noqa: E402
+from filelock import FileLock  # noqa: E402
+
+# Two tiers, keras-hub's way. `python -m pytest` (the README's "the tests") runs the default
+# tier: every module's tests, one case per feature, path and dtype against its independent
+# reference. `python -m pytest --run-large -m large` runs the large tier: whole app processes
+# (interrupt and resume, two replicas and two workers, the shipped model on real reviews, the
+# wheel, the math app, the docs site) and the exhaustive grids (every mod on every path, every
+# shape combination, hypothesis's random cases). CI (`.ci/run`) runs both.
+LARGE_REASON = "a large test: run the large tier with `python -m pytest --run-large -m large`"
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--run-large",
+        action="store_true",
+        default=False,
+        help="also run the tests marked `large` (whole app processes, exhaustive grids)",
+    )
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "default_cases(*patterns): of a parametrized test, only the cases whose id matches one "
+        "of these fnmatch patterns run in the default tier; the others are large",
+    )
+    config.addinivalue_line(
+        "markers",
+        "large: heavy (a whole app process, several processes, or an exhaustive grid); "
+        "skipped unless --run-large",
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -93,14 +126,80 @@ def pytest_itemcollected(item):
             return
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m large` selects on the marks set here
 def pytest_collection_modifyitems(config, items):
-    """The groups run slowest first (`GROUPS_SLOWEST_FIRST`), then the single tests."""
+    """A grid's cases outside its `default_cases` become large; large tests are skipped unless
+    `--run-large`; the groups run slowest first (`GROUPS_SLOWEST_FIRST`), then the single
+    tests."""
+    unmatched = {}  # a pattern that names no case is a typo that would send the grid away
+    for item in items:
+        kept = item.get_closest_marker("default_cases")
+        if kept is None:
+            continue
+        test = f"{item.module.__name__}::{item.originalname}"
+        unmatched.setdefault(test, set(kept.args))
+        case = item.callspec.id if hasattr(item, "callspec") else ""
+        matched = {pattern for pattern in kept.args if fnmatch.fnmatchcase(case, pattern)}
+        unmatched[test] -= matched
+        if not matched:
+            item.add_marker(pytest.mark.large)
+    for test, patterns in unmatched.items():
+        if patterns:
+            raise pytest.UsageError(f"default_cases of {test}: no case matches {sorted(patterns)}")
+    if not config.getoption("--run-large"):
+        skip = pytest.mark.skip(reason=LARGE_REASON)
+        for item in items:
+            if item.get_closest_marker("large"):
+                item.add_marker(skip)
 
     def rank(item):
         mark = item.get_closest_marker("xdist_group")
         group = (mark.args[0] if mark.args else mark.kwargs.get("name")) if mark else None
+        if group in GROUPS_SLOWEST_FIRST[:2]:  # test_app's group trains the tiny run
+            return GROUPS_SLOWEST_FIRST.index(group)
+        if "tiny_run" in getattr(item, "fixturenames", ()) or group == "test_serving":
+            # Last (test_serving's group reaches it by getfixturevalue): by then the tiny run
+            # is trained, and no worker waits on its lock.
+            return len(GROUPS_SLOWEST_FIRST) + 2
         if group in GROUPS_SLOWEST_FIRST:
             return GROUPS_SLOWEST_FIRST.index(group)
         return len(GROUPS_SLOWEST_FIRST) + (group is None)
 
     items.sort(key=rank)  # stable: collection order within each rank
+
+
+# One tiny training run for the whole session: 2 epochs of 6 steps on real IMDB reviews, cut to
+# 96 tokens, so that batches run at the length buckets 64 and 96, with word pairs and triples,
+# the attention export and the deletion tests. Every test that needs "a trained model and its
+# SavedModel" (the app, serving, predict, the viewer, explain, faithfulness) reads this one run.
+TINY_RUN = [
+    "--epochs", "2", "--max_steps", "6", "--batch_size", "32", "--sequence_length", "96",
+    "--vocab_size", "3000", "--embed_dim", "16", "--key_dim", "8", "--ff_dim", "32",
+    "--bigram_vocab_size", "20000", "--trigram_vocab_size", "5000",
+    "--vocabulary_source", "train",  # the 50,000 unlabelled reviews: tests/test_app.py
+    "--save_every", "2", "--inspect_examples", "6", "--faithfulness_examples", "24",
+    "--verbose", "0",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory, worker_id):
+    """`(output folder, metrics)` of `TINY_RUN`, trained once per session.
+
+    Under pytest-xdist the workers share the session's base temporary folder: the first to
+    take the file lock trains, the other waits and reads the finished run. `tiny_run.done`,
+    written after the app returned, says the run is whole."""
+    from apps.sentiment import train
+
+    shared = tmp_path_factory.getbasetemp()
+    if worker_id != "master":
+        shared = shared.parent
+    output = shared / "tiny_run" / "imdb"
+    with FileLock(str(shared / "tiny_run.lock")):
+        done = shared / "tiny_run.done"
+        if not done.exists():
+            code = train.main([*TINY_RUN, "--output", str(output)])
+            assert code == 0, f"the session's tiny run failed with status {code}"
+            done.write_text(str(output))
+    metrics = json.loads((output / "metrics.json").read_text())
+    return str(output), metrics

@@ -14,6 +14,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from conftest import TINY_RUN
 
 from apps.sentiment import data
 from apps.sentiment import model as model_lib
@@ -22,24 +23,12 @@ from apps.serving import predict
 from keras_sdpa import ScaledDotProductAttention
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# A small, fast run: 2 epochs of 6 steps on real IMDB reviews, cut to 96 tokens, so that
-# batches run at the length buckets 64 and 96, with word pairs and triples.
-SMALL_RUN = [
-    "--epochs", "2", "--max_steps", "6", "--batch_size", "32", "--sequence_length", "96",
-    "--vocab_size", "3000", "--embed_dim", "16", "--key_dim", "8", "--ff_dim", "32",
-    "--bigram_vocab_size", "20000", "--trigram_vocab_size", "5000",
-    "--vocabulary_source", "train",  # the 50,000 unlabelled reviews: their own test, below
-    "--save_every", "2", "--inspect_examples", "6", "--faithfulness_examples", "24",
-    "--verbose", "0",
-]  # fmt: skip
+# The session's tiny run (tests/conftest.py): 2 epochs of 6 steps on real IMDB reviews.
+SMALL_RUN = TINY_RUN
 TEXTS = [
     b"A wonderful, moving film with a brilliant cast.",
     b"Dull, predictable and far too long. I want my two hours back.",
 ]
-
-# Under pytest-xdist, the tests that use this module's module fixtures share one worker
-# (tests/conftest.py), so each fixture is built once.
-pytestmark = pytest.mark.slow
 
 
 def _env():
@@ -48,19 +37,16 @@ def _env():
     return env
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    output = str(tmp_path_factory.mktemp("run") / "imdb")
-    assert train_sentiment.main([*SMALL_RUN, "--output", output]) == 0
-    with open(os.path.join(output, "metrics.json")) as f:
-        metrics = json.load(f)
-    return output, metrics
+@pytest.fixture
+def run(tiny_run):
+    """`(output folder, metrics)` of the session's tiny run, trained once for every module."""
+    return tiny_run
 
 
 @pytest.fixture(scope="module")
-def trained(run):
+def trained(tiny_run):
     """The in-memory Keras model and vectorizer, rebuilt from the run's own files."""
-    output, metrics = run
+    output, metrics = tiny_run
     model = keras.saving.load_model(os.path.join(output, "model.keras"))
     vectorizer = data.make_vectorizer(
         metrics["config"]["vocab_size"],
@@ -278,6 +264,7 @@ def test_trigram_embedding_keeps_the_most_frequent_triples_through_save_and_load
     assert np.abs(model.predict(ids, verbose=0) - loaded.predict(ids, verbose=0)).max() > 1e-4
 
 
+@pytest.mark.default_cases("48")
 @pytest.mark.parametrize("length", [48, 256])
 def test_compiled_classifier_in_steps_matches_the_model(length):
     """The serving head loops over rows in steps of `step_rows(L)` once a batch needs more
@@ -308,6 +295,7 @@ def test_standardize_handles_markup_and_bad_bytes():
     assert second.split() == [b"bad", b"bytes"]
 
 
+@pytest.mark.large  # a process of its own; the predictor's tests below serve the same way
 def test_saved_model_serves_raw_strings_without_keras_sdpa(run, trained):
     """A fresh process loads the SavedModel with plain TensorFlow and matches the Keras model."""
     output, _ = run
@@ -525,6 +513,7 @@ def test_no_data_and_no_network_says_where_tfds_looked(tmp_path, monkeypatch, ca
     assert "Traceback" not in err
 
 
+@pytest.mark.large  # two app processes, one interrupted; the fast one is below
 def test_interrupt_then_resume_loses_nothing(run, tmp_path, capsys):
     """SIGINT mid-epoch, then --resume: the same final weights as the uninterrupted run."""
     output = str(tmp_path / "imdb")
@@ -582,6 +571,46 @@ def test_interrupt_then_resume_loses_nothing(run, tmp_path, capsys):
     np.testing.assert_allclose(
         [row["val_loss"] for row in metrics["history"]],
         [row["val_loss"] for row in run[1]["history"]],
+        atol=1e-5,
+    )
+
+
+def test_resume_after_an_interrupt_at_step_2_gives_the_uninterrupted_weights(
+    tiny_run, tmp_path, monkeypatch, capsys
+):
+    """The fast form of the test above, in this process: SIGINT arrives after step 2 (a
+    real signal, to the app's own handler), the app saves its state and returns 130, and
+    `--resume` ends on the session's tiny run's weights and validation losses."""
+    output = str(tmp_path / "imdb")
+    tail = ["--inspect_examples", "0", "--faithfulness_examples", "0", "--output", output]
+    batch_end = train_sentiment.TrainingState.on_train_batch_end
+    sent = []
+
+    def interrupt_after_step_2(self, batch, logs=None):
+        batch_end(self, batch, logs)
+        if not sent and train_sentiment._step(self.model) == 2:
+            sent.append(True)
+            os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(train_sentiment.TrainingState, "on_train_batch_end", interrupt_after_step_2)
+    assert train_sentiment.main([*SMALL_RUN, *tail]) == 130
+    assert sent and "--resume" in capsys.readouterr().err
+    with open(os.path.join(output, "checkpoints", "state.json")) as f:
+        assert json.load(f)["step"] == 2
+    monkeypatch.undo()
+
+    assert train_sentiment.main([*SMALL_RUN, *tail, "--resume"]) == 0
+    assert "step 2" in capsys.readouterr().out
+    with open(os.path.join(output, "metrics.json")) as f:
+        metrics = json.load(f)
+    assert metrics["train_steps"] == tiny_run[1]["train_steps"] and metrics["epochs_run"] == 2
+    uninterrupted = keras.saving.load_model(os.path.join(tiny_run[0], "model.keras"))
+    continued = keras.saving.load_model(os.path.join(output, "model.keras"))
+    for a, b in zip(uninterrupted.get_weights(), continued.get_weights(), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+    np.testing.assert_allclose(
+        [row["val_loss"] for row in metrics["history"]],
+        [row["val_loss"] for row in tiny_run[1]["history"]],
         atol=1e-5,
     )
 
@@ -779,6 +808,7 @@ def test_adam_sums_repeated_rows_of_a_sparse_gradient():
         np.testing.assert_allclose(embedding.embeddings.numpy(), weights, atol=1e-5)
 
 
+@pytest.mark.large  # counts the words of 72,000 reviews
 def test_vocabularies_counted_on_train_and_the_unlabelled_reviews(tmp_path, capsys):
     """`--vocabulary_source train+unsupervised` counts the words on train and TFDS's 50,000
     unlabelled reviews, and hands the pair and triple counts both: train's ids, then theirs."""

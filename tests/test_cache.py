@@ -42,6 +42,7 @@ def distance_penalty(score, b, h, q_idx, kv_idx, slope):
     return score - slope * tf.cast(tf.abs(q_idx - kv_idx), score.dtype)
 
 
+@pytest.mark.default_cases("gqa", "with_tensors", "chunked")
 @pytest.mark.parametrize(
     "kind, kwargs, biased",
     [

@@ -6,6 +6,8 @@ import shutil
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 MODULE = """
@@ -31,6 +33,7 @@ def test_on_its_own(index, request):
 """
 
 
+@pytest.mark.large  # a pytest session of its own, on two workers
 def test_tests_sharing_a_module_fixture_build_it_once_on_two_workers(tmp_path):
     shutil.copy(os.path.join(ROOT, "tests", "conftest.py"), tmp_path / "conftest.py")
     (tmp_path / "test_grouping.py").write_text(MODULE)

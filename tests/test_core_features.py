@@ -122,6 +122,10 @@ def core_call(q, k, v, path, spec):
     )
 
 
+@pytest.mark.default_cases(
+    "mha-dense-everything", "gqa-chunked-everything", "mqa-chunked-everything",
+    "mha-chunked-bias_per_head_scalar", "gqa-dense-window",
+)
 @pytest.mark.parametrize("feature", list(FEATURES), ids=list(FEATURES))
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("kv_heads", [N, K, 1], ids=["mha", "gqa", "mqa"])
@@ -133,6 +137,7 @@ def test_forward_matches_numpy_reference(feature, path, kv_heads):
     np.testing.assert_allclose(out, want, atol=1e-10)
 
 
+@pytest.mark.default_cases("dense-everything", "chunked-everything")
 @pytest.mark.parametrize("feature", list(FEATURES), ids=list(FEATURES))
 @pytest.mark.parametrize("path", PATHS)
 def test_gradients_match_autodiff_of_the_formula(feature, path):
@@ -153,6 +158,7 @@ def test_gradients_match_autodiff_of_the_formula(feature, path):
         np.testing.assert_allclose(a, b, atol=1e-10, err_msg=name)
 
 
+@pytest.mark.default_cases("per_key-dense")  # chunked: the autodiff comparison, above
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("shape", [(1, N, T, S), (B, 1, 1, S)], ids=["per_head", "per_key"])
 def test_bias_gradient_matches_finite_differences(path, shape):
@@ -197,6 +203,7 @@ def test_soft_cap_bounds_the_logits():
     assert float(tf.reduce_max(ratio)) <= np.exp(2.0) + 1e-9
 
 
+@pytest.mark.default_cases("chunked")
 @pytest.mark.parametrize("path", PATHS)
 def test_grouped_keys_are_not_repeated_in_memory(path):
     """The compiled program never materializes N-head keys: no tensor has N * S * H keys."""
@@ -285,6 +292,7 @@ def test_chunked_dropout_masks_are_seeded_and_independent_per_block():
             assert (blocks[a] != blocks[b]).mean() > 0.2
 
 
+@pytest.mark.large  # hypothesis: 30 random combinations, each a new program
 @hypothesis.settings(max_examples=30, deadline=None, derandomize=True)
 @hypothesis.given(
     sizes=st.tuples(

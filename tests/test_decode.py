@@ -98,6 +98,7 @@ def test_forward_matches_numpy_reference(feature, kv_heads):
     np.testing.assert_allclose(decode_call(q, k, v, spec), want, atol=1e-10)
 
 
+@pytest.mark.default_cases("everything", "mask")
 @pytest.mark.parametrize("feature", list(FEATURES))
 def test_gradients_match_autodiff_of_the_formula(feature):
     q, k, v = inputs(t=1, k=K)
@@ -120,6 +121,7 @@ def skip_every_third_key(b, h, q_idx, kv_idx):
     return kv_idx % 3 != 0
 
 
+@pytest.mark.default_cases("both", "alibi")
 @pytest.mark.parametrize(
     "mod",
     [

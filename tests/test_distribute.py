@@ -20,9 +20,9 @@ import tensorflow as tf
 from apps.sentiment import distribute
 from apps.sentiment import train as train_sentiment
 
-# Under pytest-xdist, the tests that use this module's module fixtures share one worker
-# (tests/conftest.py), so each fixture is built once.
-pytestmark = pytest.mark.slow
+# Whole app runs, two of them in two processes: the large tier. Under pytest-xdist, the tests
+# that use this module's module fixtures share one worker (tests/conftest.py).
+LARGE = pytest.mark.large
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # 2 epochs of 6 steps of 2 x 16 reviews, at a learning rate that moves the loss visibly.
@@ -99,6 +99,7 @@ def one_device(tmp_path_factory):
     return output
 
 
+@LARGE
 def test_two_replicas_split_the_batch_one_device_would_see(mirrored, one_device):
     """2 replicas x 16 reviews train the model 1 device x 32 trains: the same batches, split,
     not repeated, and the gradients summed as one. Same weights, same losses."""
@@ -111,6 +112,7 @@ def test_two_replicas_split_the_batch_one_device_would_see(mirrored, one_device)
         np.testing.assert_allclose(a, b, atol=1e-3)
 
 
+@LARGE
 def test_mirrored_trains_on_both_replicas(mirrored):
     output, stdout = mirrored
     metrics = _metrics(output)
@@ -129,6 +131,7 @@ def test_mirrored_trains_on_both_replicas(mirrored):
     assert len(history) == 2 and history[1]["loss"] < history[0]["loss"]
 
 
+@LARGE
 def test_mirrored_model_exports_and_serves_raw_text(mirrored):
     output, _ = mirrored
     texts = ["A wonderful film.", "Dull and far too long."]
@@ -156,6 +159,7 @@ def test_mirrored_model_exports_and_serves_raw_text(mirrored):
     np.testing.assert_allclose([a["probability"] for a in answers], expected, atol=1e-5)
 
 
+@LARGE
 def test_multi_worker_on_loopback_ends_with_identical_weights(mirrored, tmp_path):
     ports = _free_ports(2)
     cluster = {"worker": [f"127.0.0.1:{port}" for port in ports]}

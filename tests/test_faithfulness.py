@@ -224,6 +224,7 @@ def test_deleted_tokens_score_as_the_saved_model_scores_the_text_without_them(sh
     )
 
 
+@pytest.mark.large  # the shipped model on 120 real reviews
 def test_attention_beats_random_on_real_reviews(shipped, test_split):
     """A property of the shipped model, measured here: deleting its most attended tokens
     lowers P(predicted label) more than deleting random ones, by more than 3 standard errors."""
@@ -272,14 +273,14 @@ def test_cli_errors(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
-def test_cli_writes_the_report_into_the_run_folder(tmp_path, capsys):
-    run = tmp_path / "run"
-    shutil.copytree(SHIPPED, run, ignore=shutil.ignore_patterns("faithfulness.*"))
-    assert faithfulness.main(["--run", str(run), "--examples", "30", "--seed", "2"]) == 0
+def test_cli_writes_the_report_into_the_run_folder(tiny_run, tmp_path, capsys):
+    run = tmp_path / "run"  # a copy of the session's tiny run, without its report
+    shutil.copytree(tiny_run[0], run, ignore=shutil.ignore_patterns("faithfulness.*"))
+    assert faithfulness.main(["--run", str(run), "--examples", "8", "--seed", "2"]) == 0
     printed = capsys.readouterr().out
     with open(run / "faithfulness.json") as f:
         payload = json.load(f)
-    assert payload["source"]["examples"] == 30 and payload["source"]["seed"] == 2
+    assert payload["source"]["examples"] == 8 and payload["source"]["seed"] == 2
     assert payload["source"]["saved_model_max_abs_difference"] <= 1e-4
     for name in ("faithfulness.json", "faithfulness.md", "faithfulness.png"):
         assert str(run / name) in printed

@@ -45,6 +45,7 @@ def test_cached_greedy_decoding_equals_full_recomputation(trained):
     assert len(set(map(tuple, got[:, 8:]))) > 1  # the rows generate different text
 
 
+@pytest.mark.large  # a process without this package
 def test_the_generate_signature_serves_without_this_package(trained, tmp_path):
     model, prompt, path = trained
     np.save(tmp_path / "prompt.npy", prompt)

@@ -193,7 +193,6 @@ def test_keras_file_round_trip(tmp_path):
     )
 
 
-@pytest.mark.slow
 def test_saved_model_export_loads_without_keras_sdpa(tmp_path):
     model = small_model()
     path = str(tmp_path / "exported")
@@ -217,7 +216,7 @@ def test_saved_model_export_loads_without_keras_sdpa(tmp_path):
     np.testing.assert_allclose(got, want.ravel(), atol=1e-6)
 
 
-@pytest.mark.slow
+@pytest.mark.large  # tf.distribute with two logical CPUs
 def test_mirrored_replicas_draw_their_own_dropout_masks():
     """Two replicas on two logical CPUs, the same input: different masks in training,
     the same output in inference, and the mirrored weights identical on both."""

@@ -291,6 +291,7 @@ def test_auto_decides_at_run_time_for_unknown_lengths(monkeypatch):
     assert not np.allclose(auto(q, k, v), chunked(q, k, v))
 
 
+@pytest.mark.large  # a fit; the choice itself: test_auto_decides_at_run_time_for_unknown_lengths
 def test_auto_under_fit_with_unknown_lengths(monkeypatch):
     """A functional model with `Input((None, E))` trains; "auto" is left to run time there.
 
@@ -315,6 +316,7 @@ def test_auto_under_fit_with_unknown_lengths(monkeypatch):
         assert want in chosen, (jit_compile, chosen)
 
 
+@pytest.mark.large  # a jit-compiled fit; the choice itself: test_auto_decides_at_run_time
 def test_auto_goes_chunked_inside_a_jit_compiled_fit_with_a_fixed_length(monkeypatch):
     """`Input((T, E))` under `jit_compile=True`: Keras traces `fit` with an unknown batch, and
     "auto" chooses from one example's scores. Past the bar it trains on the chunked path,
@@ -363,6 +365,7 @@ class _Unfolded(ScaledDotProductAttention):
         return False
 
 
+@pytest.mark.default_cases("2-gate")
 @pytest.mark.parametrize(
     "kwargs",
     [dict(), dict(scale=0.3), dict(use_gate=True), dict(output_shape=5)],
@@ -428,6 +431,7 @@ class _Pooling(keras.layers.Layer):
         return self.attention(query, x, value_mask=mask)
 
 
+@pytest.mark.default_cases("folded")
 @pytest.mark.parametrize("kv_heads", [None, 1], ids=["folded", "mqa"])
 def test_pooling_query_with_lengths_unknown_until_run_time(kv_heads):
     """A functional model with `Input((None, E))` traces "auto"'s run-time choice, chunked
@@ -457,6 +461,7 @@ def test_pooling_query_with_lengths_unknown_until_run_time(kv_heads):
     np.testing.assert_allclose(unknown(value, mask), want, atol=1e-6)
 
 
+@pytest.mark.default_cases("T_S")
 @pytest.mark.parametrize("mask_shape", [(1, 11), (3, 2, 1, 11)], ids=["T_S", "per_head"])
 def test_short_queries_fold_with_every_mask_shape(mask_shape):
     """The folded path takes every `attention_mask` shape the layer takes, `(T, S)` and per

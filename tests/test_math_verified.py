@@ -18,6 +18,10 @@ from apps import math_verified as mv
 # Under pytest-xdist, the tests that use `run` share one worker (tests/conftest.py).
 
 
+# The math app's run (`--quick`, 40 s of one worker) is the large tier's.
+LARGE = pytest.mark.large
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     output = tmp_path_factory.mktemp("math")
@@ -26,6 +30,7 @@ def run(tmp_path_factory):
     return status, metrics, output
 
 
+@LARGE
 def test_app_writes_results_and_plots(run):
     status, metrics, output = run
     assert status == 0, metrics["holds"]
@@ -39,6 +44,7 @@ def test_app_writes_results_and_plots(run):
     assert metrics["config"]["quick"] and metrics["config"]["samples"] == 20_000
 
 
+@LARGE
 def test_claim_1_variance_of_dot_product_is_d_k(run):
     variance = run[1]["claims"]["1_variance"]
     for row in variance["rows"]:
@@ -51,6 +57,7 @@ def test_claim_1_variance_of_dot_product_is_d_k(run):
     assert mv.check_variance(variance)
 
 
+@LARGE
 def test_claim_2_scaling_restores_unit_variance(run):
     claims = run[1]["claims"]
     for row in claims["1_variance"]["rows"]:
@@ -62,6 +69,7 @@ def test_claim_2_scaling_restores_unit_variance(run):
     assert run[1]["holds"]["2_scaled_variance"]
 
 
+@LARGE
 def test_claim_3_unscaled_softmax_saturates(run):
     rows = run[1]["claims"]["3_saturation"]
     entropies = [r["unscaled"]["entropy"] for r in rows]
@@ -73,6 +81,7 @@ def test_claim_3_unscaled_softmax_saturates(run):
     assert mv.check_saturation(rows, 128)
 
 
+@LARGE
 def test_claim_4_unscaled_gradients_vanish(run):
     rows = run[1]["claims"]["3_saturation"]
     last = rows[-1]
@@ -116,6 +125,7 @@ def test_claim_4_jacobian_norm_matches_closed_form():
         assert measured[name]["max_weight"] == pytest.approx(p.max(-1).mean(), rel=1e-4)
 
 
+@LARGE
 def test_claim_5_unscaled_training_suffers(run):
     training = run[1]["claims"]["5_training"]
     scaled, unscaled = training["scaled"], training["unscaled"]
@@ -129,6 +139,7 @@ def test_claim_5_unscaled_training_suffers(run):
     assert mv.check_training(training)
 
 
+@LARGE
 def test_claim_6_rows_are_distributions_and_output_is_weighted_sum(run):
     weighted = run[1]["claims"]["6_weighted_sum"]
     assert weighted["min_weight"] >= 0
@@ -139,6 +150,7 @@ def test_claim_6_rows_are_distributions_and_output_is_weighted_sum(run):
     assert mv.check_weighted_sum(weighted)
 
 
+@LARGE
 def test_checks_fail_when_a_claim_breaks(run):
     """Each check rejects a measurement that contradicts its claim."""
     claims = run[1]["claims"]

@@ -166,6 +166,9 @@ def inputs(seed=0, kv_heads=K, dtype="float32"):
 # ------------------------------------------------------------------------------ the core
 
 
+@pytest.mark.default_cases(
+    "dense-and_masks", "chunked-or_masks", "chunked-document", "dense-prefix_lm_rows"
+)
 @pytest.mark.parametrize("name", MASKS)
 @pytest.mark.parametrize("path", PATHS)
 def test_mask_mods_match_numpy_reference(name, path):
@@ -177,6 +180,9 @@ def test_mask_mods_match_numpy_reference(name, path):
     np.testing.assert_allclose(out, want, atol=1e-5)
 
 
+@pytest.mark.default_cases(
+    "gqa-chunked-t5_causal", "mqa-dense-alibi", "mha-chunked-soft_cap", "mha-dense-t5"
+)
 @pytest.mark.parametrize("name", SCORES)
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("kv_heads", [N, K, 1], ids=["mha", "gqa", "mqa"])
@@ -215,6 +221,7 @@ def autodiff_reference(q, k, v, table, name):
     return tf.einsum("bnts,bsnh->btnh", weights, v)
 
 
+@pytest.mark.default_cases("t5-chunked", "t5_causal-dense")
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("name", ["t5", "t5_causal"])
 def test_gradients_reach_the_inputs_and_the_t5_table(path, name):
@@ -259,6 +266,7 @@ class Slopes(mods.Mod):
         return Slopes(tensors[0])
 
 
+@pytest.mark.default_cases("dense")
 @pytest.mark.parametrize("path", PATHS)
 def test_gradients_reach_a_mods_tensor_and_a_captured_variable(path):
     """The float tensor a `Mod` carries, a `tf.Variable` a plain function reads and a plain
@@ -289,6 +297,7 @@ def test_gradients_reach_a_mods_tensor_and_a_captured_variable(path):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.default_cases("dense")
 @pytest.mark.parametrize("path", PATHS)
 def test_gradients_reach_the_tensors_of_with_tensors(path):
     """`mods.with_tensors(fn, slopes)`, eagerly and inside a traced function (as in `fit`):
@@ -490,6 +499,7 @@ def test_a_shared_block_mask_gives_the_same_result_and_must_match_its_mod():
 BAND = st.tuples(st.integers(-12, 12), st.integers(0, 12))
 
 
+@pytest.mark.large  # hypothesis: 25 random masks on both paths
 @hypothesis.settings(max_examples=25, deadline=None)
 @hypothesis.given(
     bands=st.lists(BAND, min_size=1, max_size=3),
@@ -692,6 +702,7 @@ def test_a_t5_document_model_reloads_from_keras_file(t5_document_model):
     )
 
 
+@pytest.mark.large  # a process without this package; the layer's own: tests/test_layer.py
 def test_a_t5_document_model_serves_without_this_package(t5_document_model):
     model, _, _, _, data, folder = t5_document_model
     np.save(folder / "tokens.npy", data[0][:8])
@@ -714,6 +725,7 @@ def test_a_t5_document_model_serves_without_this_package(t5_document_model):
     np.testing.assert_allclose(served, model.predict([d[:8] for d in data], verbose=0), atol=1e-5)
 
 
+@pytest.mark.default_cases("graph")
 @pytest.mark.parametrize("jit_compile", [False, True], ids=["graph", "xla"])
 def test_t5_table_trains_under_fit_with_the_automatic_path(jit_compile):
     """`implementation="auto"` with a batch unknown while tracing: the choice is made then
@@ -729,6 +741,7 @@ def test_t5_table_trains_under_fit_with_the_automatic_path(jit_compile):
     assert np.abs(bias.table.numpy()).max() > 1e-3  # the table starts at zeros
 
 
+@pytest.mark.default_cases("dense")
 @pytest.mark.parametrize("path", PATHS)
 def test_dropout_with_a_score_mod_and_a_mask_mod_matches_finite_differences(path):
     """float64 central differences through seeded dropout, ALiBi and a document mask: the
@@ -763,6 +776,7 @@ def tf_score(name, score, b, h, q, kv):
     return score + tf.transpose(table, [2, 0, 1])[None]
 
 
+@pytest.mark.default_cases("dense-t5", "chunked-and_masks", "chunked-alibi")
 @pytest.mark.parametrize(
     "score, mask",
     [(None, name) for name in MASKS] + [(name, None) for name in SCORES],

@@ -181,6 +181,7 @@ def test_rows_sum_to_one_and_masked_weights_are_zero():
     assert (weights.sum(-1)[~has_key] == 0).all()
 
 
+@pytest.mark.default_cases("True-dropout", "False-no_dropout")
 @pytest.mark.parametrize("dropout_rate", [0.0, 0.5], ids=["no_dropout", "dropout"])
 @pytest.mark.parametrize("return_weights", [False, True])
 def test_fully_masked_rows_give_zeros_not_nan(return_weights, dropout_rate):
@@ -238,6 +239,7 @@ def numeric_gradient(f, x, eps=1e-6):
     return grad
 
 
+@pytest.mark.default_cases("fully_masked_rows-True-seeded_dropout")
 @pytest.mark.parametrize("dropout_rate", [0.0, 0.3], ids=["no_dropout", "seeded_dropout"])
 @pytest.mark.parametrize("return_weights", [False, True])
 @pytest.mark.parametrize("mask_kind", ["none", "fully_masked_rows"])

@@ -10,10 +10,6 @@ import zipfile
 
 import pytest
 
-# Under pytest-xdist, the tests that use this module's module fixtures share one worker
-# (tests/conftest.py), so each fixture is built once.
-pytestmark = pytest.mark.slow
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -29,6 +25,7 @@ def wheel(tmp_path_factory):
     return path
 
 
+@pytest.mark.large  # builds the wheel and installs it
 def test_wheel_installs_two_packages_of_its_own(wheel):
     """No top-level `apps`: the apps install as `keras_sdpa_apps`, and the scripts use it."""
     with zipfile.ZipFile(wheel) as archive:
@@ -42,6 +39,7 @@ def test_wheel_installs_two_packages_of_its_own(wheel):
     assert targets and all(t.startswith("keras_sdpa_apps.") for t in targets), targets
 
 
+@pytest.mark.large  # builds the wheel and installs it
 def test_installed_apps_import_each_other_under_their_new_name(wheel, tmp_path):
     """Installed from the wheel alone (no checkout on the path), the predictor runs."""
     target = tmp_path / "site"

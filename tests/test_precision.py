@@ -61,6 +61,7 @@ def _outputs(attend, arrays, d_out, dtype):
     return [tf.cast(x, tf.float64).numpy() for x in [out, *grads]]
 
 
+@pytest.mark.default_cases("float16-chunked", "bfloat16-dense")
 @pytest.mark.parametrize("path", ["dense", "chunked"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_at_least_as_accurate_as_keras_against_float64(path, dtype):

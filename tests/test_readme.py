@@ -31,6 +31,7 @@ def test_readme_has_examples():
     assert len(BLOCKS) >= 10
 
 
+@pytest.mark.default_cases("README.md block *", "docs/core.md block 0", "docs/layer.md block 1")
 @pytest.mark.parametrize("name", list(BLOCKS))
 def test_readme_example_runs(name):
     exec(compile(BLOCKS[name], name, "exec"), {})
@@ -139,10 +140,12 @@ def test_shipped_run_is_the_quickstart_command_on_the_apps_defaults():
     assert metrics["command"] == quickstart
     defaults = dataclasses.asdict(train_sentiment.Config())
     assert metrics["config"].keys() == defaults.keys()
-    assert {k for k, v in defaults.items() if metrics["config"][k] != v} == {"data_dir"}
+    # Where it read the data and where it wrote: shipped with `--output saved_models/imdb_sdpa`.
+    assert {k for k, v in defaults.items() if metrics["config"][k] != v} <= {"data_dir", "output"}
+    assert metrics["config"]["output"] == "saved_models/imdb_sdpa"
     # The command, parsed by today's app, asks for the configuration the run recorded.
     parsed = train_sentiment.parse_args(shlex.split(quickstart)[3:])
-    assert dataclasses.asdict(parsed) == metrics["config"]
+    assert dataclasses.asdict(parsed) == {**metrics["config"], "output": "runs/imdb_sdpa"}
     commit = metrics["git_commit"]
     assert commit and "+" not in commit, commit
     ancestor = subprocess.run(["git", "merge-base", "--is-ancestor", commit, "HEAD"], cwd=ROOT)
@@ -382,7 +385,7 @@ def test_math_section_quotes_the_committed_measurements():
     assert (ROOT / "saved_models/math_verified/results.md").is_file()
 
 
-@pytest.mark.slow
+@pytest.mark.large  # the shipped model on all 25,000 test reviews
 def test_committed_saved_model_reproduces_its_recorded_accuracy():
     """The committed SavedModel, not the metrics file, measured anew on IMDB test reviews.
 

@@ -4,6 +4,7 @@ no result, `saved_model_cli`, `keras.layers.TFSMLayer`, and `apps.predict` at vo
 Every check that loads the SavedModel runs in a process that never imports `keras_sdpa`.
 """
 
+import functools
 import json
 import os
 import re
@@ -17,10 +18,6 @@ import tensorflow as tf
 
 from apps.sentiment import buckets, data
 from apps.serving import export, predict
-
-# Under pytest-xdist, the tests that use this module's module fixtures share one worker
-# (tests/conftest.py), so each fixture is built once.
-pytestmark = pytest.mark.slow
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SAVED_MODEL = os.path.join(ROOT, "saved_models", "imdb_sdpa", "saved_model")
@@ -49,13 +46,13 @@ def _without_session_xla_cache():
     return env
 
 
-@pytest.fixture(scope="module")
-def reviews_by_bucket():
-    """Real test reviews: for every length bucket, reviews whose tokens fall in it."""
+@functools.lru_cache
+def reviews_by_bucket(run):
+    """Real test reviews: for every length bucket of the run folder `run`'s SavedModel,
+    reviews whose tokens fall in it."""
     texts, _, _ = data.load_test_split("imdb_reviews")
-    run = os.path.dirname(SAVED_MODEL)
     with open(os.path.join(run, "metrics.json")) as f:
-        config = json.load(f)["config"]  # the shipped run's, whatever its configuration
+        config = json.load(f)["config"]  # the run's own, whatever its configuration
     length = config["sequence_length"]
     vectorizer = data.make_vectorizer(
         config["vocab_size"], length, vocabulary=os.path.join(run, "vocabulary.txt")
@@ -95,6 +92,7 @@ print(json.dumps(out))
     assert all(shape == [None] for _, shape in signatures["serving_default"]["outputs"].values())
 
 
+@pytest.mark.large  # saved_model_cli on the shipped model
 def test_saved_model_cli_lists_both_signatures():
     cli = shutil.which("saved_model_cli") or os.path.join(
         os.path.dirname(sys.executable), "saved_model_cli"
@@ -124,12 +122,23 @@ def fresh_export(tmp_path_factory):
     return export.export_saved_model(run.model, run.inspector, run.vectorizer, path)
 
 
-@pytest.mark.parametrize("which", ["committed", "fresh"])
-def test_length_buckets_give_the_full_length_result(which, reviews_by_bucket, request):
-    """`serving_default` computes each review at its bucket's length; `inspect` at 512. On
-    real reviews of every bucket, mixed in one batch or one a call, they agree to 1e-6."""
-    saved_model = SAVED_MODEL if which == "committed" else request.getfixturevalue("fresh_export")
-    texts, lengths = reviews_by_bucket
+def _saved_model(which, request):
+    """The session's tiny run's SavedModel (this code's export, in the default tier), the
+    committed one, or the shipped run exported again by this code."""
+    if which == "tiny":
+        return os.path.join(request.getfixturevalue("tiny_run")[0], "saved_model")
+    return SAVED_MODEL if which == "committed" else request.getfixturevalue("fresh_export")
+
+
+@pytest.mark.default_cases("tiny")  # the shipped model's buckets up to 512: large
+@pytest.mark.xdist_group("test_serving")  # "fresh" reaches `fresh_export` by getfixturevalue
+@pytest.mark.parametrize("which", ["tiny", "committed", "fresh"])
+def test_length_buckets_give_the_full_length_result(which, request):
+    """`serving_default` computes each review at its bucket's length; `inspect` at the
+    sequence length. On real reviews of every bucket, mixed in one batch or one a call, they
+    agree to 1e-6."""
+    saved_model = _saved_model(which, request)
+    texts, lengths = reviews_by_bucket(os.path.dirname(saved_model))
     order = np.random.default_rng(0).permutation(len(texts))  # buckets interleaved
     script = f"""
 import json, sys
@@ -158,14 +167,15 @@ print(json.dumps({{
     assert out["labels_equal"]
 
 
-@pytest.mark.xdist_group("test_serving")  # reaches `fresh_export` by getfixturevalue
-@pytest.mark.parametrize("which", ["committed", "fresh"])
+@pytest.mark.default_cases("tiny", "committed")
+@pytest.mark.xdist_group("test_serving")  # "fresh" reaches `fresh_export` by getfixturevalue
+@pytest.mark.parametrize("which", ["tiny", "committed", "fresh"])
 def test_saved_model_holds_each_graph_once(which, request):
     """Each signature's graph is stored once, and the custom gradients' functions not at all
     (serving never differentiates): a second copy of every graph doubled the load time."""
     from tensorflow.core.protobuf import saved_model_pb2
 
-    saved_model = SAVED_MODEL if which == "committed" else request.getfixturevalue("fresh_export")
+    saved_model = _saved_model(which, request)
     proto = saved_model_pb2.SavedModel()
     with open(os.path.join(saved_model, "saved_model.pb"), "rb") as f:
         proto.ParseFromString(f.read())
@@ -176,6 +186,7 @@ def test_saved_model_holds_each_graph_once(which, request):
     assert not [n for n in names if "grad_fn" in n]
 
 
+@pytest.mark.large  # a process of its own, on the shipped model
 def test_tfsm_layer_serves_inside_a_keras_model():
     texts = [b"A wonderful, moving film.", b"Dull and far too long.", b""]
     script = f"""
@@ -279,11 +290,12 @@ def test_serving_benchmark_rejects_a_count_below_one(flag):
     assert f"{flag} must be at least 1. Received: 0" in result.stderr.decode()
 
 
-def test_predict_reads_a_file_and_answers_in_input_order(tmp_path):
+def test_predict_reads_a_file_and_answers_in_input_order(tiny_run, tmp_path):
     """`apps.predict --input` groups reviews by length, yet writes them in input order, each
-    with the probability the SavedModel gives it alone."""
+    with the probability the SavedModel gives it alone (the session's tiny run's)."""
+    saved_model = os.path.join(tiny_run[0], "saved_model")
     texts, _, _ = data.load_test_split("imdb_reviews")
-    chosen = [t.replace(b"\n", b" ") for t in texts[:700]]
+    chosen = [t.replace(b"\n", b" ") for t in texts[:240]]
     chosen[5] = b""
     chosen[9] = b"<!--<script> \xff\xfe"
     path = tmp_path / "reviews.txt"
@@ -296,8 +308,8 @@ def test_predict_reads_a_file_and_answers_in_input_order(tmp_path):
         "sys.exit(code)\n"
     )
     result = subprocess.run(
-        [sys.executable, "-c", script, "--model", SAVED_MODEL, "--input", str(path), "--json",
-         "--batch_size", "64", "--xla_cache", str(tmp_path / "xla")],
+        [sys.executable, "-c", script, "--model", saved_model, "--input", str(path), "--json",
+         "--batch_size", "32", "--xla_cache", str(tmp_path / "xla")],
         capture_output=True, timeout=900, cwd=ROOT, env=_without_session_xla_cache(),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr.decode()[-3000:]
@@ -305,9 +317,9 @@ def test_predict_reads_a_file_and_answers_in_input_order(tmp_path):
     assert len(answers) == len(chosen)
     assert [a["text"] for a in answers] == [t.decode("utf-8", "replace") for t in chosen]
     assert answers[5]["tokens"] == 0 and "note" in answers[5]
-    loaded = tf.saved_model.load(SAVED_MODEL)
+    loaded = tf.saved_model.load(saved_model)
     serve = loaded.signatures["serving_default"]
-    sample = list(range(0, len(chosen), 37))
+    sample = list(range(0, len(chosen), 13))
     alone = [float(serve(text=tf.constant([chosen[i]]))["probability"][0]) for i in sample]
     np.testing.assert_allclose([answers[i]["probability"] for i in sample], alone, atol=1e-6)
     progress = result.stderr.decode().replace("\r", "\n")

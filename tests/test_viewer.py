@@ -22,7 +22,6 @@ from apps.serving import export
 
 # Under pytest-xdist, the tests that use this module's module fixtures share one worker
 # (tests/conftest.py), so each fixture is built once.
-pytestmark = pytest.mark.slow
 
 # Everything the page shows for the current review, read in one script call.
 READ_TOKENS = """
