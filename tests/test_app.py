@@ -576,11 +576,12 @@ def test_interrupt_then_resume_loses_nothing(run, tmp_path, capsys):
 
 
 def test_resume_after_an_interrupt_at_step_2_gives_the_uninterrupted_weights(
-    tiny_run, tmp_path, monkeypatch, capsys
+    request, tmp_path, monkeypatch, capsys
 ):
     """The fast form of the test above, in this process: SIGINT arrives after step 2 (a
     real signal, to the app's own handler), the app saves its state and returns 130, and
-    `--resume` ends on the session's tiny run's weights and validation losses."""
+    `--resume` ends on the session's tiny run's weights and validation losses. (It asks for
+    the tiny run only at the end, so it runs while another worker trains it.)"""
     output = str(tmp_path / "imdb")
     tail = ["--inspect_examples", "0", "--faithfulness_examples", "0", "--output", output]
     batch_end = train_sentiment.TrainingState.on_train_batch_end
@@ -603,6 +604,7 @@ def test_resume_after_an_interrupt_at_step_2_gives_the_uninterrupted_weights(
     assert "step 2" in capsys.readouterr().out
     with open(os.path.join(output, "metrics.json")) as f:
         metrics = json.load(f)
+    tiny_run = request.getfixturevalue("tiny_run")
     assert metrics["train_steps"] == tiny_run[1]["train_steps"] and metrics["epochs_run"] == 2
     uninterrupted = keras.saving.load_model(os.path.join(tiny_run[0], "model.keras"))
     continued = keras.saving.load_model(os.path.join(output, "model.keras"))

@@ -66,6 +66,7 @@ def test_the_generate_signature_serves_without_this_package(trained, tmp_path):
     np.testing.assert_array_equal(np.load(tmp_path / "out.npy"), recomputed(model, prompt, 12))
 
 
+@pytest.mark.large  # a training run of its own
 def test_cli_trains_generates_and_says_where_it_wrote(tmp_path, capsys):
     output = tmp_path / "tiny_lm"
     assert app.main(["--steps", "2", "--num_new", "5", "--output", str(output),

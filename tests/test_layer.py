@@ -251,6 +251,7 @@ def test_mirrored_replicas_draw_their_own_dropout_masks():
     assert result.stdout.split()[-2:] == ["ok", "2"]
 
 
+@pytest.mark.large  # the core's gradients: tests/test_ops.py and tests/test_chunked.py
 def test_gradients_match_finite_differences():
     """d loss / d (inputs, W_Q, W_K, W_V), against central differences in float64."""
     query, value, key = inputs(5, "float64")

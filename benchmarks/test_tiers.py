@@ -1,0 +1,99 @@
+"""What each test tier costs on this machine, as `.ci/run` runs them: the figures that
+`docs/development.md` quotes (tests/test_readme.py checks the quotes against this file).
+
+Runs, one after the other, in this checkout:
+
+- the default tier, `python -m pytest --cov --cov-report=` (the README's test command, with
+  the line coverage CI prints): its wall time, what passed and was skipped, and its coverage
+  of `keras_sdpa/` and `apps/`;
+- the large tier, `python -m pytest --run-large -m large`: its wall time and what passed;
+- the collection of both tiers, to count the tests in each.
+
+Usage:
+    python benchmarks/test_tiers.py                      # writes benchmarks/test_tiers.json
+    python benchmarks/test_tiers.py --output /tmp/tiers.json
+"""
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from attention import cpu_name  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _pytest(*args):
+    """Runs pytest with `args` here; returns its wall seconds and its summary counts."""
+    command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args]
+    print("$", " ".join(command[1:]), flush=True)
+    start = time.perf_counter()
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    seconds = time.perf_counter() - start
+    summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
+    if result.returncode != 0:
+        sys.exit(f"pytest {' '.join(args)} failed ({result.returncode}): {summary}\n"
+                 + result.stdout[-3000:])  # fmt: skip
+    counts = {word: int(n) for n, word in re.findall(r"(\d+) (passed|skipped|deselected)", summary)}
+    print(f"  {seconds:.0f} s: {summary}", flush=True)
+    return seconds, counts
+
+
+def _collected(*args):
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:xdist",
+         "-o", "addopts=", "--collect-only", "-q", *args],
+        cwd=ROOT, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    return int(re.search(r"(\d+)(?:/\d+)? tests? collected", result.stdout)[1])
+
+
+def _coverage(package):
+    result = subprocess.run(
+        [sys.executable, "-m", "coverage", "report", f"--include=*/{package}/*", "--format=total"],
+        cwd=ROOT, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    return float(result.stdout.strip())
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--output", default=os.path.join(ROOT, "benchmarks", "test_tiers.json"))
+    args = parser.parse_args(argv)
+    default_seconds, default = _pytest("--cov", "--cov-report=")
+    coverage = {package: _coverage(package) for package in ("keras_sdpa", "apps")}
+    large_seconds, large = _pytest("--run-large", "-m", "large")
+    record = {
+        "cpu": cpu_name(),
+        "cores": os.cpu_count(),
+        "default": {
+            "command": "python -m pytest",
+            "seconds": round(default_seconds),
+            "passed": default.get("passed", 0),
+            "skipped": default.get("skipped", 0),
+            "collected": _collected("-m", "not large"),
+            "coverage_percent": coverage,
+        },
+        "large": {
+            "command": "python -m pytest --run-large -m large",
+            "seconds": round(large_seconds),
+            "passed": large.get("passed", 0),
+            "collected": _collected("--run-large", "-m", "large"),
+        },
+        "collected": _collected(),
+    }
+    with open(args.output, "w") as f:
+        json.dump(record, f, indent=2)
+        f.write("\n")
+    print(f"Wrote {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
