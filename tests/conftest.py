@@ -49,9 +49,10 @@ from filelock import FileLock  # noqa: E402
 # Two tiers, keras-hub's way. `python -m pytest` (the README's "the tests") runs the default
 # tier: every module's tests, one case per feature, path and dtype against its independent
 # reference. `python -m pytest --run-large -m large` runs the large tier: whole app processes
-# (interrupt and resume, two replicas and two workers, the shipped model on real reviews, the
-# wheel, the math app, the docs site) and the exhaustive grids (every mod on every path, every
-# shape combination, hypothesis's random cases). CI (`.ci/run`) runs both.
+# (interrupt and resume, two replicas and two workers, the Quickstart's run, the shipped model
+# on real reviews, the wheel, the math app) and the exhaustive grids (every mod on every path,
+# every shape combination, hypothesis's random cases). CI (`.ci/run`) runs both. The markers
+# `large` and `default_cases` are declared in pyproject.toml.
 LARGE_REASON = "a large test: run the large tier with `python -m pytest --run-large -m large`"
 
 
@@ -69,16 +70,6 @@ def pytest_configure(config):
     # inherit it.
     level = 1 if config.getoption("--run-large") else 0
     os.environ.setdefault("XLA_FLAGS", f"--xla_backend_optimization_level={level}")
-    config.addinivalue_line(
-        "markers",
-        "default_cases(*patterns): of a parametrized test, only the cases whose id matches one "
-        "of these fnmatch patterns run in the default tier; the others are large",
-    )
-    config.addinivalue_line(
-        "markers",
-        "large: heavy (a whole app process, several processes, or an exhaustive grid); "
-        "skipped unless --run-large",
-    )
 
 
 @pytest.fixture(autouse=True)
@@ -94,11 +85,11 @@ def _seeded_by_test_name(request):
 
 
 # The module groups, slowest first: each is one unit of work for one worker, so the longest
-# start first and the single tests fill the other worker around them. Seconds of one worker,
-# from `pytest --durations` on 2 cores: distribute ~350 (three app runs, one of them two
-# processes), app ~300 (two runs and an interrupted one), viewer ~110, serving ~90, the rest
-# under a minute each. `--no-loadscope-reorder` (pyproject.toml) keeps this order; xdist's own
-# reorder puts the groups with the most tests first, whatever they cost.
+# start first and the single tests fill the other worker around them. In the large tier
+# distribute's group is ~300 s of one worker (three app runs, one of them two processes); in
+# the default tier app's group trains the session's tiny run (~60 s) and reads it back, and
+# the other groups take under a minute each. `--no-loadscope-reorder` (pyproject.toml) keeps
+# this order; xdist's own reorder puts the groups with the most tests first, whatever they cost.
 GROUPS_SLOWEST_FIRST = (
     "test_distribute", "test_app", "test_viewer", "test_serving", "test_math_verified",
     "test_faithfulness", "test_packaging",
@@ -133,6 +124,12 @@ def pytest_itemcollected(item):
 
 # Long single tests that do not wait for the tiny run: they start while it trains.
 EARLY = ("test_resume_after_an_interrupt_at_step_2_gives_the_uninterrupted_weights",)
+# Tests that reach the tiny run by `request.getfixturevalue` (it is not in their fixturenames).
+LATE = (
+    "test_length_buckets_give_the_full_length_result", "test_saved_model_holds_each_graph_once",
+    "test_predict_reads_a_file_and_answers_in_input_order",
+    "test_cli_writes_the_report_into_the_run_folder",
+)  # fmt: skip
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m large` selects on the marks set here
@@ -140,7 +137,10 @@ def pytest_collection_modifyitems(config, items):
     """A grid's cases outside its `default_cases` become large; large tests are skipped unless
     `--run-large`; the groups run slowest first (`GROUPS_SLOWEST_FIRST`), then the single
     tests."""
-    unmatched = {}  # a pattern that names no case is a typo that would send the grid away
+    # A pattern that names no case is a typo that would send the grid away; checked when the
+    # whole suite is collected (a node id on the command line collects one case).
+    partial = any("::" in arg for arg in config.args)
+    unmatched = {}
     for item in items:
         kept = item.get_closest_marker("default_cases")
         if kept is None:
@@ -153,7 +153,7 @@ def pytest_collection_modifyitems(config, items):
         if not matched:
             item.add_marker(pytest.mark.large)
     for test, patterns in unmatched.items():
-        if patterns:
+        if patterns and not partial:
             raise pytest.UsageError(f"default_cases of {test}: no case matches {sorted(patterns)}")
     if not config.getoption("--run-large"):
         skip = pytest.mark.skip(reason=LARGE_REASON)
@@ -168,9 +168,8 @@ def pytest_collection_modifyitems(config, items):
             return GROUPS_SLOWEST_FIRST.index(group)
         if item.originalname in EARLY:  # beside the tiny run's training, on the other worker
             return 1.5
-        if "tiny_run" in getattr(item, "fixturenames", ()) or group == "test_serving":
-            # Last (test_serving's group reaches it by getfixturevalue): by then the tiny run
-            # is trained, and no worker waits on its lock.
+        if "tiny_run" in getattr(item, "fixturenames", ()) or item.originalname in LATE:
+            # Last: by then the tiny run is trained, and no worker waits on its lock.
             return len(GROUPS_SLOWEST_FIRST) + 2
         if group in GROUPS_SLOWEST_FIRST:
             return GROUPS_SLOWEST_FIRST.index(group)
@@ -181,8 +180,8 @@ def pytest_collection_modifyitems(config, items):
 
 # One tiny training run for the whole session: 2 epochs of 6 steps on real IMDB reviews, cut to
 # 96 tokens, so that batches run at the length buckets 64 and 96, with word pairs and triples,
-# the attention export and the deletion tests. Every test that needs "a trained model and its
-# SavedModel" (the app, serving, predict, the viewer, explain, faithfulness) reads this one run.
+# the attention export and the deletion tests. The tests that need "a trained model and its
+# SavedModel" (the app, serving, the predictor, the faithfulness CLI) read this one run.
 TINY_RUN = [
     "--epochs", "2", "--max_steps", "6", "--batch_size", "32", "--sequence_length", "96",
     "--vocab_size", "3000", "--embed_dim", "16", "--key_dim", "8", "--ff_dim", "32",
@@ -194,7 +193,7 @@ TINY_RUN = [
 
 
 @pytest.fixture(scope="session")
-def tiny_run(tmp_path_factory, worker_id):
+def tiny_run(tmp_path_factory):
     """`(output folder, metrics)` of `TINY_RUN`, trained once per session.
 
     Under pytest-xdist the workers share the session's base temporary folder: the first to
@@ -203,12 +202,13 @@ def tiny_run(tmp_path_factory, worker_id):
     from apps.sentiment import train
 
     shared = tmp_path_factory.getbasetemp()
-    if worker_id != "master":
+    if os.environ.get("PYTEST_XDIST_WORKER"):
         shared = shared.parent
     output = shared / "tiny_run" / "imdb"
     with FileLock(str(shared / "tiny_run.lock")):
         done = shared / "tiny_run.done"
         if not done.exists():
+            shutil.rmtree(output, ignore_errors=True)  # a run another worker left unfinished
             code = train.main([*TINY_RUN, "--output", str(output)])
             assert code == 0, f"the session's tiny run failed with status {code}"
             done.write_text(str(output))

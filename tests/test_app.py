@@ -599,6 +599,9 @@ def test_resume_after_an_interrupt_at_step_2_gives_the_uninterrupted_weights(
     with open(os.path.join(output, "checkpoints", "state.json")) as f:
         assert json.load(f)["step"] == 2
     monkeypatch.undo()
+    # Without --resume the app refuses to overwrite the interrupted run.
+    assert train_sentiment.main([*SMALL_RUN, *tail]) == 2
+    assert "--resume" in capsys.readouterr().err
 
     assert train_sentiment.main([*SMALL_RUN, *tail, "--resume"]) == 0
     assert "step 2" in capsys.readouterr().out
@@ -608,6 +611,10 @@ def test_resume_after_an_interrupt_at_step_2_gives_the_uninterrupted_weights(
     assert metrics["train_steps"] == tiny_run[1]["train_steps"] and metrics["epochs_run"] == 2
     uninterrupted = keras.saving.load_model(os.path.join(tiny_run[0], "model.keras"))
     continued = keras.saving.load_model(os.path.join(output, "model.keras"))
+    # The resumed run read its word pairs and triples back, in the same order.
+    for name in ("bigrams", "trigrams"):
+        want = getattr(uninterrupted.get_layer("embedding"), name)
+        assert want and getattr(continued.get_layer("embedding"), name) == want, name
     for a, b in zip(uninterrupted.get_weights(), continued.get_weights(), strict=True):
         np.testing.assert_allclose(a, b, atol=1e-5)
     np.testing.assert_allclose(

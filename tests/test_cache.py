@@ -42,7 +42,9 @@ def distance_penalty(score, b, h, q_idx, kv_idx, slope):
     return score - slope * tf.cast(tf.abs(q_idx - kv_idx), score.dtype)
 
 
-@pytest.mark.default_cases("gqa", "with_tensors", "chunked")
+@pytest.mark.default_cases(
+    "gqa", "window", "mask_mod", "with_tensors", "bias", "chunked"
+)  # fmt: skip
 @pytest.mark.parametrize(
     "kind, kwargs, biased",
     [

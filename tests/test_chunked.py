@@ -53,7 +53,7 @@ def run(implementation, q, k, v, mask, is_causal, scale=None):
 @pytest.mark.default_cases(
     "T7_S13-none-causal", "T7_S13-padding-full", "T7_S13-2d-causal",
     "T13_S6-full-causal", "T13_S6-fully_masked_rows-full",
-)
+)  # fmt: skip
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("mask_kind", MASKS)
 @pytest.mark.parametrize("t, s", LENGTHS, ids=[f"T{t}_S{s}" for t, s in LENGTHS])

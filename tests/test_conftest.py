@@ -1,5 +1,6 @@
-"""The suite's own scheduling under pytest-xdist (tests/conftest.py): the tests that share a
-module fixture run on one worker, so the fixture is built once; the others spread out."""
+"""The suite's own machinery (tests/conftest.py): the two tiers, and the scheduling under
+pytest-xdist (the tests that share a module fixture run on one worker, so the fixture is built
+once; the others spread out)."""
 
 import os
 import shutil
@@ -51,3 +52,61 @@ def test_tests_sharing_a_module_fixture_build_it_once_on_two_workers(tmp_path):
     assert len(passed) == 10 and len(grouped) == 4
     assert all(line.endswith("@test_grouping") for line in grouped)
     assert not any("@" in line for line in passed if "test_on_its_own" in line)
+
+
+TIERS = """
+import pytest
+
+
+@pytest.mark.default_cases({patterns})
+@pytest.mark.parametrize("case", ["dense", "chunked", "decode"])
+def test_grid(case):
+    pass
+
+
+@pytest.mark.large
+def test_heavy():
+    pass
+
+
+def test_plain():
+    pass
+"""
+
+
+def _session(folder, *args):
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:xdist",
+         "-o", "addopts=", "-rs", *args],
+        capture_output=True, text=True, timeout=300, cwd=folder,
+    )  # fmt: skip
+
+
+def test_two_tiers_split_a_grid_and_skip_large_tests_unless_asked(tmp_path):
+    """`default_cases` keeps the named cases in the default tier and makes the rest large; a
+    large test is skipped with a reason that names `--run-large`, and `--run-large -m large`
+    runs exactly what the default tier skipped; a pattern that names no case is an error."""
+    shutil.copy(os.path.join(ROOT, "tests", "conftest.py"), tmp_path / "conftest.py")
+    (tmp_path / "test_tiers.py").write_text(TIERS.format(patterns='"dense", "deco*"'))
+    default = _session(tmp_path, "-v", "test_tiers.py")
+    assert default.returncode == 0, default.stdout[-3000:]
+    ran = {line.split()[0] for line in default.stdout.splitlines() if " PASSED" in line}
+    assert ran == {
+        "test_tiers.py::test_grid[dense]", "test_tiers.py::test_grid[decode]",
+        "test_tiers.py::test_plain",
+    }  # fmt: skip
+    assert "3 passed, 2 skipped" in default.stdout
+    assert default.stdout.count("run the large tier with `python -m pytest --run-large -m large`")
+    large = _session(tmp_path, "-v", "--run-large", "-m", "large", "test_tiers.py")
+    assert large.returncode == 0, large.stdout[-3000:]
+    ran = {line.split()[0] for line in large.stdout.splitlines() if " PASSED" in line}
+    assert ran == {"test_tiers.py::test_grid[chunked]", "test_tiers.py::test_heavy"}
+    assert "2 passed, 3 deselected" in large.stdout
+
+    (tmp_path / "test_tiers.py").write_text(TIERS.format(patterns='"dense", "flash"'))
+    typo = _session(tmp_path, "--collect-only", "test_tiers.py")
+    assert typo.returncode != 0
+    assert "default_cases of test_tiers::test_grid: no case matches ['flash']" in typo.stderr
+    # One case named on the command line collects only it: no pattern is checked then.
+    one = _session(tmp_path, "--collect-only", "test_tiers.py::test_grid[chunked]")
+    assert one.returncode == 0, one.stdout[-2000:] + one.stderr[-2000:]

@@ -124,8 +124,9 @@ def core_call(q, k, v, path, spec):
 
 @pytest.mark.default_cases(
     "mha-dense-everything", "gqa-chunked-everything", "mqa-chunked-everything",
-    "mha-chunked-bias_per_head_scalar", "gqa-dense-window",
-)
+    "mha-chunked-bias_per_head_scalar", "gqa-dense-window", "mqa-chunked-bias_per_key",
+    "gqa-dense-bias_2d",
+)  # fmt: skip
 @pytest.mark.parametrize("feature", list(FEATURES), ids=list(FEATURES))
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("kv_heads", [N, K, 1], ids=["mha", "gqa", "mqa"])
@@ -137,7 +138,9 @@ def test_forward_matches_numpy_reference(feature, path, kv_heads):
     np.testing.assert_allclose(out, want, atol=1e-10)
 
 
-@pytest.mark.default_cases("dense-everything", "chunked-everything")
+@pytest.mark.default_cases(
+    "dense-everything", "chunked-everything", "chunked-bias_2d", "dense-bias_per_key"
+)  # fmt: skip
 @pytest.mark.parametrize("feature", list(FEATURES), ids=list(FEATURES))
 @pytest.mark.parametrize("path", PATHS)
 def test_gradients_match_autodiff_of_the_formula(feature, path):
@@ -158,7 +161,7 @@ def test_gradients_match_autodiff_of_the_formula(feature, path):
         np.testing.assert_allclose(a, b, atol=1e-10, err_msg=name)
 
 
-@pytest.mark.default_cases("per_key-dense")  # chunked: the autodiff comparison, above
+@pytest.mark.default_cases("per_key-chunked")  # dense: the autodiff comparison, above
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("shape", [(1, N, T, S), (B, 1, 1, S)], ids=["per_head", "per_key"])
 def test_bias_gradient_matches_finite_differences(path, shape):

@@ -273,14 +273,17 @@ def test_cli_errors(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
-def test_cli_writes_the_report_into_the_run_folder(tiny_run, tmp_path, capsys):
-    run = tmp_path / "run"  # a copy of the session's tiny run, without its report
-    shutil.copytree(tiny_run[0], run, ignore=shutil.ignore_patterns("faithfulness.*"))
-    assert faithfulness.main(["--run", str(run), "--examples", "8", "--seed", "2"]) == 0
+@pytest.mark.default_cases("tiny")  # the shipped run on 30 reviews: large
+@pytest.mark.parametrize("which, examples", [("tiny", 8), ("shipped", 30)], ids=["tiny", "shipped"])
+def test_cli_writes_the_report_into_the_run_folder(which, examples, tmp_path, capsys, request):
+    run = tmp_path / "run"  # a copy of the run folder, without its report
+    source = request.getfixturevalue("tiny_run")[0] if which == "tiny" else SHIPPED
+    shutil.copytree(source, run, ignore=shutil.ignore_patterns("faithfulness.*"))
+    assert faithfulness.main(["--run", str(run), "--examples", str(examples), "--seed", "2"]) == 0
     printed = capsys.readouterr().out
     with open(run / "faithfulness.json") as f:
         payload = json.load(f)
-    assert payload["source"]["examples"] == 8 and payload["source"]["seed"] == 2
+    assert payload["source"]["examples"] == examples and payload["source"]["seed"] == 2
     assert payload["source"]["saved_model_max_abs_difference"] <= 1e-4
     for name in ("faithfulness.json", "faithfulness.md", "faithfulness.png"):
         assert str(run / name) in printed

@@ -167,8 +167,9 @@ def inputs(seed=0, kv_heads=K, dtype="float32"):
 
 
 @pytest.mark.default_cases(
-    "dense-and_masks", "chunked-or_masks", "chunked-document", "dense-prefix_lm_rows"
-)
+    "dense-and_masks", "chunked-or_masks", "chunked-document", "dense-prefix_lm_rows",
+    "chunked-causal_function", "dense-prefix_lm_int",
+)  # fmt: skip
 @pytest.mark.parametrize("name", MASKS)
 @pytest.mark.parametrize("path", PATHS)
 def test_mask_mods_match_numpy_reference(name, path):
@@ -182,7 +183,7 @@ def test_mask_mods_match_numpy_reference(name, path):
 
 @pytest.mark.default_cases(
     "gqa-chunked-t5_causal", "mqa-dense-alibi", "mha-chunked-soft_cap", "mha-dense-t5"
-)
+)  # fmt: skip
 @pytest.mark.parametrize("name", SCORES)
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("kv_heads", [N, K, 1], ids=["mha", "gqa", "mqa"])
@@ -266,7 +267,7 @@ class Slopes(mods.Mod):
         return Slopes(tensors[0])
 
 
-@pytest.mark.default_cases("dense")
+@pytest.mark.default_cases("chunked")
 @pytest.mark.parametrize("path", PATHS)
 def test_gradients_reach_a_mods_tensor_and_a_captured_variable(path):
     """The float tensor a `Mod` carries, a `tf.Variable` a plain function reads and a plain

@@ -31,8 +31,11 @@ def test_quickstart_then_the_checks_of_the_docs(tmp_path):
     checkout = tmp_path / "checkout"  # the README's commands run in a checkout of their own
     shutil.copytree(
         ROOT, checkout,
-        ignore=shutil.ignore_patterns(".git", "runs", "site", "*.egg-info", "__pycache__",
-                                      ".pytest_cache", ".ruff_cache", "checkpoints", "logs"),
+        ignore=shutil.ignore_patterns(
+            ".git", ".venv", "runs", "site", "build", "dist", "*.egg-info", "__pycache__",
+            ".pytest_cache", ".ruff_cache", ".hypothesis", ".benchmarks", ".coverage*",
+            "checkpoints", "logs",
+        ),
     )  # fmt: skip
     shipped = _digests(checkout / "saved_models" / "imdb_sdpa")
     readme = (ROOT / "README.md").read_text()

@@ -31,7 +31,10 @@ def test_readme_has_examples():
     assert len(BLOCKS) >= 10
 
 
-@pytest.mark.default_cases("README.md block *", "docs/core.md block 0", "docs/layer.md block 1")
+@pytest.mark.default_cases(
+    "README.md block *", "docs/core.md block 0", "docs/layer.md block 1", "docs/app.md block 0",
+    "docs/long-sequences.md block 0", "docs/serving.md block 0",
+)  # fmt: skip
 @pytest.mark.parametrize("name", list(BLOCKS))
 def test_readme_example_runs(name):
     exec(compile(BLOCKS[name], name, "exec"), {})
@@ -137,7 +140,9 @@ def test_shipped_run_is_the_quickstart_command_on_the_apps_defaults():
         r'^    pip install -e "\.\[dev\]" && (python -m apps\.train_sentiment.*)$',
         README.read_text(), flags=re.M,  # the README's own command
     ).group(1)  # fmt: skip
-    assert metrics["command"] == quickstart
+    # Shipped with `--output saved_models/imdb_sdpa`, or (this model) trained when that was the
+    # default output.
+    assert metrics["command"] in (quickstart, quickstart + " --output saved_models/imdb_sdpa")
     defaults = dataclasses.asdict(train_sentiment.Config())
     assert metrics["config"].keys() == defaults.keys()
     # Where it read the data and where it wrote: shipped with `--output saved_models/imdb_sdpa`.
@@ -525,3 +530,27 @@ def test_decode_figures_are_the_benchmarks():
     assert float(rows[1, 32768][0]) > float(rows[1, 8192][0])
     assert f"the cache is **{faster}x faster**" in text
     assert f"peak {peaks['2']} MiB against {peaks['8']}" in text
+
+
+def tiers_sentence(tiers):
+    """The sentence of docs/development.md that quotes `benchmarks/test_tiers.json`."""
+    default, large = tiers["default"], tiers["large"]
+    coverage = default["coverage_percent"]
+    return (
+        f"Measured on a {tiers['cores']}-core {tiers['cpu']} by `python benchmarks/test_tiers.py` "
+        f"(`benchmarks/test_tiers.json`): the default tier ran **{default['passed']}** tests in "
+        f"**{default['seconds'] / 60:.1f} minutes** with its coverage measured "
+        f"({coverage['keras_sdpa']:.0f}% of `keras_sdpa/`, {coverage['apps']:.0f}% of `apps/`), "
+        f"and the large tier **{large['passed']}** tests in **{large['seconds'] / 60:.1f} "
+        f"minutes**; {tiers['collected']} tests in all, {default['collected']} in the default tier "
+        f"and {large['collected']} in the large one."
+    )
+
+
+def test_tier_figures_are_the_measured_ones():
+    """docs/development.md quotes each tier's time, tests and coverage from the file
+    `benchmarks/test_tiers.py` wrote."""
+    tiers = json.loads((ROOT / "benchmarks" / "test_tiers.json").read_text())
+    text = " ".join((DOCS / "development.md").read_text().split())
+    assert tiers_sentence(tiers) in text
+    assert tiers["default"]["collected"] + tiers["large"]["collected"] == tiers["collected"]

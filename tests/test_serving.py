@@ -290,12 +290,18 @@ def test_serving_benchmark_rejects_a_count_below_one(flag):
     assert f"{flag} must be at least 1. Received: 0" in result.stderr.decode()
 
 
-def test_predict_reads_a_file_and_answers_in_input_order(tiny_run, tmp_path):
+@pytest.mark.default_cases("tiny")  # the shipped model, 700 reviews over its 7 buckets: large
+@pytest.mark.parametrize(
+    "which, count, batch_size", [("tiny", 240, 32), ("committed", 700, 64)], ids=["tiny", "shipped"]
+)
+def test_predict_reads_a_file_and_answers_in_input_order(
+    which, count, batch_size, tmp_path, request
+):
     """`apps.predict --input` groups reviews by length, yet writes them in input order, each
-    with the probability the SavedModel gives it alone (the session's tiny run's)."""
-    saved_model = os.path.join(tiny_run[0], "saved_model")
+    with the probability the SavedModel gives it alone."""
+    saved_model = _saved_model(which, request)
     texts, _, _ = data.load_test_split("imdb_reviews")
-    chosen = [t.replace(b"\n", b" ") for t in texts[:240]]
+    chosen = [t.replace(b"\n", b" ") for t in texts[:count]]
     chosen[5] = b""
     chosen[9] = b"<!--<script> \xff\xfe"
     path = tmp_path / "reviews.txt"
@@ -309,7 +315,7 @@ def test_predict_reads_a_file_and_answers_in_input_order(tiny_run, tmp_path):
     )
     result = subprocess.run(
         [sys.executable, "-c", script, "--model", saved_model, "--input", str(path), "--json",
-         "--batch_size", "32", "--xla_cache", str(tmp_path / "xla")],
+         "--batch_size", str(batch_size), "--xla_cache", str(tmp_path / "xla")],
         capture_output=True, timeout=900, cwd=ROOT, env=_without_session_xla_cache(),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr.decode()[-3000:]

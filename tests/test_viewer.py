@@ -20,9 +20,6 @@ from apps.sentiment import data
 from apps.sentiment import model as model_lib
 from apps.serving import export
 
-# Under pytest-xdist, the tests that use this module's module fixtures share one worker
-# (tests/conftest.py), so each fixture is built once.
-
 # Everything the page shows for the current review, read in one script call.
 READ_TOKENS = """
 return Array.from(document.querySelectorAll("#tokens .tok")).map(s => ({
