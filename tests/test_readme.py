@@ -533,12 +533,12 @@ def test_decode_figures_are_the_benchmarks():
 
 
 def tiers_sentence(tiers):
-    """The sentence of docs/development.md that quotes `benchmarks/test_tiers.json`."""
+    """The sentence of docs/development.md that quotes `benchmarks/tiers.json`."""
     default, large = tiers["default"], tiers["large"]
     coverage = default["coverage_percent"]
     return (
-        f"Measured on a {tiers['cores']}-core {tiers['cpu']} by `python benchmarks/test_tiers.py` "
-        f"(`benchmarks/test_tiers.json`): the default tier ran **{default['passed']}** tests in "
+        f"Measured by `python benchmarks/tiers.py` on an {tiers['cpu']} "
+        f"(`benchmarks/tiers.json`): the default tier ran **{default['passed']}** tests in "
         f"**{default['seconds'] / 60:.1f} minutes** with its coverage measured "
         f"({coverage['keras_sdpa']:.0f}% of `keras_sdpa/`, {coverage['apps']:.0f}% of `apps/`), "
         f"and the large tier **{large['passed']}** tests in **{large['seconds'] / 60:.1f} "
@@ -549,8 +549,8 @@ def tiers_sentence(tiers):
 
 def test_tier_figures_are_the_measured_ones():
     """docs/development.md quotes each tier's time, tests and coverage from the file
-    `benchmarks/test_tiers.py` wrote."""
-    tiers = json.loads((ROOT / "benchmarks" / "test_tiers.json").read_text())
+    `benchmarks/tiers.py` wrote."""
+    tiers = json.loads((ROOT / "benchmarks" / "tiers.json").read_text())
     text = " ".join((DOCS / "development.md").read_text().split())
     assert tiers_sentence(tiers) in text
     assert tiers["default"]["collected"] + tiers["large"]["collected"] == tiers["collected"]
