@@ -5,12 +5,11 @@ Runs, one after the other, in this checkout:
 
 - the default tier, `python -m pytest --cov --cov-report=` (the README's test command, with
   the line coverage CI prints): its wall time, what passed and was skipped, and its coverage
-  of `keras_sdpa/` and `apps/` (without the one test that checks this file's quote);
+  of `keras_sdpa/` and `apps/`;
 - the large tier, `python -m pytest --run-large -m large`: its wall time and what passed;
 - the collection of both tiers, to count the tests in each.
 
-It stops at the first tier that fails. After a run, update the sentence in
-`docs/development.md` that quotes the file (tests/test_readme.py's `tiers_sentence`).
+It stops at the first tier that fails.
 
 Usage:
     python benchmarks/tiers.py                      # writes benchmarks/tiers.json
@@ -69,11 +68,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--output", default=os.path.join(ROOT, "benchmarks", "tiers.json"))
     args = parser.parse_args(argv)
-    # The check of this file's quote cannot pass before the file exists: left out of the run.
-    default_seconds, default = _pytest(
-        "--cov", "--cov-report=",
-        "--deselect", "tests/test_readme.py::test_tier_figures_are_the_measured_ones",
-    )  # fmt: skip
+    default_seconds, default = _pytest("--cov", "--cov-report=")
     coverage = {package: _coverage(package) for package in ("keras_sdpa", "apps")}
     large_seconds, large = _pytest("--run-large", "-m", "large")
     record = {

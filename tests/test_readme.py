@@ -531,26 +531,3 @@ def test_decode_figures_are_the_benchmarks():
     assert f"the cache is **{faster}x faster**" in text
     assert f"peak {peaks['2']} MiB against {peaks['8']}" in text
 
-
-def tiers_sentence(tiers):
-    """The sentence of docs/development.md that quotes `benchmarks/tiers.json`."""
-    default, large = tiers["default"], tiers["large"]
-    coverage = default["coverage_percent"]
-    return (
-        f"Measured by `python benchmarks/tiers.py` on an {tiers['cpu']} "
-        f"(`benchmarks/tiers.json`): the default tier ran **{default['passed']}** tests in "
-        f"**{default['seconds'] / 60:.1f} minutes** with its coverage measured "
-        f"({coverage['keras_sdpa']:.0f}% of `keras_sdpa/`, {coverage['apps']:.0f}% of `apps/`), "
-        f"and the large tier **{large['passed']}** tests in **{large['seconds'] / 60:.1f} "
-        f"minutes**; {tiers['collected']} tests in all, {default['collected']} in the default tier "
-        f"and {large['collected']} in the large one."
-    )
-
-
-def test_tier_figures_are_the_measured_ones():
-    """docs/development.md quotes each tier's time, tests and coverage from the file
-    `benchmarks/tiers.py` wrote."""
-    tiers = json.loads((ROOT / "benchmarks" / "tiers.json").read_text())
-    text = " ".join((DOCS / "development.md").read_text().split())
-    assert tiers_sentence(tiers) in text
-    assert tiers["default"]["collected"] + tiers["large"]["collected"] == tiers["collected"]
