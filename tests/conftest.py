@@ -186,7 +186,7 @@ TINY_RUN = [
     "--epochs", "2", "--max_steps", "6", "--batch_size", "32", "--sequence_length", "96",
     "--vocab_size", "3000", "--embed_dim", "16", "--key_dim", "8", "--ff_dim", "32",
     "--bigram_vocab_size", "20000", "--trigram_vocab_size", "5000",
-    "--vocabulary_source", "train",  # the 50,000 unlabelled reviews: tests/test_app.py
+    "--vocabulary_source", "train",  # with the unlabelled reviews: a large test of test_app
     "--save_every", "2", "--inspect_examples", "6", "--faithfulness_examples", "24",
     "--verbose", "0",
 ]  # fmt: skip

@@ -23,8 +23,6 @@ from apps.serving import predict
 from keras_sdpa import ScaledDotProductAttention
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# The session's tiny run (tests/conftest.py): 2 epochs of 6 steps on real IMDB reviews.
-SMALL_RUN = TINY_RUN
 TEXTS = [
     b"A wonderful, moving film with a brilliant cast.",
     b"Dull, predictable and far too long. I want my two hours back.",
@@ -82,7 +80,7 @@ def test_run_writes_every_artifact(run):
     assert set(metrics["versions"]) == {"python", "tensorflow", "keras", "tensorflow_datasets"}
     assert metrics["train_seconds"] > 0
     assert metrics["command"] == shlex.join(
-        ["python", "-m", "apps.train_sentiment", *SMALL_RUN, "--output", output]
+        ["python", "-m", "apps.train_sentiment", *TINY_RUN, "--output", output]
     )
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     if head.returncode == 0:
@@ -519,7 +517,7 @@ def test_interrupt_then_resume_loses_nothing(run, tmp_path, capsys):
     output = str(tmp_path / "imdb")
     # The same training as `run`; the attention export and deletion tests are `run`'s to check.
     tail = ["--inspect_examples", "0", "--faithfulness_examples", "0"]
-    command = [sys.executable, "-m", "apps.train_sentiment", *SMALL_RUN, *tail, "--output", output]
+    command = [sys.executable, "-m", "apps.train_sentiment", *TINY_RUN, *tail, "--output", output]
     process = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env(), cwd=ROOT
     )
@@ -547,7 +545,7 @@ def test_interrupt_then_resume_loses_nothing(run, tmp_path, capsys):
     # Without --resume the app refuses to overwrite the interrupted run (in this process: it
     # refuses before it reads any data).
     capsys.readouterr()
-    assert train_sentiment.main([*SMALL_RUN, *tail, "--output", output]) == 2
+    assert train_sentiment.main([*TINY_RUN, *tail, "--output", output]) == 2
     assert "--resume" in capsys.readouterr().err
 
     resumed = subprocess.run(
@@ -594,16 +592,16 @@ def test_resume_after_an_interrupt_at_step_2_gives_the_uninterrupted_weights(
             os.kill(os.getpid(), signal.SIGINT)
 
     monkeypatch.setattr(train_sentiment.TrainingState, "on_train_batch_end", interrupt_after_step_2)
-    assert train_sentiment.main([*SMALL_RUN, *tail]) == 130
+    assert train_sentiment.main([*TINY_RUN, *tail]) == 130
     assert sent and "--resume" in capsys.readouterr().err
     with open(os.path.join(output, "checkpoints", "state.json")) as f:
         assert json.load(f)["step"] == 2
     monkeypatch.undo()
     # Without --resume the app refuses to overwrite the interrupted run.
-    assert train_sentiment.main([*SMALL_RUN, *tail]) == 2
+    assert train_sentiment.main([*TINY_RUN, *tail]) == 2
     assert "--resume" in capsys.readouterr().err
 
-    assert train_sentiment.main([*SMALL_RUN, *tail, "--resume"]) == 0
+    assert train_sentiment.main([*TINY_RUN, *tail, "--resume"]) == 0
     assert "step 2" in capsys.readouterr().out
     with open(os.path.join(output, "metrics.json")) as f:
         metrics = json.load(f)
