@@ -79,6 +79,7 @@ def generate(model, prompt, num_new):
     `prompt` `(B, P)` int32 ids, `num_new` an int32 scalar; returns `(B, P + num_new)`. A
     `tf.while_loop`, so the loop itself lives in a traced (and exported) function.
     """
+    prompt, num_new = _checked(model, prompt, num_new)
     batch, length = tf.shape(prompt)[0], tf.shape(prompt)[1]
     logits, cache = model.step(prompt, model.empty_cache(batch), tf.zeros([batch], tf.int32))
     first = tf.argmax(logits[:, -1], axis=-1, output_type=tf.int32)  # (B,)
@@ -94,6 +95,29 @@ def generate(model, prompt, num_new):
     )
     new = tf.reshape(tf.transpose(out.stack()), tf.stack([batch, num_new]))  # (B, num_new)
     return tf.concat([prompt, new], axis=1)
+
+
+def _checked(model, prompt, num_new):
+    """`prompt` and `num_new` as tensors, with `1 <= num_new` and `P + num_new <= max_length`:
+    past it the positions' embedding has no row and the cache no room. Checked now when the
+    values are known (eager), else when the traced function runs."""
+    prompt, num_new = tf.convert_to_tensor(prompt, tf.int32), tf.convert_to_tensor(num_new, tf.int32)
+    limit = model.max_length
+    if not tf.is_symbolic_tensor(prompt) and not tf.is_symbolic_tensor(num_new):
+        new, length = int(num_new), int(prompt.shape[1])
+        if new < 1 or length + new > limit:
+            raise ValueError(
+                f"`num_new` must be at least 1, and the prompt's {length} tokens plus `num_new` "
+                f"at most the model's max_length={limit}. Received: num_new={new}"
+            )
+        return prompt, num_new
+    message = f"`num_new` must be at least 1, and the prompt plus `num_new` at most {limit}"
+    checks = [
+        tf.debugging.assert_greater_equal(num_new, 1, message=message),
+        tf.debugging.assert_less_equal(tf.shape(prompt)[1] + num_new, limit, message=message),
+    ]
+    with tf.control_dependencies(checks):
+        return tf.identity(prompt), tf.identity(num_new)
 
 
 def export_generate(model, path):
@@ -136,8 +160,15 @@ def main(argv=None):
         parser.error(f"--steps must be at least 1. Received: {args.steps}")
     if not os.path.isfile(args.text):
         parser.error(f"--text must be a file. Received: {args.text}")
+    if args.num_new < 1:
+        parser.error(f"--num_new must be at least 1. Received: {args.num_new}")
     keras.utils.set_random_seed(args.seed)
     model = TinyLM()
+    if len(args.prompt.encode()) + args.num_new > model.max_length:
+        parser.error(
+            f"--prompt's {len(args.prompt.encode())} bytes plus --num_new must be at most "
+            f"{model.max_length}. Received: --num_new {args.num_new}"
+        )
     inputs, targets = byte_windows(open(args.text, "rb").read(), 64, 32 * args.steps, args.seed)
     model.compile(
         keras.optimizers.Adam(3e-3),

@@ -115,7 +115,10 @@ class ScaledDotProductAttention(keras.layers.Layer):
             Keras fills them from the inputs' implicit masks, for example from
             `keras.layers.Embedding(mask_zero=True)`.
         segment_ids: optional `(B, T)` integer ids of packed sequences, for a
-            `keras_sdpa.mods.document()` mask mod built without ids (self-attention).
+            `keras_sdpa.mods.document()` mask mod built without ids (self-attention,
+            so the keys' length is `T` too). With a `cache`, `(B, S)`: one id per cached
+            position. Sizes known while tracing are checked; inside a program whose
+            shapes are unknown, an id past the end is clamped by XLA.
         cache: optional key/value cache `(B, 2, S, K, H)` for generation, with
             keras-hub's `CachedMultiHeadAttention` contract: without
             `cache_update_index` the cached keys and values are used and the inputs'
@@ -124,7 +127,10 @@ class ScaledDotProductAttention(keras.layers.Layer):
         cache_update_index: where the new keys and values go: an int, or a `(B,)`
             integer tensor with one position per row (rows of different lengths). Query
             `i` of row `b` sits at `index[b] + i`: `use_causal_mask`, the window and the
-            mods count from there, so keys past a row's position are never read.
+            mods count from there, so keys past a row's position are never read. Each
+            index must be in `[0, S - T]`: checked for ints and eager tensors, and when a
+            graph runs; inside an XLA program (`jit_compile=True`) asserts are dropped
+            and a write past the end of the cache is lost.
 
     Returns:
         `(B, *dims_q, *output_shape)`, and the weights if
@@ -224,6 +230,7 @@ class ScaledDotProductAttention(keras.layers.Layer):
         ops.check_soft_cap(attn_logits_soft_cap)
         ops._check_mod("score_mod", score_mod)
         ops._check_mod("mask_mod", mask_mod)
+        mods.check_heads(score_mod, num_heads)
         self.num_heads = num_heads
         self.key_dim = key_dim
         self.value_dim = value_dim
@@ -380,12 +387,12 @@ class ScaledDotProductAttention(keras.layers.Layer):
     ):
         key = value if key is None else key
         self._check_call_inputs(query, value, key)
-        mask_mod = self._bound_mask_mod(segment_ids, query)
+        mask_mod = self._bound_mask_mod(segment_ids, query, key, cache)
         if cache is not None or cache_update_index is not None:
             return self._call_cached(
                 query, value, key, query_mask, value_mask, key_mask, attention_mask,
                 attention_bias, return_attention_scores, use_causal_mask, mask_mod, cache,
-                cache_update_index,
+                cache_update_index, training,
             )  # fmt: skip
         if return_attention_scores and self.flash_attention:
             raise ValueError(
@@ -451,6 +458,7 @@ class ScaledDotProductAttention(keras.layers.Layer):
     def _call_cached(
         self, query, value, key, query_mask, value_mask, key_mask, attention_mask,
         attention_bias, return_attention_scores, use_causal_mask, mask_mod, cache, index,
+        training,
     ):  # fmt: skip
         """keras-hub's `CachedMultiHeadAttention` contract, with per-row positions.
 
@@ -460,6 +468,8 @@ class ScaledDotProductAttention(keras.layers.Layer):
         or a `(B,)` tensor, one per row) and the updated cache is returned. Query `i` of row
         `b` sits at position `index[b] + i`: a causal mask, a window and the mods count from
         there (bottom-right alignment), so keys past a row's position are never read.
+        With `training` and a `dropout`, the attention weights are dropped as in the
+        uncached call.
         """
         if cache is None:
             raise ValueError(
@@ -516,6 +526,9 @@ class ScaledDotProductAttention(keras.layers.Layer):
         bias = None
         if attention_bias is not None:
             bias = tf.cast(attention_bias, self.compute_dtype)
+        seed = None
+        if training and self.dropout > 0:  # dropout as in the uncached call (keras-hub's too)
+            seed = _per_replica(self.seed_generator.next())
         result = ops.scaled_dot_product_attention(
             q,
             tf.cast(keys, q.dtype),
@@ -524,6 +537,9 @@ class ScaledDotProductAttention(keras.layers.Layer):
             bias=bias,
             attn_logits_soft_cap=self.attn_logits_soft_cap,
             scale=self.scale,
+            dropout_rate=self.dropout,
+            training=bool(training),
+            seed=seed,
             return_weights=return_attention_scores,
             # One new token against the cache: the core's decode path reads the cache in its
             # (B, S, K, H) layout, where the others would transpose a copy of it every token.
@@ -555,8 +571,13 @@ class ScaledDotProductAttention(keras.layers.Layer):
             return out, weights
         return out
 
-    def _bound_mask_mod(self, segment_ids, query):
-        """The mask mod of this call, holding `segment_ids` where it takes them."""
+    def _bound_mask_mod(self, segment_ids, query, key, cache):
+        """The mask mod of this call, holding `segment_ids` where it takes them.
+
+        The ids are gathered inside XLA, which clamps an index out of range, so their sizes
+        are checked here where they are known: `(B, T)` with `T` the query's and the key's
+        length, or with a cache `(B, S)`, one id per cached position.
+        """
         if segment_ids is None:
             return self.mask_mod
         if self.mask_mod is None or not mods.uses_segment_ids(self.mask_mod):
@@ -576,6 +597,20 @@ class ScaledDotProductAttention(keras.layers.Layer):
                 "`segment_ids` need rank-3 inputs (B, T, E), one sequence per row. "
                 f"Received: query.shape={tuple(query.shape)}"
             )
+        if cache is not None:
+            lengths = {"the cache's": tf.convert_to_tensor(cache).shape[2]}
+        else:
+            lengths = {"the query's": query.shape[1], "the key's": key.shape[1]}
+        for name, size in [("batch size", query.shape[0])] + [
+            (f"{whose} length", length) for whose, length in lengths.items()
+        ]:
+            axis = 0 if name == "batch size" else 1
+            if None not in (size, segment_ids.shape[axis]) and size != segment_ids.shape[axis]:
+                raise ValueError(
+                    f"`segment_ids` must have {name} {size} (one id per position: (B, T), or "
+                    "with a cache (B, S)). Received: segment_ids with shape "
+                    f"{tuple(segment_ids.shape)}"
+                )
         return mods._bind(self.mask_mod, segment_ids, None)
 
     @property
@@ -916,6 +951,26 @@ def _check_cache_index(index, batch, length, size):
             f"{index.dtype.name}"
         )
     index = tf.cast(index, tf.int32)
+    if None not in (length, size):
+        room = f"must leave room for the {length} new positions in a cache of {size}"
+        if not tf.is_symbolic_tensor(index):
+            values = index.numpy().reshape(-1)
+            if values.size and (values.min() < 0 or values.max() + length > size):
+                raise ValueError(
+                    f"`cache_update_index` {room}: each row's index in [0, {size - length}]. "
+                    f"Received: cache_update_index={index.numpy().tolist()}"
+                )
+        else:
+            # In a graph the values are known only when it runs: a graph raises there, while
+            # inside an XLA program (where asserts are dropped) a write past the end is lost.
+            checks = [
+                tf.debugging.assert_greater_equal(index, 0, message=f"`cache_update_index` {room}"),
+                tf.debugging.assert_less_equal(
+                    index, size - length, message=f"`cache_update_index` {room}"
+                ),
+            ]
+            with tf.control_dependencies(checks):
+                index = tf.identity(index)
     if index.shape.rank == 0:
         index = tf.fill(batch[None], index)
     return index

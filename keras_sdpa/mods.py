@@ -417,6 +417,13 @@ class RelativePositionBias(keras.layers.Layer):
                 f"Received: num_buckets={num_buckets}"
             )
         self.bidirectional = bool(bidirectional)
+        max_exact = (self.num_buckets // 2 if self.bidirectional else self.num_buckets) // 2
+        if self.max_distance <= max_exact:
+            raise ValueError(
+                f"`max_distance` must be above the {max_exact} distances that get exact buckets "
+                f"(num_buckets={self.num_buckets}, bidirectional={self.bidirectional}); the "
+                f"log buckets span the distances between. Received: max_distance={max_distance}"
+            )
         self.embeddings_initializer = keras.initializers.get(embeddings_initializer)
         self.table = self.add_weight(
             shape=(self.num_buckets, self.num_heads),
@@ -494,7 +501,7 @@ class WithTensors(Mod):
         )
 
     def _key(self):
-        return (type(self), self.fn, len(self.tensors))
+        return (type(self), _static_key(self.fn), len(self.tensors))
 
     def _tensors(self):
         return self.tensors
@@ -598,7 +605,33 @@ def join(template, tensors):
 
 
 def _static_key(mod):
-    return mod._key() if isinstance(mod, Mod) else mod
+    """What keys a trace for `mod`: a built-in mod's config; anything else by its identity.
+
+    A Keras layer's `repr` names only its class, name and built flag, so two loads of one
+    `.keras` file (or two models after `clear_session()`) would share one traced template and
+    read the first one's weights. The core keeps each template alive (`ops._TEMPLATES`), so
+    an `id` there is never reused.
+    """
+    if isinstance(mod, Mod):
+        return mod._key()
+    if mod is None:
+        return None
+    return (type(mod).__qualname__, "id", id(mod))
+
+
+def check_heads(mod, num_heads, name="score_mod"):
+    """Raises when a built-in mod made for a head count (`alibi(n)`,
+    `relative_position_bias(n)`) meets `num_heads` query heads: inside XLA its per-head
+    gather would clamp the heads past `n` to the last one."""
+    inner = getattr(mod, "inner_score", None)  # the layer's cache wraps its score mod
+    if inner is not None:
+        return check_heads(inner, num_heads, name)
+    heads = getattr(mod, "num_heads", None) if isinstance(mod, (Alibi, RelativePositionBias)) else None
+    if heads is not None and num_heads is not None and heads != num_heads:
+        raise ValueError(
+            f"`{name}` was made for {heads} heads and meets {num_heads} query heads. "
+            f"Received: {name}={mod!r} with num_heads={heads}"
+        )
 
 
 def uses_segment_ids(mod):

@@ -193,9 +193,10 @@ def scaled_dot_product_attention(
     check_soft_cap(attn_logits_soft_cap)
     _check_mod("score_mod", score_mod)
     _check_mod("mask_mod", mask_mod)
+    mods.check_heads(score_mod, query.shape[2])
     block_kinds = None
     if block_mask is not None:
-        block_kinds, chunk_size = _check_block_mask(block_mask, mask_mod, chunk_size)
+        block_kinds, chunk_size = _check_block_mask(block_mask, mask_mod, chunk_size, query, key)
     mask_mod, is_causal, sliding_window = _lower_mask_mod(mask_mod, is_causal, sliding_window)
     if mask_mod is None:
         block_kinds = None
@@ -203,6 +204,15 @@ def scaled_dot_product_attention(
         raise ValueError(
             '`implementation` must be "auto", "dense", "chunked" or "decode". '
             f"Received: implementation={implementation!r}"
+        )
+    if implementation == "decode" and is_causal and query.shape[1] != key.shape[1]:
+        # Keras aligns `is_causal` at the top left: a decode row would see key 0 alone.
+        raise ValueError(
+            '`is_causal=True` aligns query `t` with key `t` (top left, as Keras), so with '
+            '`implementation="decode"` a new token would read only the first keys. For '
+            "queries at the end of a cache use the layer's `cache_update_index`, or a `mask` "
+            "of the positions each query may read. Received: is_causal=True, "
+            f"implementation='decode', T={query.shape[1]}, S={key.shape[1]}"
         )
     if chunk_size is None:
         chunk_size = _default_chunk_size(sliding_window, mask_mod is not None or is_causal)
@@ -594,15 +604,16 @@ class BlockMask:
     0 for a block the mod empties, 1 for a partial block, 2 for a full one.
     """
 
-    def __init__(self, kinds, mask_mod, block_size):
+    def __init__(self, kinds, mask_mod, block_size, sizes=None):
         self.kinds = kinds
         self.mask_mod = mask_mod
         self.block_size = block_size
+        self.sizes = sizes  # {"B": …, "N": …, "T": …, "S": …}: the sizes it was made for
 
     def __repr__(self):
         return (
             f"BlockMask(kinds shape={tuple(self.kinds.shape)}, block_size={self.block_size}, "
-            f"mask_mod={self.mask_mod!r})"
+            f"sizes={self.sizes}, mask_mod={self.mask_mod!r})"
         )
 
 
@@ -639,7 +650,8 @@ def create_block_mask(mask_mod, B, N, T, S, block_size=None, num_kv_heads=None):
     kinds = _block_kinds_xla(
         tensors, template=template, B=B, N=N, K=num_kv_heads, T=T, S=S, C=block_size
     )
-    return BlockMask(kinds, mask_mod, block_size)
+    sizes = dict(B=B, N=N, T=T, S=S)
+    return BlockMask(kinds, mask_mod, block_size, sizes)
 
 
 def _block_kinds(tensors, *, template, B, N, K, T, S, C):
@@ -651,7 +663,7 @@ def _block_kinds(tensors, *, template, B, N, K, T, S, C):
 _block_kinds_xla = tf.function(_block_kinds, jit_compile=True, autograph=False)
 
 
-def _check_block_mask(block_mask, mask_mod, chunk_size):
+def _check_block_mask(block_mask, mask_mod, chunk_size, query, key):
     if not isinstance(block_mask, BlockMask):
         raise ValueError(
             "`block_mask` must be a BlockMask from keras_sdpa.create_block_mask. "
@@ -667,6 +679,18 @@ def _check_block_mask(block_mask, mask_mod, chunk_size):
             "`chunk_size` must equal the block mask's block size. Received: "
             f"chunk_size={chunk_size}, block_mask.block_size={block_mask.block_size}"
         )
+    # The kinds hold for the sizes they were made for: with others, the loops would skip
+    # blocks by a map of another batch, head count or length.
+    call = dict(B=query.shape[0], N=query.shape[2], T=query.shape[1], S=key.shape[1])
+    built = block_mask.sizes or {}
+    for name, size in call.items():
+        if size is not None and name in built and built[name] != size:
+            raise ValueError(
+                f"`block_mask` was made for {name}={built[name]} and this call has "
+                f"{name}={size}: make it with create_block_mask(mask_mod, B, N, T, S) of "
+                f"this call's sizes. Received: block_mask.sizes={built}, "
+                f"the call's sizes {call}"
+            )
     return block_mask.kinds, block_mask.block_size
 
 

@@ -4,6 +4,7 @@ Cached decoding is checked token by token against the same layer recomputing ful
 attention over the whole sequence, which shares none of the cache's code paths.
 """
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -182,3 +183,81 @@ def test_a_score_mods_tensors_are_those_of_its_own_layer_in_decode():
         out, _ = layer(x[:, 6:7], x[:, 6:7], use_causal_mask=True, cache=cache,
                        cache_update_index=6)  # fmt: skip
         np.testing.assert_allclose(out[:, 0], full[:, 6], atol=1e-5, err_msg=str(slope))
+
+
+def decoding_error(layer, x, prompt=4):
+    """The largest gap between cached decoding (a prompt, then one token a step) and the
+    layer's own full causal recomputation."""
+    full = layer(x, x, use_causal_mask=True)
+    out, cache = layer(x[:, :prompt], x[:, :prompt], use_causal_mask=True,
+                       cache=empty_cache(layer, x.shape[1]), cache_update_index=0)  # fmt: skip
+    gaps = [np.max(np.abs(out - full[:, :prompt]))]
+    for position in range(prompt, x.shape[1]):
+        token = x[:, position : position + 1]
+        out, cache = layer(token, token, use_causal_mask=True, cache=cache,
+                           cache_update_index=position)  # fmt: skip
+        gaps.append(np.max(np.abs(out[:, 0] - full[:, position])))
+    return max(gaps)
+
+
+def t5_layer(seed):
+    """A layer with a T5 bias of its own random table; every such mod has the same name."""
+    bias = mods.RelativePositionBias(4, 8, 16, bidirectional=False, name="t5")
+    bias.table.assign(np.random.default_rng(seed).normal(size=(8, 4)) * 3)
+    return layer_for("mha", score_mod=bias)
+
+
+def test_two_models_whose_t5_mods_share_a_name_decode_each_with_its_own_table():
+    """Trace keys name a mod held by the cache's positions by its identity, not its `repr`
+    (which holds only the name): with the name in the key, the second layer decoded with
+    the first one's table, up to 2.3 away from its own recomputation."""
+    x = sequences(6)[:, :10]
+    for seed in (0, 1):
+        assert decoding_error(t5_layer(seed), x) < 1e-5, seed
+
+
+def test_two_loads_of_one_saved_model_decode_each_with_its_own_weights(tmp_path):
+    """One `.keras` file loaded twice, the second load's table changed after loading: both
+    loads decode as their own full recomputation."""
+    path = str(tmp_path / "t5.keras")
+    inputs = keras.Input((10, E))
+    model = keras.Model(inputs, t5_layer(0)(inputs, inputs))
+    model.save(path)
+    x = sequences(7)[:, :10]
+    first, second = (keras.saving.load_model(path) for _ in range(2))
+    table = second.layers[-1].score_mod.table
+    table.assign(table + np.random.default_rng(3).normal(size=(8, 4)) * 3)
+    for model in (first, second):
+        assert decoding_error(model.layers[-1], x) < 1e-5
+
+
+def test_a_tensor_cache_index_past_the_end_is_refused():
+    """Only Python ints were checked: a tensor index past `S - t` made XLA drop the write.
+    Eager tensors are checked as ints are; a graph checks when it runs."""
+    layer = layer_for("mha")
+    x = sequences()[:, :2]
+    cache = empty_cache(layer)
+    with pytest.raises(ValueError, match=r"index in \[0, 10\]. Received: cache_update_index=\[11, 0, 0\]"):
+        layer(x, x, cache=cache, cache_update_index=tf.constant([11, 0, 0]))
+    with pytest.raises(ValueError, match=r"Received: cache_update_index=-1\b"):
+        layer(x, x, cache=cache, cache_update_index=tf.constant(-1))
+    step = tf.function(lambda x, cache, index: layer(x, x, cache=cache, cache_update_index=index))
+    with pytest.raises(tf.errors.InvalidArgumentError, match="must leave room for the 2 new"):
+        step(x, cache, tf.constant([3, 11, 0]))
+    step(x, cache, tf.constant([3, 10, 0]))
+
+
+def test_the_cached_call_drops_weights_in_training():
+    """With `dropout` and `training=True` the cached call drops attention weights as the
+    uncached call does (it ignored both): each draw differs, their mean is the inference
+    output (inverted dropout is unbiased), and the returned scores are the undropped ones."""
+    layer = layer_for("mha", dropout=0.5)
+    x = sequences(8)[:, :4]
+    kwargs = dict(use_causal_mask=True, cache=empty_cache(layer), cache_update_index=0)
+    want, scores, _ = layer(x, x, return_attention_scores=True, **kwargs)
+    draws = np.stack([layer(x, x, training=True, **kwargs)[0] for _ in range(400)])
+    assert np.abs(draws[0] - want).max() > 0.1 and np.abs(draws[0] - draws[1]).max() > 0.1
+    error = 5 * draws.std(0) / np.sqrt(len(draws))  # five standard errors of the mean
+    assert np.all(np.abs(draws.mean(0) - want) <= error + 1e-6)
+    _, dropped_scores, _ = layer(x, x, training=True, return_attention_scores=True, **kwargs)
+    np.testing.assert_allclose(dropped_scores, scores, atol=1e-6)

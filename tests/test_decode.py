@@ -39,6 +39,12 @@ FEATURES = {
 }
 
 
+def rows(spec):
+    """One query row; for the causal mask, as many rows as keys (its top-left alignment
+    reads key 0 alone for a single row, which the core refuses on this path)."""
+    return S if spec.get("is_causal") else 1
+
+
 def decode_call(q, k, v, spec):
     return scaled_dot_product_attention(
         q, k, v, spec.get("mask"), bias=spec.get("bias"), is_causal=spec.get("is_causal", False),
@@ -92,8 +98,8 @@ def test_dropout_runs_dense_with_the_same_keep_mask(decode_spy):
 @pytest.mark.parametrize("feature", list(FEATURES))
 @pytest.mark.parametrize("kv_heads", [N, K, 1], ids=["mha", "gqa", "mqa"])
 def test_forward_matches_numpy_reference(feature, kv_heads):
-    q, k, v = inputs(t=1, k=kv_heads)
     spec = FEATURES[feature]
+    q, k, v = inputs(t=rows(spec), k=kv_heads)
     want, _ = reference(q, k, v, **spec)
     np.testing.assert_allclose(decode_call(q, k, v, spec), want, atol=1e-10)
 
@@ -101,9 +107,9 @@ def test_forward_matches_numpy_reference(feature, kv_heads):
 @pytest.mark.default_cases("everything", "mask")
 @pytest.mark.parametrize("feature", list(FEATURES))
 def test_gradients_match_autodiff_of_the_formula(feature):
-    q, k, v = inputs(t=1, k=K)
     spec = FEATURES[feature]
-    c = tf.constant(np.random.default_rng(9).normal(size=(B, 1, N, HV)))
+    q, k, v = inputs(t=rows(spec), k=K)
+    c = tf.constant(np.random.default_rng(9).normal(size=(B, rows(spec), N, HV)))
     watched = [q, k, v] + ([spec["bias"]] if "bias" in spec else [])
     grads = []
     for attention in (lambda: decode_call(q, k, v, spec), lambda: autodiff_reference(
@@ -144,6 +150,14 @@ def test_mods_match_the_dense_path_forward_and_gradient(mod):
         results.append([out, *tape.gradient(loss, [q, k, v])])
     for name, a, b in zip(["out", "d_query", "d_key", "d_value"], *results):
         np.testing.assert_allclose(a, b, atol=1e-10, err_msg=name)
+
+
+def test_a_causal_decode_row_is_refused_not_aligned_to_key_0():
+    """`is_causal` is top-left aligned, as Keras's: on the decode path a single new row would
+    read key 0 alone, silently. It is refused, naming the cache's own positions instead."""
+    q, k, v = inputs(t=1, k=K)
+    with pytest.raises(ValueError, match=r"is_causal=True, implementation='decode', T=1, S=9"):
+        scaled_dot_product_attention(q, k, v, is_causal=True, implementation="decode")
 
 
 def test_a_bfloat16_cache_is_read_as_it_is_and_multiplied_in_float32():

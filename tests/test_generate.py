@@ -79,8 +79,23 @@ def test_cli_trains_generates_and_says_where_it_wrote(tmp_path, capsys):
 @pytest.mark.parametrize("argv, match", [
     (["--steps", "0"], "--steps must be at least 1. Received: 0"),
     (["--text", "no/such/file"], "--text must be a file. Received: no/such/file"),
+    (["--num_new", "0"], "--num_new must be at least 1. Received: 0"),
+    (["--num_new", "119"], "--prompt's 10 bytes plus --num_new must be at most 128"),
 ])  # fmt: skip
 def test_cli_rejects_bad_arguments(argv, match, capsys):
     with pytest.raises(SystemExit):
         app.main(argv)
     assert match in capsys.readouterr().err
+
+
+def test_lengths_past_the_model_are_refused(trained):
+    """Past `max_length` the positions' embedding has no row and the cache no room; `num_new`
+    below 1 has nothing to generate. Refused eagerly, and by the exported signature."""
+    model, prompt, path = trained  # max_length 48, prompts of 8
+    for num_new in (0, 41):
+        with pytest.raises(ValueError, match=rf"max_length=48. Received: num_new={num_new}"):
+            app.generate(model, tf.constant(prompt), num_new)
+    app.generate(model, tf.constant(prompt[:1]), 40)
+    generate = tf.saved_model.load(path).signatures["generate"]
+    with pytest.raises(tf.errors.InvalidArgumentError, match="at most 48"):
+        generate(prompt=tf.constant(prompt, tf.int32), num_new=tf.constant(41))

@@ -491,6 +491,12 @@ def test_a_shared_block_mask_gives_the_same_result_and_must_match_its_mod():
     np.testing.assert_array_equal(shared, own)
     with pytest.raises(ValueError, match="same `mask_mod`"):
         scaled_dot_product_attention(q, k, v, mask_mod=mods.causal(), block_mask=block_mask)
+    # Made for other sizes, its map would skip blocks of another batch or length.
+    for sizes, match in (((1, N, T, S), "made for B=1 and this call has B=2"),
+                         ((B, N, T, S + 3), "made for S=12 and this call has S=9")):  # fmt: skip
+        other = keras_sdpa.create_block_mask(mod, *sizes, block_size=CHUNK)
+        with pytest.raises(ValueError, match=match):
+            scaled_dot_product_attention(q, k, v, mask_mod=mod, block_mask=other)
     with pytest.raises(ValueError, match="chunk_size=4, block_mask.block_size=3"):
         scaled_dot_product_attention(
             q, k, v, mask_mod=mod, block_mask=block_mask, chunk_size=4
@@ -584,8 +590,13 @@ def test_bad_mod_arguments(kwargs, match):
         (lambda: mods.alibi(0), r"num_heads=0"),
         (lambda: mods.relative_position_bias(4, num_buckets=2), r"num_buckets=2"),
         (lambda: mods.and_masks(), r"needs at least one mask mod"),
+        # At max_distance == max_exact T5's log-bucket formula divides by log(1) = 0.
+        (lambda: mods.relative_position_bias(4, 8, 2), r"above the 2 distances .* max_distance=2"),
+        (lambda: mods.relative_position_bias(4, 8, 3, bidirectional=False),
+         r"above the 4 distances .* max_distance=3"),
     ],
-    ids=["window", "chunk", "prefix", "segments", "cap", "alibi", "buckets", "and_masks"],
+    ids=["window", "chunk", "prefix", "segments", "cap", "alibi", "buckets", "and_masks",
+         "max_distance", "max_distance_causal"],
 )
 def test_bad_mod_constructor_arguments(make, match):
     with pytest.raises(ValueError, match=match):
@@ -612,7 +623,7 @@ def test_layer_config_round_trips_built_ins_and_registered_functions():
     assert clone.mask_mod == layer.mask_mod
     assert clone.mask_mod.mask_mods[2] is every_other_key
     for mod in (mods.alibi(N), mods.soft_cap(3.0), mods.prefix_lm(2), mods.sliding_window(4)):
-        config = keras_sdpa.ScaledDotProductAttention(score_mod=mod).get_config()
+        config = keras_sdpa.ScaledDotProductAttention(num_heads=N, score_mod=mod).get_config()
         assert keras_sdpa.ScaledDotProductAttention.from_config(config).score_mod == mod
 
 
@@ -634,6 +645,33 @@ def test_segment_ids_need_a_document_mask():
     layer = keras_sdpa.ScaledDotProductAttention(num_heads=2, key_dim=4, mask_mod=mods.document())
     with pytest.raises(ValueError, match=r"`segment_ids` must be a \(B, T\) integer tensor"):
         layer(x, x, segment_ids=tf.zeros((B, T)))
+
+
+def test_segment_ids_of_another_size_are_refused():
+    """XLA clamps an id gathered past the end: ids of the wrong length used to mask by the
+    last id silently. With a cache they are one per cached position."""
+    layer = keras_sdpa.ScaledDotProductAttention(num_heads=2, key_dim=4, mask_mod=mods.document())
+    x = tf.random.normal((B, T, 8))
+    for shape, match in (((B, T - 2), f"the query's length {T}"), ((B + 1, T), f"batch size {B}")):
+        with pytest.raises(ValueError, match=match):
+            layer(x, x, segment_ids=tf.zeros(shape, tf.int32))
+    cache = tf.zeros((B, 2, 12, 2, 4))
+    with pytest.raises(ValueError, match=r"the cache's length 12.*shape \(2, 7\)"):
+        layer(x, x, segment_ids=tf.zeros((B, T), tf.int32), cache=cache, cache_update_index=0)
+    layer(x, x, segment_ids=tf.zeros((B, 12), tf.int32), cache=cache, cache_update_index=0)
+
+
+@pytest.mark.parametrize(
+    "mod", [mods.alibi(4), mods.relative_position_bias(8, 8, 16)], ids=["alibi", "t5"]
+)
+def test_a_mod_made_for_other_heads_is_refused(mod):
+    """A per-head gather past the mod's heads is clamped inside XLA (the last head's slope or
+    column, silently): the layer and the core refuse it."""
+    with pytest.raises(ValueError, match=r"made for \d heads and meets 6 query heads"):
+        keras_sdpa.ScaledDotProductAttention(num_heads=6, key_dim=4, score_mod=mod)
+    q, k, v = inputs(kv_heads=K)  # N = 6
+    with pytest.raises(ValueError, match="meets 6 query heads"):
+        scaled_dot_product_attention(q, k, v, score_mod=mod)
 
 
 def test_layer_with_mods_matches_keras_mha_with_the_same_weights_and_mask():
