@@ -1,6 +1,7 @@
 import atexit
 import os
 import shutil
+import sys
 import tempfile
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
@@ -78,10 +79,18 @@ def _seeded_by_test_name(request):
 
     Unseeded initializers draw from Keras's and NumPy's global state; under pytest-xdist the
     tests before one on its worker change from run to run, and with them its weights. Seeded
-    by the test's name, a test computes the same numbers in every run."""
-    import keras
+    by the test's name, a test computes the same numbers in every run. (A session whose
+    tests never import Keras, as test_conftest's own, does not pay for importing it here.)"""
+    import random
 
-    keras.utils.set_random_seed(zlib.crc32(request.node.nodeid.encode()) % (2**31))
+    import numpy as np
+
+    seed = zlib.crc32(request.node.nodeid.encode()) % (2**31)
+    if "keras" in sys.modules:
+        sys.modules["keras"].utils.set_random_seed(seed)  # Python's, NumPy's, TF's and Keras's
+    else:
+        random.seed(seed)
+        np.random.seed(seed)
 
 
 # The module groups, slowest first: each is one unit of work for one worker, so the longest

@@ -119,6 +119,7 @@ def test_metrics_are_what_the_model_measures(run, trained):
         assert len(f.readlines()) == 1 + len(history)
 
 
+@pytest.mark.large  # counts every pair (triple) of the 25,000 training reviews again
 def test_bigrams_are_the_most_frequent_pairs_in_train(run, trained):
     output, metrics = run
     model, vectorizer = trained
@@ -140,6 +141,7 @@ def test_bigrams_are_the_most_frequent_pairs_in_train(run, trained):
     assert max(count[k] for k in left_out.tolist()) <= kept[-1]
 
 
+@pytest.mark.large  # counts every pair (triple) of the 25,000 training reviews again
 def test_trigrams_are_the_most_frequent_triples_in_train(run, trained):
     output, metrics = run
     model, vectorizer = trained
@@ -573,6 +575,7 @@ def test_interrupt_then_resume_loses_nothing(run, tmp_path, capsys):
     )
 
 
+@pytest.mark.large  # interrupt and resume: two runs of the app (84 s of the default tier)
 def test_resume_after_an_interrupt_at_step_2_gives_the_uninterrupted_weights(
     request, tmp_path, monkeypatch, capsys
 ):

@@ -77,7 +77,7 @@ def test_plain():
 def _session(folder, *args):
     return subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:xdist",
-         "-o", "addopts=", "-rs", *args],
+         "-p", "no:hypothesispytest", "-o", "addopts=", "-rs", *args],
         capture_output=True, text=True, timeout=300, cwd=folder,
     )  # fmt: skip
 

@@ -273,7 +273,7 @@ def test_cli_errors(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
-@pytest.mark.default_cases("tiny")  # the shipped run on 30 reviews: large
+@pytest.mark.large  # the CLI's run per case (the tiny run's own report: the default tier)
 @pytest.mark.parametrize("which, examples", [("tiny", 8), ("shipped", 30)], ids=["tiny", "shipped"])
 def test_cli_writes_the_report_into_the_run_folder(which, examples, tmp_path, capsys, request):
     run = tmp_path / "run"  # a copy of the run folder, without its report

@@ -292,7 +292,7 @@ def test_serving_benchmark_rejects_a_count_below_one(flag):
     assert f"{flag} must be at least 1. Received: 0" in result.stderr.decode()
 
 
-@pytest.mark.default_cases("tiny")  # the shipped model, 700 reviews over its 7 buckets: large
+@pytest.mark.large  # a predictor process per case (test_app's CLI tests keep one by default)
 @pytest.mark.parametrize(
     "which, count, batch_size", [("tiny", 240, 32), ("committed", 700, 64)], ids=["tiny", "shipped"]
 )
