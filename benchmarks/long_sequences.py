@@ -34,7 +34,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from attention import _PeakSampler, _rss_mib  # noqa: E402
+from attention import _PeakSampler, _rss_mib, cpu_name  # noqa: E402
 
 B, E, N, H = 1, 256, 4, 64
 IMPLS = ["sdpa_chunked", "sdpa_dense", "keras_mha"]
@@ -285,7 +285,7 @@ def main(argv=None):
     section = (
         "## Long sequences\n\n"
         f"Produced by:\n\n    {command.strip()}\n\n"
-        f"One self-attention layer, forward plus backward, B={B}, E={E}, N={N}, H={H}, "
+        f"{cpu_name()}. One self-attention layer, forward plus backward, B={B}, E={E}, N={N}, H={H}, "
         f"chunk_size={args.chunk_size}. Times: {args.rounds} alternating rounds of the "
         f"implementations in one process, one call each a round after a warm-up call (median); "
         f"ratios are the median of the per-round ratios (range). Peak MiB: the most resident "

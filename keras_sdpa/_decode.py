@@ -14,11 +14,11 @@ bias, soft cap and mods are the dense path's (`_masking.py`), at the same positi
 gradient is TensorFlow's autodiff of this program: the path serves decoding, where
 training's `(T, S)` products belong to the dense and chunked paths.
 
-On 2 CPU cores, one decode step with keras-hub's `(B, S, K, H)` cache took 0.80 ms this way
-against 2.5 ms as two einsums (B=1, S=1,024, N=8, H=64), and splitting the keys into blocks
-whose partial outputs are summed after (flash-decoding's split-KV, which feeds a GPU's many
-cores) was 1.4-2.0x slower than one reduction: XLA's CPU reduction already splits the key
-axis across the cores.
+This layout was chosen over two einsums, and one reduction over the keys over splitting them
+into blocks whose partial outputs are summed after (flash-decoding's split-KV, which feeds a
+GPU's many cores): on 2 CPU cores XLA's reduction already splits the key axis across the
+cores. What it costs per token against keras-hub's layer is `benchmarks/decode.py`'s table in
+BENCHMARKS.md.
 """
 
 import tensorflow as tf

@@ -67,14 +67,29 @@ def test_installed_apps_import_each_other_under_their_new_name(wheel, tmp_path):
 
 
 def test_every_command_the_docs_show_is_a_module_with_a_main():
-    """`python -m apps.<name>` in the README and the pages, and every console script, name a
-    module that has a `main`: the commands survive the apps' regrouping."""
+    """`python -m apps.<name>` in the README, the pages and the runs' READMEs, and every
+    console script, name a module that has a `main`, and every `apps.…` path they name in
+    backquotes exists: the commands and the names survive the apps' regrouping."""
     pages = [os.path.join(ROOT, "README.md"), os.path.join(ROOT, "apps", "README.md")]
     pages += glob.glob(os.path.join(ROOT, "docs", "*.md"))
-    commands = set()
+    pages += glob.glob(os.path.join(ROOT, "saved_models", "**", "README.md"), recursive=True)
+    commands, names = set(), set()
     for page in pages:
         with open(page, encoding="utf-8") as f:
-            commands |= set(re.findall(r"python -m (apps(?:\.\w+)+)", f.read()))
+            text = f.read()
+        commands |= set(re.findall(r"python -m (apps(?:\.\w+)+)", text))
+        names |= set(re.findall(r"`(apps(?:\.\w+)+)`", text))
+    for name in sorted(names):  # the longest importable module, then its attributes
+        parts = name.split(".")
+        for cut in range(len(parts), 0, -1):
+            try:
+                found = importlib.import_module(".".join(parts[:cut]))
+                break
+            except ImportError:
+                continue
+        for attribute in parts[cut:]:
+            assert hasattr(found, attribute), f"{name} (named in the docs) does not exist"
+            found = getattr(found, attribute)
     assert {"apps.train_sentiment", "apps.predict", "apps.faithfulness", "apps.viewer"} <= commands
     with open(os.path.join(ROOT, "pyproject.toml"), encoding="utf-8") as f:
         scripts = re.search(r"\[project\.scripts\]\n(.*?)\n\n", f.read(), re.S).group(1)

@@ -73,6 +73,20 @@ def test_documentation_builds_strictly(tmp_path):
     assert "Generation with the key/value cache" in benchmarks  # BENCHMARKS.md, included
 
 
+def test_links_and_images_resolve_as_github_reads_them():
+    """Every relative link and image of the README, BENCHMARKS.md and the pages names a file
+    from the page's own folder, as GitHub resolves it (the site's build, above, checks the
+    same links through docs/hooks.py's rewriting); the benchmarks are linked as
+    `../BENCHMARKS.md`, never as the site's one-line `benchmarks.md` that includes it."""
+    for page in PAGES + [ROOT / "BENCHMARKS.md"]:
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            if re.match(r"[a-z]+:|#", target):
+                continue
+            path = (page.parent / target.split("#")[0]).resolve()
+            assert path.exists(), f"{page.relative_to(ROOT)} links {target}: no such file"
+            assert path != DOCS / "benchmarks.md", f"{page.relative_to(ROOT)} links {target}"
+
+
 def test_readme_table_figures_are_measured():
     """Each row of the README's "why" table quotes a figure from the file that holds it."""
     text = " ".join(README.read_text().split())
@@ -95,7 +109,7 @@ def test_readme_table_figures_are_measured():
     assert f"**{peaks['2']} MiB** peak against {peaks['8']} with 8" in text
     step = re.search(r"^\| sdpa_layer vs keras_mha \| 512 \| fwd_bwd \|.*?\*\*([\d.]+)\*\*",
                      section("attention-float32-jit"), re.M)[1]  # fmt: skip
-    assert f"**{step}x** Keras's layer, T=512" in text
+    assert f"**{step}x** Keras's layer, also compiled, T=512" in text
     metrics = json.loads((ROOT / "saved_models/imdb_sdpa/metrics.json").read_text())
     assert f"**{_percent(metrics['test_accuracy'])}** on IMDB's test split" in text
 
@@ -453,6 +467,110 @@ def test_faithfulness_table_is_the_committed_report():
     assert payload["source"]["examples"] == 1000 and payload["reviews"] == 1000
     card = (ROOT / "saved_models/imdb_sdpa/README.md").read_text()
     assert explain.markdown_table(payload) in card
+
+
+def test_benchmark_notes_quote_the_table_above_them():
+    """The Notes under BENCHMARKS.md's first table quote that table's ratios and rate, and
+    its machine."""
+    benchmarks = (ROOT / "BENCHMARKS.md").read_text()
+    table, notes = benchmarks.split("## Notes", 1)
+    rows = {
+        (pair, int(length), kind): (ratio, rate, share)
+        for pair, length, kind, ratio, rate, share in re.findall(
+            r"^\| (sdpa_\w+) vs \w+ \| (\d+) \| (fwd|fwd_bwd) \|.*?\*\*([\d.]+)\*\* \([^)]*\) \| "
+            r"([\d.]+) \| (\d+)% \|", table.split("<!--")[0], re.M,
+        )
+    }  # fmt: skip
+    assert len(rows) == 8, rows
+    text = " ".join(notes.split("What was tried")[0].split())
+    layer, core = "sdpa_layer", "sdpa_core"
+    assert ("AMD EPYC" in table.split("|")[0]) and "(AMD EPYC," in text
+    assert (f"forward alone the layer takes {rows[layer, 512, 'fwd'][0]}x "
+            f"`keras.layers.MultiHeadAttention`'s time at T=512 and "
+            f"{rows[layer, 2048, 'fwd'][0]}x at T=2048, forward plus backward "
+            f"{rows[layer, 512, 'fwd_bwd'][0]}x and {rows[layer, 2048, 'fwd_bwd'][0]}x") in text
+    assert (f"The core takes {rows[core, 512, 'fwd'][0]}x and {rows[core, 2048, 'fwd'][0]}x the "
+            f"time of `keras.ops.dot_product_attention` forward and "
+            f"{rows[core, 512, 'fwd_bwd'][0]}x and {rows[core, 2048, 'fwd_bwd'][0]}x forward plus "
+            f"backward; at T=2048 it runs forward plus backward at {rows[core, 2048, 'fwd_bwd'][1]} "
+            f"GFLOP/s, {rows[core, 2048, 'fwd_bwd'][2]}% of this machine's") in text
+
+
+def _attention_ratios(section):
+    """`{(pair, T, pass): "ratio (range)"}` of a `benchmarks/attention.py` table."""
+    return {
+        (pair, int(length), kind): f"{ratio} {spread}"
+        for pair, length, kind, ratio, spread in re.findall(
+            r"^\| (sdpa_\w+) vs \w+ \| (\d+) \| (fwd|fwd_bwd) \|.*?\*\*([\d.]+)\*\* (\([^)]*\))",
+            section, re.M,
+        )
+    }  # fmt: skip
+
+
+def test_speed_page_quotes_the_benchmarks():
+    """docs/speed.md's table is BENCHMARKS.md's float32 and `mixed_bfloat16` tables, its
+    compiled-step ratios the `--jit_compile` table's, and its app-step ratio the app-step
+    table's, each with the machine the table names."""
+    benchmarks = (ROOT / "BENCHMARKS.md").read_text()
+    page = (DOCS / "speed.md").read_text()
+    text = " ".join(page.split())
+
+    def section(name):
+        return benchmarks[benchmarks.index(f"<!-- {name}:start -->") :
+                          benchmarks.index(f"<!-- {name}:end -->")]  # fmt: skip
+
+    tables = {"float32": benchmarks.split("<!--")[0],
+              "mixed_bfloat16": section("attention-mixed_bfloat16")}  # fmt: skip
+    for policy, table in tables.items():
+        ratios = _attention_ratios(table)
+        for length in (512, 2048):
+            cells = [ratios[pair, length, kind] for pair in ("sdpa_core", "sdpa_layer")
+                     for kind in ("fwd", "fwd_bwd")]  # fmt: skip
+            assert f"| {policy}, {length} | " + " | ".join(cells) + " |" in page, (policy, length)
+    assert "AMD EPYC" in tables["float32"][:600] and "Intel(R) Xeon(R)" in tables["mixed_bfloat16"]
+    jit = section("attention-float32-jit")
+    compiled = _attention_ratios(jit)
+    machine = "AMD EPYC" if "AMD EPYC" in jit else "Intel Xeon"
+    layer_512 = compiled["sdpa_layer", 512, "fwd_bwd"].split()[0]
+    layer_2048 = compiled["sdpa_layer", 2048, "fwd_bwd"].split()[0]
+    assert (f"runs the layer at {layer_512}x the time of Keras's layer, both compiled, forward "
+            f"plus backward at T=512, and {layer_2048}x at T=2048 (BENCHMARKS.md, {machine})") in text
+    step = re.search(r"\*\*ratio\*\* \| \*\*([\d.]+)\*\* \(([\d.]+)-([\d.]+)\)", section("app-step"))
+    assert f"**{step[1]}x** Keras's step ({step[2]} to {step[3]} over 11 rounds" in text
+
+
+def test_development_page_quotes_the_tiers_as_measured():
+    """docs/development.md's tier times, counts and coverage are benchmarks/tiers.json's (which
+    `benchmarks/tiers.py` wrote), with its machine."""
+    tiers = json.loads((ROOT / "benchmarks" / "tiers.json").read_text())
+    text = " ".join((DOCS / "development.md").read_text().split())
+    default, large = tiers["default"], tiers["large"]
+    cpu = tiers["cpu"].split(",")[0]
+    assert (f"On a {tiers['cores']}-core {cpu} (`benchmarks/tiers.json`) the default tier "
+            f"collects {default['collected']} tests and runs in {default['seconds']} s "
+            f"({default['seconds_with_coverage']} s with coverage, as CI runs it: "
+            f"{default['coverage_percent']['keras_sdpa']:.0f}% of `keras_sdpa/`, "
+            f"{default['coverage_percent']['apps']:.0f}% of `apps/`); the large tier collects "
+            f"{large['collected']} and runs in {large['seconds']} s.") in text
+    assert default["collected"] + large["collected"] == tiers["collected"]
+
+
+def test_long_sequences_page_quotes_the_benchmarks():
+    """docs/long-sequences.md's memory and time figures are BENCHMARKS.md's long-sequence
+    table's, with its machine."""
+    benchmarks = (ROOT / "BENCHMARKS.md").read_text()
+    section = benchmarks[benchmarks.index("<!-- long-sequences:start -->") :
+                         benchmarks.index("<!-- long-sequences:end -->")]  # fmt: skip
+    rows = {int(line.split("|")[1]): [cell.strip() for cell in line.split("|")[2:-1]]
+            for line in section.splitlines() if re.match(r"\| \d+ \|", line)}  # fmt: skip
+    text = " ".join((DOCS / "long-sequences.md").read_text().split())
+    assert "AMD EPYC" in section and "On the AMD EPYC of that table" in text
+    most = max(int(row[5]) for row in rows.values())
+    assert f"at most **{most} MiB** at every length measured" in text
+    assert "ResourceExhaustedError" in rows[16384][1]
+    assert f"Keras's layer needs **{rows[16384][7]} MiB** there" in text
+    dense, keras = (re.match(r"\*\*([\d.]+)\*\*", rows[8192][i])[1] for i in (3, 4))
+    assert f"takes **{dense}x** the time of the dense path and **{keras}x** Keras's layer" in text
 
 
 def test_bucket_ratio_is_the_benchmarks():
