@@ -105,14 +105,22 @@ def _checked(model, prompt, num_new):
     limit = model.max_length
     if not tf.is_symbolic_tensor(prompt) and not tf.is_symbolic_tensor(num_new):
         new, length = int(num_new), int(prompt.shape[1])
+        if length < 1:
+            raise ValueError(
+                f"`prompt` must hold at least one token. Received: prompt.shape={tuple(prompt.shape)}"
+            )
         if new < 1 or length + new > limit:
             raise ValueError(
                 f"`num_new` must be at least 1, and the prompt's {length} tokens plus `num_new` "
                 f"at most the model's max_length={limit}. Received: num_new={new}"
             )
         return prompt, num_new
-    message = f"`num_new` must be at least 1, and the prompt plus `num_new` at most {limit}"
+    message = (
+        f"`prompt` must hold at least one token, `num_new` must be at least 1, and the prompt "
+        f"plus `num_new` at most {limit}"
+    )
     checks = [
+        tf.debugging.assert_greater_equal(tf.shape(prompt)[1], 1, message=message),
         tf.debugging.assert_greater_equal(num_new, 1, message=message),
         tf.debugging.assert_less_equal(tf.shape(prompt)[1] + num_new, limit, message=message),
     ]
@@ -160,6 +168,8 @@ def main(argv=None):
         parser.error(f"--steps must be at least 1. Received: {args.steps}")
     if not os.path.isfile(args.text):
         parser.error(f"--text must be a file. Received: {args.text}")
+    if not args.prompt:
+        parser.error("--prompt must hold at least one byte. Received: ''")
     if args.num_new < 1:
         parser.error(f"--num_new must be at least 1. Received: {args.num_new}")
     keras.utils.set_random_seed(args.seed)

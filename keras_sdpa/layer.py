@@ -598,7 +598,8 @@ class ScaledDotProductAttention(keras.layers.Layer):
                 f"Received: query.shape={tuple(query.shape)}"
             )
         if cache is not None:
-            lengths = {"the cache's": tf.convert_to_tensor(cache).shape[2]}
+            shape = tf.convert_to_tensor(cache).shape  # checked whole in `_call_cached`
+            lengths = {"the cache's": shape[2] if shape.rank == 5 else None}
         else:
             lengths = {"the query's": query.shape[1], "the key's": key.shape[1]}
         for name, size in [("batch size", query.shape[0])] + [

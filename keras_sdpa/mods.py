@@ -630,7 +630,7 @@ def check_heads(mod, num_heads, name="score_mod"):
     if heads is not None and num_heads is not None and heads != num_heads:
         raise ValueError(
             f"`{name}` was made for {heads} heads and meets {num_heads} query heads. "
-            f"Received: {name}={mod!r} with num_heads={heads}"
+            f"Received: {name}={type(mod).__name__}(num_heads={heads}), num_heads={num_heads}"
         )
 
 

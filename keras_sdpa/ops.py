@@ -140,7 +140,10 @@ def scaled_dot_product_attention(
             read the keys and values in their `(B, S, K, H)` layout, with no
             transposed copy. Its gradient is TensorFlow's autodiff, several times
             slower than the dense path's in training, so "auto" never picks
-            it; with dropout it runs dense.
+            it; with dropout it runs dense. With a causal mask (`is_causal` or
+            `mods.causal()`) and `T != S` it is refused: the mask's top-left
+            alignment would give a new token the first keys only (lengths unknown
+            while tracing are not checked).
         chunk_size: block size of the chunked path. Defaults to 2048, or with a
             `sliding_window` of `W` to the power of two at or above `W / 2`
             (at least 128), so that the skipped blocks are most of them, or to 512
@@ -197,6 +200,7 @@ def scaled_dot_product_attention(
     block_kinds = None
     if block_mask is not None:
         block_kinds, chunk_size = _check_block_mask(block_mask, mask_mod, chunk_size, query, key)
+    causal_by = "is_causal=True" if is_causal else f"mask_mod={mask_mod!r}"
     mask_mod, is_causal, sliding_window = _lower_mask_mod(mask_mod, is_causal, sliding_window)
     if mask_mod is None:
         block_kinds = None
@@ -205,14 +209,16 @@ def scaled_dot_product_attention(
             '`implementation` must be "auto", "dense", "chunked" or "decode". '
             f"Received: implementation={implementation!r}"
         )
-    if implementation == "decode" and is_causal and query.shape[1] != key.shape[1]:
-        # Keras aligns `is_causal` at the top left: a decode row would see key 0 alone.
+    lengths = (query.shape[1], key.shape[1])
+    if implementation == "decode" and is_causal and None not in lengths and lengths[0] != lengths[1]:
+        # Keras aligns the causal mask at the top left: a decode row would see key 0 alone.
+        # (With a length unknown while tracing this cannot be told; the docstring says so.)
         raise ValueError(
-            '`is_causal=True` aligns query `t` with key `t` (top left, as Keras), so with '
+            'A causal mask aligns query `t` with key `t` (top left, as Keras), so with '
             '`implementation="decode"` a new token would read only the first keys. For '
             "queries at the end of a cache use the layer's `cache_update_index`, or a `mask` "
-            "of the positions each query may read. Received: is_causal=True, "
-            f"implementation='decode', T={query.shape[1]}, S={key.shape[1]}"
+            f"of the positions each query may read. Received: {causal_by}, "
+            f"implementation='decode', T={lengths[0]}, S={lengths[1]}"
         )
     if chunk_size is None:
         chunk_size = _default_chunk_size(sliding_window, mask_mod is not None or is_causal)
@@ -627,10 +633,12 @@ def create_block_mask(mask_mod, B, N, T, S, block_size=None, num_kv_heads=None):
 
     Args:
         mask_mod: the mask mod, `(b, h, q_idx, kv_idx) -> bool`.
-        B: the batch size.
-        N: the number of query heads.
+        B: the batch size; 1 for a mask_mod that does not read `b`, which then holds
+            for any batch (as FlexAttention's `B=None`).
+        N: the number of query heads; 1 for a mask_mod that does not read `h`.
         T: the query length.
-        S: the key length.
+        S: the key length. A call with a `BlockMask` of other sizes (`B` and `N` but
+            for 1, `T`, `S`, known while tracing) is refused.
         block_size: the chunked path's block size. Defaults to the one it would use.
         num_kv_heads: key/value heads `K` (defaults to `N`); only the grouping matters.
 
@@ -684,6 +692,8 @@ def _check_block_mask(block_mask, mask_mod, chunk_size, query, key):
     call = dict(B=query.shape[0], N=query.shape[2], T=query.shape[1], S=key.shape[1])
     built = block_mask.sizes or {}
     for name, size in call.items():
+        if name in ("B", "N") and built.get(name) == 1:
+            continue  # made for one example (or head): held for all, as FlexAttention's B=None
         if size is not None and name in built and built[name] != size:
             raise ValueError(
                 f"`block_mask` was made for {name}={built[name]} and this call has "

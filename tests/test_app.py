@@ -518,7 +518,7 @@ def test_no_data_and_no_network_says_where_tfds_looked(tmp_path, monkeypatch, ca
     assert "Traceback" not in err
 
 
-@pytest.mark.large  # two app processes, one interrupted; the fast one is below
+@pytest.mark.large  # two app processes, one interrupted; the in-process form is below
 def test_interrupt_then_resume_loses_nothing(run, tmp_path, capsys):
     """SIGINT mid-epoch, then --resume: the same final weights as the uninterrupted run."""
     output = str(tmp_path / "imdb")
@@ -784,6 +784,49 @@ def test_monitor_and_weight_decay_flags_are_checked(capsys):
     with pytest.raises(SystemExit):
         train_sentiment.parse_args(["--weight_decay", "-0.1"])
     assert "weight_decay=-0.1" in capsys.readouterr().err
+
+
+def test_training_state_restores_weights_optimizer_and_dropout_draws(tmp_path):
+    """The default tier's check of what resuming reads back (the interrupted runs are large):
+    `TrainingState` saves every 2 steps; a fresh model restored from it has the weights, the
+    optimizer's step and moments, and the dropout seed states of the saved one, so one more
+    step on the same batch gives both the same weights (a missing seed state draws other
+    dropout masks)."""
+    x = np.random.default_rng(0).normal(size=(8, 6, 4)).astype("float32")
+    y = (x[:, 0, :1] > 0).astype("float32")
+
+    def build():
+        inputs = keras.Input((6, 4))
+        h = ScaledDotProductAttention(num_heads=2, key_dim=4, dropout=0.5, seed=1)(inputs, inputs)
+        out = keras.layers.Dense(1)(keras.layers.Dropout(0.5, seed=2)(h[:, 0]))
+        model = keras.Model(inputs, out)
+        model.compile(keras.optimizers.Adam(0.01), "mse")
+        return model
+
+    model = build()
+    state = train_sentiment.TrainingState(str(tmp_path / "checkpoints"), save_every=2)
+    model.fit(x, y, batch_size=2, epochs=1, verbose=0, callbacks=[state])  # 4 steps: saved at 4
+    with open(tmp_path / "checkpoints" / "state.json") as f:
+        assert json.load(f)["step"] == 4
+    restored = build()
+    restored.build((None, 6, 4))
+    restored.optimizer.build(restored.trainable_variables)
+    again = train_sentiment.TrainingState(str(tmp_path / "checkpoints"), save_every=2)
+    again.set_model(restored)
+    again.restore()
+    assert train_sentiment._step(restored) == 4
+    for name, a, b in (("weights", model.get_weights(), restored.get_weights()),
+                       ("optimizer", [v.numpy() for v in model.optimizer.variables],
+                        [v.numpy() for v in restored.optimizer.variables]),
+                       ("seeds", [v.numpy() for v in train_sentiment._seed_states(model)],
+                        [v.numpy() for v in train_sentiment._seed_states(restored)])):  # fmt: skip
+        assert len(a) == len(b) and len(a) > 0, name
+        for u, v in zip(a, b):
+            np.testing.assert_array_equal(u, v, err_msg=name)
+    for each in (model, restored):
+        each.train_on_batch(x[:2], y[:2])
+    for u, v in zip(model.get_weights(), restored.get_weights()):
+        np.testing.assert_allclose(u, v, atol=1e-6)
 
 
 def test_resume_refuses_a_different_run(tmp_path, capsys):

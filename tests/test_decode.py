@@ -158,6 +158,8 @@ def test_a_causal_decode_row_is_refused_not_aligned_to_key_0():
     q, k, v = inputs(t=1, k=K)
     with pytest.raises(ValueError, match=r"is_causal=True, implementation='decode', T=1, S=9"):
         scaled_dot_product_attention(q, k, v, is_causal=True, implementation="decode")
+    with pytest.raises(ValueError, match=r"mask_mod=Causal\(\), implementation='decode'"):
+        scaled_dot_product_attention(q, k, v, mask_mod=mods.causal(), implementation="decode")
 
 
 def test_a_bfloat16_cache_is_read_as_it_is_and_multiplied_in_float32():

@@ -80,6 +80,7 @@ def test_cli_trains_generates_and_says_where_it_wrote(tmp_path, capsys):
     (["--steps", "0"], "--steps must be at least 1. Received: 0"),
     (["--text", "no/such/file"], "--text must be a file. Received: no/such/file"),
     (["--num_new", "0"], "--num_new must be at least 1. Received: 0"),
+    (["--prompt", ""], "--prompt must hold at least one byte. Received: ''"),
     (["--num_new", "119"], "--prompt's 10 bytes plus --num_new must be at most 128"),
 ])  # fmt: skip
 def test_cli_rejects_bad_arguments(argv, match, capsys):
@@ -96,6 +97,9 @@ def test_lengths_past_the_model_are_refused(trained):
         with pytest.raises(ValueError, match=rf"max_length=48. Received: num_new={num_new}"):
             app.generate(model, tf.constant(prompt), num_new)
     app.generate(model, tf.constant(prompt[:1]), 40)
+    with pytest.raises(ValueError, match=r"`prompt` must hold at least one token. Received: "
+                                         r"prompt.shape=\(3, 0\)"):
+        app.generate(model, tf.constant(prompt[:, :0]), 5)
     generate = tf.saved_model.load(path).signatures["generate"]
     with pytest.raises(tf.errors.InvalidArgumentError, match="at most 48"):
         generate(prompt=tf.constant(prompt, tf.int32), num_new=tf.constant(41))

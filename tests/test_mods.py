@@ -492,11 +492,20 @@ def test_a_shared_block_mask_gives_the_same_result_and_must_match_its_mod():
     with pytest.raises(ValueError, match="same `mask_mod`"):
         scaled_dot_product_attention(q, k, v, mask_mod=mods.causal(), block_mask=block_mask)
     # Made for other sizes, its map would skip blocks of another batch or length.
-    for sizes, match in (((1, N, T, S), "made for B=1 and this call has B=2"),
+    for sizes, match in (((B + 1, N, T, S), "made for B=3 and this call has B=2"),
                          ((B, N, T, S + 3), "made for S=12 and this call has S=9")):  # fmt: skip
         other = keras_sdpa.create_block_mask(mod, *sizes, block_size=CHUNK)
         with pytest.raises(ValueError, match=match):
             scaled_dot_product_attention(q, k, v, mask_mod=mod, block_mask=other)
+    # Made for one example and one head, a mask that reads neither holds for all of them.
+    upper = make_mask("causal_function")
+    shared = keras_sdpa.create_block_mask(upper, 1, 1, T, S, block_size=CHUNK)
+    np.testing.assert_array_equal(
+        scaled_dot_product_attention(q, k, v, mask_mod=upper, block_mask=shared,
+                                     implementation="chunked"),
+        scaled_dot_product_attention(q, k, v, mask_mod=upper, implementation="chunked",
+                                     chunk_size=CHUNK),
+    )  # fmt: skip
     with pytest.raises(ValueError, match="chunk_size=4, block_mask.block_size=3"):
         scaled_dot_product_attention(
             q, k, v, mask_mod=mod, block_mask=block_mask, chunk_size=4
@@ -667,7 +676,8 @@ def test_segment_ids_of_another_size_are_refused():
 def test_a_mod_made_for_other_heads_is_refused(mod):
     """A per-head gather past the mod's heads is clamped inside XLA (the last head's slope or
     column, silently): the layer and the core refuse it."""
-    with pytest.raises(ValueError, match=r"made for \d heads and meets 6 query heads"):
+    with pytest.raises(ValueError, match=r"made for \d heads and meets 6 query heads. "
+                                         r"Received: score_mod=\w+\(num_heads=\d\), num_heads=6"):
         keras_sdpa.ScaledDotProductAttention(num_heads=6, key_dim=4, score_mod=mod)
     q, k, v = inputs(kv_heads=K)  # N = 6
     with pytest.raises(ValueError, match="meets 6 query heads"):

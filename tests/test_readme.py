@@ -509,8 +509,8 @@ def _attention_ratios(section):
 
 def test_speed_page_quotes_the_benchmarks():
     """docs/speed.md's table is BENCHMARKS.md's float32 and `mixed_bfloat16` tables, its
-    compiled-step ratios the `--jit_compile` table's, and its app-step ratio the app-step
-    table's, each with the machine the table names."""
+    compiled-step ratios the `--jit_compile` table's, its app-step ratio the app-step table's,
+    and its float32 range and matmul share the first table's, each with its machine."""
     benchmarks = (ROOT / "BENCHMARKS.md").read_text()
     page = (DOCS / "speed.md").read_text()
     text = " ".join(page.split())
@@ -537,6 +537,16 @@ def test_speed_page_quotes_the_benchmarks():
             f"plus backward at T=512, and {layer_2048}x at T=2048 (BENCHMARKS.md, {machine})") in text
     step = re.search(r"\*\*ratio\*\* \| \*\*([\d.]+)\*\* \(([\d.]+)-([\d.]+)\)", section("app-step"))
     assert f"**{step[1]}x** Keras's step ({step[2]} to {step[3]} over 11 rounds" in text
+    # (The app-step table names no machine; the notes below it do.)
+    assert f"is the table above: **{step[1]}** ({step[2]}-{step[3]}), on the same AMD EPYC" in (
+        " ".join(benchmarks.split())
+    )
+    layer = [float(r.split()[0]) for (pair, _, _), r in _attention_ratios(tables["float32"]).items()
+             if pair == "sdpa_layer"]  # fmt: skip
+    assert f"the layer takes {min(layer):.2f}x to {max(layer):.2f}x `MultiHeadAttention`'s" in text
+    share = re.search(r"^\| sdpa_core vs keras_ops \| 2048 \| fwd_bwd \|(?:[^|]*\|){4} (\d+)% \|",
+                      tables["float32"], re.M)[1]  # fmt: skip
+    assert f"at T=2048 it runs forward plus backward at {share}% of this machine's" in text
 
 
 def test_development_page_quotes_the_tiers_as_measured():
