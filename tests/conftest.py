@@ -170,6 +170,16 @@ def pytest_collection_modifyitems(config, items):
             if item.get_closest_marker("large"):
                 item.add_marker(skip)
 
+    # `benchmarks/tiers.py` times the tiers before it writes the file that one test reads: it
+    # names that test in this variable, which the sessions the tests start inherit (the
+    # Quickstart's check of the docs is one). Never set in CI.
+    unwritten = os.environ.get("KERAS_SDPA_DESELECT", "").split()
+    if unwritten:
+        left_out = [item for item in items if item.nodeid in unwritten]
+        if left_out:
+            config.hook.pytest_deselected(items=left_out)
+            items[:] = [item for item in items if item.nodeid not in unwritten]
+
     def rank(item):
         mark = item.get_closest_marker("xdist_group")
         group = (mark.args[0] if mark.args else mark.kwargs.get("name")) if mark else None
