@@ -200,7 +200,7 @@ def scaled_dot_product_attention(
     block_kinds = None
     if block_mask is not None:
         block_kinds, chunk_size = _check_block_mask(block_mask, mask_mod, chunk_size, query, key)
-    causal_by = "is_causal=True" if is_causal else f"mask_mod={mask_mod!r}"
+    given_causal, given_mask_mod = bool(is_causal), mask_mod  # for the decode check's message
     mask_mod, is_causal, sliding_window = _lower_mask_mod(mask_mod, is_causal, sliding_window)
     if mask_mod is None:
         block_kinds = None
@@ -213,6 +213,12 @@ def scaled_dot_product_attention(
     if implementation == "decode" and is_causal and None not in lengths and lengths[0] != lengths[1]:
         # Keras aligns the causal mask at the top left: a decode row would see key 0 alone.
         # (With a length unknown while tracing this cannot be told; the docstring says so.)
+        causal_by = "is_causal=True"
+        if not given_causal:
+            try:
+                causal_by = f"mask_mod={given_mask_mod!r}"
+            except ValueError:  # a mod whose config cannot be written (per-row tensors)
+                causal_by = f"mask_mod={type(given_mask_mod).__name__}(…)"
         raise ValueError(
             'A causal mask aligns query `t` with key `t` (top left, as Keras), so with '
             '`implementation="decode"` a new token would read only the first keys. For '
