@@ -597,15 +597,14 @@ class ScaledDotProductAttention(keras.layers.Layer):
                 "`segment_ids` need rank-3 inputs (B, T, E), one sequence per row. "
                 f"Received: query.shape={tuple(query.shape)}"
             )
+        expected = [("batch size", 0, query.shape[0])]
         if cache is not None:
             shape = tf.convert_to_tensor(cache).shape  # checked whole in `_call_cached`
-            lengths = {"the cache's": shape[2] if shape.rank == 5 else None}
+            expected.append(("the cache's length", 1, shape[2] if shape.rank == 5 else None))
         else:
-            lengths = {"the query's": query.shape[1], "the key's": key.shape[1]}
-        for name, size in [("batch size", query.shape[0])] + [
-            (f"{whose} length", length) for whose, length in lengths.items()
-        ]:
-            axis = 0 if name == "batch size" else 1
+            expected += [("the query's length", 1, query.shape[1]),
+                         ("the key's length", 1, key.shape[1])]  # fmt: skip
+        for name, axis, size in expected:
             if None not in (size, segment_ids.shape[axis]) and size != segment_ids.shape[axis]:
                 raise ValueError(
                     f"`segment_ids` must have {name} {size} (one id per position: (B, T), or "
@@ -955,11 +954,11 @@ def _check_cache_index(index, batch, length, size):
     if None not in (length, size):
         room = f"must leave room for the {length} new positions in a cache of {size}"
         if not tf.is_symbolic_tensor(index):
-            values = index.numpy().reshape(-1)
+            values = index.numpy()
             if values.size and (values.min() < 0 or values.max() + length > size):
                 raise ValueError(
                     f"`cache_update_index` {room}: each row's index in [0, {size - length}]. "
-                    f"Received: cache_update_index={index.numpy().tolist()}"
+                    f"Received: cache_update_index={values.tolist()}"
                 )
         else:
             # In a graph the values are known only when it runs: a graph raises there, while
