@@ -278,13 +278,18 @@ def test_compiled_classifier_in_steps_matches_the_model(length):
     step = int(model_lib.step_rows(length))
     assert step == {48: 32, 256: 8}[length]
     rng = np.random.default_rng(0)
-    for rows in (0, 1, step, step + 1, 3 * step + 2):
-        ids = rng.integers(1, 50, size=(rows, length)).astype("int32")
-        for row in range(rows):  # a length of its own each; row 0 has no token
-            ids[row, rng.integers(1, length + 1) if row else 0 :] = 0
-        expected = model.predict(ids, verbose=0).reshape(-1) if rows else np.zeros(0)
-        got = classify(tf.constant(ids)).numpy()
-        np.testing.assert_allclose(got, expected, atol=2e-6, rtol=0, err_msg=f"rows={rows}")
+    sizes = (0, 1, step, step + 1, 3 * step + 2)
+    starts = np.cumsum((0, *sizes))[:-1]
+    ids = rng.integers(1, 50, size=(sum(sizes), length)).astype("int32")
+    for row in range(len(ids)):  # a length of its own each; a batch's first row has no token
+        ids[row, 0 if row in starts else rng.integers(1, length + 1) :] = 0
+    # The reference: the Keras model on every row at once (one batch size, one trace).
+    expected = model.predict(ids, batch_size=len(ids), verbose=0).reshape(-1)
+    for rows, start in zip(sizes, starts):
+        got = classify(tf.constant(ids[start : start + rows])).numpy()
+        np.testing.assert_allclose(
+            got, expected[start : start + rows], atol=2e-6, rtol=0, err_msg=f"rows={rows}"
+        )
 
 
 def test_standardize_handles_markup_and_bad_bytes():

@@ -434,19 +434,33 @@ def visits(mask_mod, t, s, c, block_kinds=None):
     return tuple(int(x) for x in run(q, k)[1])
 
 
-def test_the_chunked_loop_visits_only_non_empty_blocks():
-    """A spy on the forward loop: with 8 equal segments only the 8 diagonal blocks of 8 x 8
-    are computed, all full, so the mod is never called in them; causal computes 36 of 64
-    and calls the mod on the 8 diagonal ones; without a mask_mod all 64."""
-    ids = tf.constant(np.repeat(np.arange(8), 16)[None])  # (1, 128)
-    assert visits(mods.document(ids), 128, 128, 16) == (8, 0)
-    assert visits(mods.causal(), 128, 128, 16) == (36, 8)
-    assert visits(None, 128, 128, 16) == (64, 64)
-    assert visits(mods.sliding_window(16), 128, 128, 16) == (8 + 2 * 7, 2 * 7)  # diagonal: full
-    unaligned = tf.constant(np.repeat(np.arange(11), 12)[None, :128])  # (1, 128): ragged
-    count, with_mod = visits(mods.document(unaligned), 128, 128, 16)
-    kinds = keras_sdpa.create_block_mask(mods.document(unaligned), 1, 1, 128, 128, 16).kinds
-    assert count == int(np.sum(kinds.numpy() > 0)) and with_mod == int(np.sum(kinds.numpy() == 1))
+def _unaligned_documents():
+    return tf.constant(np.repeat(np.arange(11), 12)[None, :128])  # (1, 128): ragged
+
+
+@pytest.mark.default_cases("document", "causal")
+@pytest.mark.parametrize(
+    "make, expected",
+    [
+        (lambda: mods.document(tf.constant(np.repeat(np.arange(8), 16)[None])), (8, 0)),
+        (mods.causal, (36, 8)),
+        (lambda: None, (64, 64)),
+        (lambda: mods.sliding_window(16), (8 + 2 * 7, 2 * 7)),  # the diagonal: full
+        (lambda: mods.document(_unaligned_documents()), None),  # from create_block_mask
+    ],
+    ids=["document", "causal", "none", "window", "unaligned_documents"],
+)
+def test_the_chunked_loop_visits_only_non_empty_blocks(make, expected):
+    """A spy on the forward loop, at T=S=128 in blocks of 16: with 8 equal segments only the
+    8 diagonal blocks of 8 x 8 are computed, all full, so the mod is never called in them;
+    causal computes 36 of 64 and calls the mod on the 8 diagonal ones; without a mask_mod
+    all 64; ragged segments visit what `create_block_mask` marks non-empty."""
+    mask_mod = make()
+    count, with_mod = visits(mask_mod, 128, 128, 16)
+    if expected is None:
+        kinds = keras_sdpa.create_block_mask(mask_mod, 1, 1, 128, 128, 16).kinds.numpy()
+        expected = (int(np.sum(kinds > 0)), int(np.sum(kinds == 1)))
+    assert (count, with_mod) == expected
 
 
 @pytest.mark.parametrize(
@@ -703,8 +717,8 @@ def test_layer_with_mods_matches_keras_mha_with_the_same_weights_and_mask():
 
 @pytest.fixture(scope="module")
 def t5_document_model(tmp_path_factory):
-    """A small model with a T5 bias and a document mask, trained by `fit`, saved to `.keras`
-    and exported as a SavedModel."""
+    """A small model with a T5 bias and a document mask, trained by `fit` and saved to
+    `.keras`."""
     length, width = 16, 16
     tokens = keras.Input((length,), dtype="int32", name="tokens")
     segments = keras.Input((length,), dtype="int32", name="segments")
@@ -725,13 +739,6 @@ def t5_document_model(tmp_path_factory):
     history = model.fit(data, target, epochs=3, batch_size=16, verbose=0)
     folder = tmp_path_factory.mktemp("t5_document")
     model.save(folder / "model.keras")
-    export = keras.export.ExportArchive()
-    export.track(model)
-    spec = tf.TensorSpec((None, length), tf.int32)
-    export.add_endpoint(
-        "serve", lambda t, s: model([t, s], training=False), input_signature=[spec, spec]
-    )
-    export.write_out(str(folder / "saved_model"))
     return model, attention, before, history, data, folder
 
 
@@ -754,6 +761,13 @@ def test_a_t5_document_model_reloads_from_keras_file(t5_document_model):
 @pytest.mark.large  # a process without this package; the layer's own: tests/test_layer.py
 def test_a_t5_document_model_serves_without_this_package(t5_document_model):
     model, _, _, _, data, folder = t5_document_model
+    export = keras.export.ExportArchive()
+    export.track(model)
+    spec = tf.TensorSpec((None, data[0].shape[1]), tf.int32)
+    export.add_endpoint(
+        "serve", lambda t, s: model([t, s], training=False), input_signature=[spec, spec]
+    )
+    export.write_out(str(folder / "saved_model"))
     np.save(folder / "tokens.npy", data[0][:8])
     np.save(folder / "segments.npy", data[1][:8])
     script = (
