@@ -101,13 +101,15 @@ def _checked(model, prompt, num_new):
     """`prompt` and `num_new` as tensors, with `1 <= num_new` and `P + num_new <= max_length`:
     past it the positions' embedding has no row and the cache no room. Checked now when the
     values are known (eager), else when the traced function runs."""
-    prompt, num_new = tf.convert_to_tensor(prompt, tf.int32), tf.convert_to_tensor(num_new, tf.int32)
+    prompt = tf.convert_to_tensor(prompt, tf.int32)
+    num_new = tf.convert_to_tensor(num_new, tf.int32)
     limit = model.max_length
     if not tf.is_symbolic_tensor(prompt) and not tf.is_symbolic_tensor(num_new):
         new, length = int(num_new), int(prompt.shape[1])
         if length < 1:
             raise ValueError(
-                f"`prompt` must hold at least one token. Received: prompt.shape={tuple(prompt.shape)}"
+                "`prompt` must hold at least one token. "
+                f"Received: prompt.shape={tuple(prompt.shape)}"
             )
         if new < 1 or length + new > limit:
             raise ValueError(

@@ -644,9 +644,10 @@ def step_rows(length, entries=CACHED_ENTRIES, most=MAX_STEP_ROWS):
     return rows
 
 
-def compiled_classifier(model):
+def compiled_classifier(model, log_odds=False):
     """`P(positive)` `(B,)` for token ids `(B, L)`, as `model` computes it at inference, with
-    everything after the embedding in one XLA program per shape.
+    everything after the embedding in one XLA program per shape; with `log_odds`, its
+    log-odds `z` (`P = sigmoid(z)`), exact where the probability rounds to 0 or 1.
 
     The embedding stays on TensorFlow's kernels (its word-pair lookup is a hash table, which
     XLA cannot compile); the blocks, the pooling and the head compile together, so XLA fuses
@@ -656,8 +657,10 @@ def compiled_classifier(model):
     """
     embedding = model.get_layer("embedding")
 
+    finish = tf.identity if log_odds else tf.sigmoid
+
     def rows_at_once(x, mask):
-        return tf.sigmoid(log_odds_from_embeddings(model, x, mask))  # (B,)
+        return finish(log_odds_from_embeddings(model, x, mask))  # (B,)
 
     def rows_in_steps(x, mask, step, steps):
         rows, length, width = tf.unstack(tf.shape(x))

@@ -11,8 +11,9 @@ Usage:
 Loads a TFDS text dataset (default `imdb_reviews`), carves a fixed-seed
 validation set out of train, trains with `model.fit` (progress bar with reviews/s,
 early stopping on `--monitor`, validation accuracy by default, a checkpoint every
-epoch and every `--save_every` steps), reports on the test split once at the end,
-and writes to `--output`:
+epoch and every `--save_every` steps), fits a temperature on the validation set so that
+the probabilities are calibrated (folded into the output layer: every export gives the
+calibrated probability), reports on the test split once at the end, and writes to `--output`:
 
     saved_model/         SavedModel; serving_default takes raw strings
     model.keras          the trained Keras model (token ids -> P(positive))
@@ -27,6 +28,7 @@ and writes to `--output`:
     attention.html       a self-contained viewer for the same
     attention_heatmaps.png
     faithfulness.json    the deletion tests of apps.faithfulness (and .md, .png)
+    calibration.png      the reliability diagram, before and after the temperature
     serving.json         serving_default's reviews/s and latency, measured after the export
     README.md            the model card, written from metrics.json
 
@@ -56,7 +58,7 @@ import tensorflow as tf  # noqa: E402
 from .. import cli  # noqa: E402
 from ..inspection import explain, faithfulness  # noqa: E402
 from ..serving import export  # noqa: E402
-from . import buckets, data, distribute  # noqa: E402
+from . import buckets, calibration, data, distribute, short_reviews  # noqa: E402
 from . import model as model_lib  # noqa: E402
 
 
@@ -295,6 +297,9 @@ def training_stream(ids, labels, batch_size, seed, start_step=0, window=BUCKET_W
     indices = tf.data.Dataset.counter().flat_map(one_pass).skip(start_step)  # (B,) each
     stream = _batches_cut_to_bucket(ids, labels, lengths, indices)
     return _shard_by_data(stream.prefetch(tf.data.AUTOTUNE))
+
+
+SHORT_REVIEWS = 2000  # test reviews that the short spans are cut from
 
 
 def eval_dataset(ids, labels, batch_size, limit=None):
@@ -792,19 +797,43 @@ def _fit(config, run, model, train_ids, train_labels, validation, steps_per_epoc
 
 def _report(config, output, model, inspector, vectorizer, splits, history, best_epoch,
             train_seconds, stopped, validation, distribution, argv, git_commit):  # fmt: skip
-    print("Evaluating the best epoch's weights on validation and test")
     steps = config.max_steps
     global_batch = distribution["global_batch_size"]
     limit = None if steps is None else steps * global_batch
+    print("Fitting the probabilities' temperature on the validation set")
+    validation_log_odds, validation_labels = _log_odds(model, validation)
+    temperature = calibration.fit_temperature(validation_log_odds, validation_labels)
+    calibration.fold_temperature(model, temperature)  # every export below is calibrated
+    print("Evaluating the best epoch's weights, calibrated, on validation and test")
     validation_loss, validation_accuracy = model.evaluate(validation, verbose=0)
     # Smoke runs evaluate the first `limit` test reviews: only those are tokenized.
     test_ids = data.vectorize(vectorizer, splits.test_text[:limit])
     test = eval_dataset(test_ids, splits.test_label[: len(test_ids)], global_batch, limit)
     test_loss, test_accuracy = model.evaluate(test, verbose=0)
+    # The folded model's log-odds are the trained model's divided by the temperature.
+    test_log_odds, test_labels = _log_odds(model, test)
+    calibrated = {
+        "temperature": temperature,
+        "fitted_on": "validation",
+        "bins": calibration.ECE_BINS,
+        "validation": {
+            "before": calibration.report(validation_log_odds, validation_labels),
+            "after": calibration.report(validation_log_odds, validation_labels, temperature),
+        },
+        "test": {
+            "before": calibration.report(test_log_odds * temperature, test_labels),
+            "after": calibration.report(test_log_odds, test_labels),
+        },
+    }
     num_test = len(test_ids)
     num_validation = len(splits.validation_label)
     if steps is not None:
         num_validation = min(num_validation, steps * global_batch)
+
+    by_length = _short_review_accuracy(
+        model, vectorizer, splits, min(SHORT_REVIEWS, limit or SHORT_REVIEWS), config.seed,
+        global_batch,
+    )  # fmt: skip
 
     paths = {}
     print("Exporting the SavedModel")
@@ -825,6 +854,9 @@ def _report(config, output, model, inspector, vectorizer, splits, history, best_
     if config.trigram_vocab_size:
         paths["trigrams"] = os.path.join(output, "trigrams.txt")
     paths["history"] = os.path.join(output, "history.csv")
+    paths["calibration"] = export.write_reliability_diagram(
+        calibrated, os.path.join(output, "calibration.png")
+    )
     paths["tensorboard"] = os.path.join(output, "logs")
     if history:
         paths["training_curves"] = export.write_training_curves(
@@ -894,6 +926,8 @@ def _report(config, output, model, inspector, vectorizer, splits, history, best_
         "train_seconds": round(train_seconds, 1),
         "parameters": int(model.count_params()),
         "export_max_abs_difference": max_difference,
+        "calibration": calibrated,
+        "short_reviews": by_length,
         "faithfulness": faithfulness_summary,
         "pooling_sharpness": sharpness,  # of the exported reviews' pooling weights
         "distribution": distribution,
@@ -916,15 +950,52 @@ def _report(config, output, model, inspector, vectorizer, splits, history, best_
     # The run is complete: its resumable state is no longer needed.
     shutil.rmtree(os.path.join(output, "checkpoints"), ignore_errors=True)
 
+    before, after = calibrated["test"]["before"], calibrated["test"]["after"]
     print(
         f"\ntest accuracy {test_accuracy:.4f} on {num_test} {splits.test_split} examples "
         f"(validation {validation_accuracy:.4f}); trained {train_seconds / 60:.1f} min, "
-        f"{len(history)} epochs"
+        f"{len(history)} epochs\n"
+        f"calibration: temperature {temperature:.3f} (fitted on validation); on test, ECE "
+        f"{before['ece']:.4f} -> {after['ece']:.4f}, log loss {before['log_loss']:.4f} -> "
+        f"{after['log_loss']:.4f}, Brier {before['brier']:.4f} -> {after['brier']:.4f}"
     )
     print("Wrote:")
     for name, path in paths.items():
         print(f"  {name:20s} {path}")
     return 0
+
+
+def _short_review_accuracy(model, vectorizer, splits, count, seed, batch_size):
+    """Accuracy by review length (`short_reviews.BUCKETS`) on spans cut from `count` test
+    reviews: what a person who types one sentence can expect."""
+    print(f"Reading spans of {count} test reviews: one sentence, 2-3, a paragraph, the whole")
+    buckets_ = []
+    for name, (texts, labels) in short_reviews.spans(
+        splits.test_text, splits.test_label, count, seed
+    ).items():
+        if not len(texts):
+            continue
+        ids = data.vectorize(vectorizer, texts)
+        log_odds, ordered = _log_odds(model, eval_dataset(ids, labels, batch_size))
+        buckets_.append(
+            {
+                "bucket": name,
+                "examples": len(labels),
+                "accuracy": float(np.mean((log_odds >= 0) == (ordered == 1))),
+                "median_words": int(np.median([len(t.split()) for t in texts])),
+            }
+        )
+    return {"split": splits.test_split, "reviews": count, "seed": seed, "buckets": buckets_}
+
+
+def _log_odds(model, dataset):
+    """The model's log-odds `(n,)` and the labels `(n,)` of an `eval_dataset`, in its order."""
+    classify = model_lib.compiled_classifier(model, log_odds=True)
+    log_odds, labels = [], []
+    for ids, label in dataset:
+        log_odds.append(classify(ids).numpy())
+        labels.append(label.numpy())
+    return np.concatenate(log_odds).astype("float64"), np.concatenate(labels).astype("int64")
 
 
 def _git_commit(output=None):
