@@ -59,7 +59,7 @@ EXPECTED_ARTIFACTS = {
     "attention_heatmaps.png", "attention.html", "attention.jsonl", "bigrams.txt", "trigrams.txt",
     "history.csv", "model.keras", "metrics.json", "README.md", "saved_model", "logs",
     "training_curves.png", "vocabulary.txt", "faithfulness.json", "faithfulness.md",
-    "faithfulness.png", "serving.json",
+    "faithfulness.png", "serving.json", "calibration.png",
 }  # fmt: skip
 
 
@@ -104,11 +104,15 @@ def _walk(layer):
         yield from _walk(child)
 
 
-def test_metrics_are_what_the_model_measures(run, trained):
+@pytest.fixture(scope="module")
+def splits(tiny_run):
+    return data.load_splits(seed=tiny_run[1]["config"]["seed"])
+
+
+def test_metrics_are_what_the_model_measures(run, trained, splits):
     """metrics.json's test accuracy is reproduced by evaluating the saved model anew."""
     output, metrics = run
     model, vectorizer = trained
-    splits = data.load_splits(seed=metrics["config"]["seed"])
     count = metrics["test_examples"]
     ids = data.vectorize(vectorizer, splits.test_text[:count])
     probability = model.predict(ids, batch_size=64, verbose=0)[:, 0]
@@ -117,6 +121,43 @@ def test_metrics_are_what_the_model_measures(run, trained):
     history = metrics["history"]
     with open(os.path.join(output, "history.csv")) as f:
         assert len(f.readlines()) == 1 + len(history)
+
+
+def test_probabilities_are_calibrated_on_validation_as_reported(run, splits):
+    """The SavedModel's probabilities. On the run's validation reviews, Keras's cross-entropy
+    is stationary at the temperature folded in (it was fitted there, never on test); on its
+    test reviews, ECE, log loss and Brier computed here are metrics.json's, after and before."""
+    from test_calibration import reference_ece, slope_in_log_temperature
+
+    output, metrics = run
+    calibrated = metrics["calibration"]
+    assert calibrated["fitted_on"] == "validation" and calibrated["bins"] == 15
+    serve = tf.saved_model.load(os.path.join(output, "saved_model")).signatures["serving_default"]
+
+    def log_odds(texts):
+        p = serve(text=tf.constant(texts))["probability"].numpy().astype("float64")
+        return np.log(p) - np.log1p(-p)
+
+    count = metrics["validation_examples"]
+    z = log_odds(splits.validation_text[:count])
+    assert abs(slope_in_log_temperature(z, splits.validation_label[:count], 1.0)) < 1e-5
+    count = metrics["test_examples"]
+    z, labels = log_odds(splits.test_text[:count]), splits.test_label[:count]
+    for when, scale in (("after", 1.0), ("before", calibrated["temperature"])):
+        figures = calibrated["test"][when]
+        p = 1 / (1 + np.exp(-scale * z))
+        assert figures["examples"] == count
+        np.testing.assert_allclose(figures["ece"], reference_ece(p, labels, 15), atol=1e-5)
+        log_loss = -np.mean(labels * np.log(p) + (1 - labels) * np.log(1 - p))
+        np.testing.assert_allclose(figures["log_loss"], log_loss, rtol=1e-5)
+        np.testing.assert_allclose(figures["brier"], np.mean((p - labels) ** 2), rtol=1e-5)
+    assert calibrated["test"]["after"]["accuracy"] == pytest.approx(metrics["test_accuracy"])
+    with open(os.path.join(output, "README.md")) as f:
+        card = f.read()
+    assert f"| {calibrated['test']['after']['ece']:.4f} |" in card
+    assert "![reliability diagram](calibration.png)" in card
+    for bucket in metrics["short_reviews"]["buckets"]:
+        assert f"| {bucket['bucket']} | {bucket['examples']:,} |" in card
 
 
 @pytest.mark.large  # counts every pair (triple) of the 25,000 training reviews again
@@ -392,13 +433,13 @@ def test_attention_export_matches_the_model(run, trained):
         assert "## Does the attention explain the prediction?" in f.read()
 
 
-def _predict(args, stdin=None):
+def _predict(args, stdin=None, env=None):
     return subprocess.run(
         [sys.executable, "-c",
          "import sys; from apps import predict; code = predict.main(sys.argv[1:]); "
          "assert 'keras_sdpa' not in sys.modules, 'predict imported keras_sdpa'; sys.exit(code)",
          *args],
-        input=stdin, capture_output=True, timeout=300, env=_env(), cwd=ROOT,
+        input=stdin, capture_output=True, timeout=300, env=env or _env(), cwd=ROOT,
     )  # fmt: skip
 
 
@@ -428,11 +469,18 @@ def test_predict_cli_answers_every_input(run):
     assert top and set(top) <= set(data.standardize(TEXTS[0]).numpy().decode().split() + ["[UNK]"])
 
 
-def test_predict_cli_text_arguments_and_errors(run, capsys):
+def test_predict_cli_text_arguments_and_errors(run, capsys, tmp_path):
     output, _ = run
-    result = _predict(["--model", output, TEXTS[0].decode(), TEXTS[1].decode()])
-    assert result.returncode == 0, result.stderr.decode()[-3000:]
-    assert len(result.stdout.decode().splitlines()) == 2
+    # A quiet terminal: answers on stdout and nothing on stderr, with an empty XLA cache of
+    # its own, then with the programs the first run left in it.
+    env = {**_env(), "TF_XLA_FLAGS": ""}  # not the session's cache
+    args = ["--model", output, "--xla_cache", str(tmp_path / "xla"), *(t.decode() for t in TEXTS)]
+    for attempt in ("empty cache", "programs cached"):
+        result = _predict(args, env=env)
+        assert result.returncode == 0, result.stderr.decode()[-3000:]
+        assert result.stderr == b"", (attempt, result.stderr.decode()[-3000:])
+        assert len(result.stdout.decode().splitlines()) == 2
+        assert list(tmp_path.glob("xla/tensorflow-*-cpu-*/*.pb")), "no program was cached"
     # The refusals come before the model loads: in this process (a process each took 7 s).
     capsys.readouterr()
     assert predict.main(["--model", os.path.join(output, "nope"), "text"]) == 2

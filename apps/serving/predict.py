@@ -23,19 +23,27 @@ weights). This module never imports keras_sdpa or Keras: the SavedModel written 
 import argparse
 import collections
 import concurrent.futures
+import contextlib
+import hashlib
+import importlib.metadata
 import itertools
 import json
 import multiprocessing
 import os
+import platform
 import sys
+import tempfile
 import time
 
 from ..sentiment import buckets
 
 DEFAULT_MODEL = "saved_models/imdb_sdpa"
 # XLA compiles the model once per review length bucket and batch shape; a persistent cache
-# keeps the programs for the next run (25,000 reviews: 21.0 s cold, 16.5 s with it; BENCHMARKS.md).
+# keeps the programs for the next run (25,000 reviews: 37.3 s cold, 27.8 s with it;
+# BENCHMARKS.md). Its programs are machine code for one CPU: `cache_folder` keeps one folder
+# per CPU and TensorFlow version under it.
 DEFAULT_XLA_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "keras_sdpa", "xla")
+NATIVE_LOG_LINES = 30  # of TensorFlow's own log, shown when the predictor fails
 BATCH_SIZE = 256  # measured: 32 reads at half the rate of 256 on 2 cores (BENCHMARKS.md)
 # Batches computed at once: one per core. A batch of one length bucket runs its row steps
 # on one core (apps.sentiment.model.compiled_classifier).
@@ -66,8 +74,32 @@ def load(path):
     return loaded, serve, inspect
 
 
+def _cpu():
+    """What the CPU is and can do: its model name and feature flags (Linux), else what
+    `platform` knows."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [line for line in f if line.startswith(("model name", "flags"))]
+        return "".join(sorted(set(lines)))
+    except OSError:
+        return f"{platform.machine()} {platform.processor()}"
+
+
+def cache_folder(root):
+    """`root/<TensorFlow version>-<CPU digest>`: XLA's cached programs are machine code for the
+    CPU that compiled them, so a home shared between machines never loads another CPU's (what
+    TensorFlow's "could lead to execution errors such as SIGILL" warning is about), and a new
+    TensorFlow never reads an old one's."""
+    try:
+        version = importlib.metadata.version("tensorflow")
+    except importlib.metadata.PackageNotFoundError:
+        version = "unknown"
+    digest = hashlib.sha256(_cpu().encode()).hexdigest()[:12]
+    return os.path.join(root, f"tensorflow-{version}-cpu-{digest}")
+
+
 def use_xla_cache(folder):
-    """Keeps XLA's compiled programs in `folder` across runs (TensorFlow's
+    """Keeps XLA's compiled programs in `cache_folder(folder)` across runs (TensorFlow's
     `--tf_xla_persistent_cache_directory`); before TensorFlow is imported, and not over a
     cache the caller already set in `TF_XLA_FLAGS`."""
     flags = os.environ.get("TF_XLA_FLAGS", "")
@@ -75,6 +107,7 @@ def use_xla_cache(folder):
         return
     if "tensorflow" in sys.modules:
         return  # too late: TensorFlow reads its flags once
+    folder = cache_folder(folder)
     try:
         os.makedirs(folder, exist_ok=True)
     except OSError:
@@ -248,11 +281,66 @@ def _format(result, width=60):
     return line
 
 
+@contextlib.contextmanager
+def native_log_set_aside(keep=False):
+    """TensorFlow's and XLA's C++ log lines go to a temporary file, not the terminal.
+
+    They are written straight to file descriptor 2 (TensorFlow 2.21 prints its start-up lines
+    whatever `TF_CPP_MIN_LOG_LEVEL` says, and its persistent XLA cache logs every entry it
+    loads), and absl's Python warnings follow them there. `sys.stderr` keeps the terminal
+    (a copy of the descriptor), so this program's own messages, progress and tracebacks still
+    show; absl's warnings below ERROR are dropped (loading the SavedModel warns that its
+    attention has no saved gradient, which serving never asks for). If the block raises,
+    the log's last `NATIVE_LOG_LINES` lines are printed first. With `keep`, nothing is set
+    aside."""
+    if keep:
+        yield
+        return
+    import logging
+
+    absl = logging.getLogger("absl")
+    level = absl.level
+    absl.setLevel(logging.ERROR)  # loading the SavedModel warns of what serving never does
+    previous = sys.stderr
+    previous.flush()
+    terminal = os.dup(2)
+    log = tempfile.TemporaryFile()
+    os.dup2(log.fileno(), 2)
+    if _descriptor(previous) == 2:  # else (a test's capture, a StringIO) it is not on fd 2
+        sys.stderr = open(
+            os.dup(terminal), "w", encoding=previous.encoding, errors="backslashreplace"
+        )
+    try:
+        yield
+    except BaseException:
+        log.seek(0)
+        lines = log.read().decode("utf-8", "replace").splitlines()[-NATIVE_LOG_LINES:]
+        if lines:
+            print("TensorFlow's log (the last lines):", *lines, sep="\n", file=sys.stderr)
+        raise
+    finally:
+        absl.setLevel(level)
+        sys.stderr.flush()
+        os.dup2(terminal, 2)
+        os.close(terminal)
+        if sys.stderr is not previous:
+            sys.stderr.close()
+            sys.stderr = previous
+        log.close()
+
+
+def _descriptor(stream):
+    try:
+        return stream.fileno()
+    except (AttributeError, OSError, ValueError):
+        return None  # io.UnsupportedOperation is an OSError and a ValueError
+
+
 class _Progress:
     """A one-line progress bar on stderr: reviews done, rate, time left."""
 
-    def __init__(self, total, stream=sys.stderr):
-        self.total, self.done, self.stream = total, 0, stream
+    def __init__(self, total, stream=None):
+        self.total, self.done, self.stream = total, 0, stream or sys.stderr
         self.started = time.perf_counter()
 
     def add(self, count):
@@ -288,6 +376,11 @@ def main(argv=None):
     parser = argparse.ArgumentParser(
         prog="python -m apps.predict",
         description="Classify raw reviews with a SavedModel from apps.train_sentiment.",
+        epilog="Each answer is the label, then the probability that the review is positive. "
+        "It is calibrated on reviews held out from training (a temperature, fitted after "
+        "training): of the reviews given about 0.8, about 80% are positive. A negative "
+        "label comes with a probability below 0.5. The model learned from long IMDB reviews "
+        "and reads one sentence less surely (its model card's 'Short reviews').",
     )
     parser.add_argument(
         "texts", nargs="*", help="reviews; none reads one review per line from --input or stdin"
@@ -309,7 +402,15 @@ def main(argv=None):
         default=DEFAULT_XLA_CACHE,
         help="folder for XLA's compiled programs, kept between runs ('' = none)",
     )
+    parser.add_argument(
+        "--tf_log", action="store_true", help="show TensorFlow's own log lines on stderr"
+    )
     args = parser.parse_args(argv)
+    with native_log_set_aside(keep=args.tf_log):
+        return _main(args)
+
+
+def _main(args):
     source = None
     try:
         if args.top_k < 0:
