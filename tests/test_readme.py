@@ -159,9 +159,10 @@ def test_shipped_run_is_the_quickstart_command_on_the_apps_defaults():
     assert metrics["command"] in (quickstart, quickstart + " --output saved_models/imdb_sdpa")
     defaults = dataclasses.asdict(train_sentiment.Config())
     assert metrics["config"].keys() == defaults.keys()
-    # Where it read the data and where it wrote: shipped with `--output saved_models/imdb_sdpa`.
+    # Where it read the data and where it wrote: shipped with `--output saved_models/imdb_sdpa`,
+    # or (this model) written to the default `runs/imdb_sdpa` and its files copied over.
     assert {k for k, v in defaults.items() if metrics["config"][k] != v} <= {"data_dir", "output"}
-    assert metrics["config"]["output"] == "saved_models/imdb_sdpa"
+    assert metrics["config"]["output"] in ("saved_models/imdb_sdpa", "runs/imdb_sdpa")
     # The command, parsed by today's app, asks for the configuration the run recorded.
     parsed = train_sentiment.parse_args(shlex.split(quickstart)[3:])
     assert dataclasses.asdict(parsed) == {**metrics["config"], "output": "runs/imdb_sdpa"}
@@ -206,7 +207,10 @@ def test_readme_quotes_the_default_configurations_seeds_and_the_shipped_run_is_s
     # The same reviews right and wrong; the losses agree to float32 round-off across CPUs.
     for key in ("test_accuracy", "validation_accuracy", "parameters"):
         assert shipped[key] == runs[0][key], key
-    assert shipped["test_loss"] == pytest.approx(runs[0]["test_loss"], abs=1e-5)
+    # The shipped run is calibrated (its test_loss is the calibrated model's); before the
+    # temperature, its test loss is the seed's.
+    before = shipped["calibration"]["test"]["before"]["log_loss"]
+    assert before == pytest.approx(runs[0]["test_loss"], abs=1e-5)
 
 
 def test_experiment_table_matches_its_metrics_files():
@@ -659,3 +663,29 @@ def test_decode_figures_are_the_benchmarks():
     assert f"the cache is **{faster}x faster**" in text
     assert f"peak {peaks['2']} MiB against {peaks['8']}" in text
 
+
+
+def test_app_page_quotes_the_shipped_calibration_and_short_reviews():
+    """docs/app.md's calibration and short-review figures are the shipped metrics.json's."""
+    metrics = json.loads((ROOT / "saved_models/imdb_sdpa/metrics.json").read_text())
+    text = " ".join((ROOT / "docs/app.md").read_text().split())
+    calibrated = metrics["calibration"]
+    before, after = calibrated["test"]["before"], calibrated["test"]["after"]
+    assert calibrated["fitted_on"] == "validation" and calibrated["bins"] == 15
+    assert (
+        f"The shipped run's `T` is {calibrated['temperature']:.3f}. On the test split, expected "
+        f"calibration error (15 bins) goes from {before['ece']:.4f} to **{after['ece']:.4f}**, "
+        f"the log loss from {before['log_loss']:.4f} to {after['log_loss']:.4f}, and the Brier "
+        f"score from {before['brier']:.4f} to {after['brier']:.4f}"
+    ) in text
+    assert "(../saved_models/imdb_sdpa/calibration.png)" in text
+    short = metrics["short_reviews"]
+    assert f"Spans cut from {short['reviews']:,} test reviews (seed {short['seed']})" in text
+    for bucket in short["buckets"]:
+        row = (
+            f"| {bucket['bucket']} | {bucket['examples']:,} | {bucket['median_words']} "
+            f"| {_percent(bucket['accuracy'])} |"
+        )
+        assert row in text
+    gap = 100 * (short["buckets"][-1]["accuracy"] - short["buckets"][0]["accuracy"])
+    assert f"One sentence reads {gap:.1f} points below the whole review" in text
