@@ -100,7 +100,8 @@ def export_saved_model(model, inspector, vectorizer, path, buckets=LENGTH_BUCKET
 
     Both signatures take `text`, a `tf.string` batch `[None]` of raw reviews.
 
-    `serving_default(text)` returns `probability` `(B,)` float32 P(positive), `label` `(B,)`
+    `serving_default(text)` returns `probability` `(B,)` float32 P(positive) (calibrated when
+    the model's temperature was folded in, as the app does), `label` `(B,)`
     int32 0/1 and `length` `(B,)` int32, the number of tokens read (0: no known word).
     Each review is computed at the shortest of `buckets` that holds it (`classify_by_length`).
 
