@@ -518,6 +518,7 @@ def test_predict_cli_text_arguments_and_errors(run, capsys, tmp_path):
         (["--pooling_scale", "0"], "pooling_scale=0.0"),
         (["--pooling_values", "sum"], "pooling_values='sum'"),
         (["--ngram_dim", "0"], "ngram_dim=0"),
+        (["--short_spans", "1.5"], "short_spans=1.5"),
     ],
     ids=[
         "heads",
@@ -534,6 +535,7 @@ def test_predict_cli_text_arguments_and_errors(run, capsys, tmp_path):
         "pooling_scale",
         "pooling_values",
         "ngram_dim",
+        "short_spans",
     ],
 )
 def test_train_rejects_bad_flags_with_argparse_errors(flags, match, tmp_path, capsys):

@@ -153,15 +153,23 @@ def test_scores_come_back_with_the_cache():
 @pytest.mark.parametrize(
     "call, match",
     [
-        (lambda layer, x: layer(x, x, cache_update_index=0),
-         "`cache_update_index` needs a `cache`"),
-        (lambda layer, x: layer(x, x, cache=tf.zeros((B, 2, L, 2, H)), cache_update_index=0),
-         r"`cache` must be \(B, 2, S, K, H\) with K = num_key_value_heads = 4"),
-        (lambda layer, x: layer(x, x, cache=tf.zeros((B, L, 4, H)), cache_update_index=0),
-         r"Received: cache.shape=\(3, 12, 4, 4\)"),
-        (lambda layer, x: layer(x, x, cache=tf.zeros((B, 2, L, 4, H)), cache_update_index=11),
-         "must leave room for the 2 new positions in a cache of 12. "
-         "Received: cache_update_index=11"),
+        (
+            lambda layer, x: layer(x, x, cache_update_index=0),
+            "`cache_update_index` needs a `cache`",
+        ),
+        (
+            lambda layer, x: layer(x, x, cache=tf.zeros((B, 2, L, 2, H)), cache_update_index=0),
+            r"`cache` must be \(B, 2, S, K, H\) with K = num_key_value_heads = 4",
+        ),
+        (
+            lambda layer, x: layer(x, x, cache=tf.zeros((B, L, 4, H)), cache_update_index=0),
+            r"Received: cache.shape=\(3, 12, 4, 4\)",
+        ),
+        (
+            lambda layer, x: layer(x, x, cache=tf.zeros((B, 2, L, 4, H)), cache_update_index=11),
+            "must leave room for the 2 new positions in a cache of 12. "
+            "Received: cache_update_index=11",
+        ),
     ],
     ids=["index_without_cache", "head_count", "cache_rank", "index_past_the_cache"],
 )
@@ -237,7 +245,8 @@ def test_a_tensor_cache_index_past_the_end_is_refused():
     layer = layer_for("mha")
     x = sequences()[:, :2]
     cache = empty_cache(layer)
-    with pytest.raises(ValueError, match=r"index in \[0, 10\]. Received: cache_update_index=\[11, 0, 0\]"):
+    message = r"index in \[0, 10\]. Received: cache_update_index=\[11, 0, 0\]"
+    with pytest.raises(ValueError, match=message):
         layer(x, x, cache=cache, cache_update_index=tf.constant([11, 0, 0]))
     with pytest.raises(ValueError, match=r"Received: cache_update_index=-1\b"):
         layer(x, x, cache=cache, cache_update_index=tf.constant(-1))

@@ -152,6 +152,21 @@ def test_spans_hold_what_their_bucket_names():
         short_reviews.spans(texts, [1, 0, 1], count=0, seed=0)
 
 
+def test_training_spans_are_one_to_three_sentences_of_the_chosen_reviews():
+    texts = [f"Review {i} starts. It {i} goes. Then {i} more. End {i}.".encode() for i in range(40)]
+    labels = np.arange(40) % 2
+    got, got_labels = short_reviews.training_spans(texts, labels, 0.5, seed=3)
+    assert len(got) == 20
+    for span, label in zip(got, got_labels):
+        owner = [i for i, t in enumerate(texts) if span in t]
+        assert len(owner) == 1 and label == labels[owner[0]]
+        assert 1 <= len(short_reviews.sentences(span)) <= 3
+    assert len(set(got)) > 5  # drawn at random, not the first sentence each time
+    assert len(short_reviews.training_spans(texts, labels, 0.0, seed=3)[0]) == 0
+    with pytest.raises(ValueError, match="fraction=1.5"):
+        short_reviews.training_spans(texts, labels, 1.5, seed=3)
+
+
 @pytest.mark.large  # the shipped SavedModel on the 25,000 test reviews
 def test_the_shipped_saved_model_is_calibrated_on_test():
     """ECE computed here, on what the shipped SavedModel serves, is at most 0.015 and is the

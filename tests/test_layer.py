@@ -193,7 +193,8 @@ def test_keras_file_round_trip(tmp_path):
     )
 
 
-@pytest.mark.large  # a process without this package (export and reload in this one: test_layer_features)
+# A process without this package (export and reload in this one: test_layer_features).
+@pytest.mark.large
 def test_saved_model_export_loads_without_keras_sdpa(tmp_path):
     model = small_model()
     path = str(tmp_path / "exported")

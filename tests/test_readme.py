@@ -99,8 +99,12 @@ def test_readme_table_figures_are_measured():
     long_row = re.search(r"^\| 8192 \|(.*)$", section("long-sequences"), flags=re.M)[1].split("|")
     chunked_mib, keras_mib = long_row[5].strip(), long_row[7].strip()
     assert f"peak **{chunked_mib} MiB** against Keras's {keras_mib}" in text
-    document = re.search(r"^\| `document` \(8 segments\) vs no mask, chunked \| 8192 \| "
-                         r"[\d.]+ \| [\d.]+ \| \*\*([\d.]+)\*\*", section("mods"), re.M)[1]
+    document = re.search(
+        r"^\| `document` \(8 segments\) vs no mask, chunked \| 8192 \| "
+        r"[\d.]+ \| [\d.]+ \| \*\*([\d.]+)\*\*",
+        section("mods"),
+        re.M,
+    )[1]
     assert f"**{document}x** the unmasked time at T=8,192" in text
     decode = section("decode")
     per_token = re.search(r"^\| 8 \| 8192 \| [\d.]+ \| [\d.]+ \| \*\*([\d.]+)\*\*", decode, re.M)[1]
@@ -489,15 +493,20 @@ def test_benchmark_notes_quote_the_table_above_them():
     text = " ".join(notes.split("What was tried")[0].split())
     layer, core = "sdpa_layer", "sdpa_core"
     assert ("AMD EPYC" in table.split("|")[0]) and "(AMD EPYC," in text
-    assert (f"forward alone the layer takes {rows[layer, 512, 'fwd'][0]}x "
-            f"`keras.layers.MultiHeadAttention`'s time at T=512 and "
-            f"{rows[layer, 2048, 'fwd'][0]}x at T=2048, forward plus backward "
-            f"{rows[layer, 512, 'fwd_bwd'][0]}x and {rows[layer, 2048, 'fwd_bwd'][0]}x") in text
-    assert (f"The core takes {rows[core, 512, 'fwd'][0]}x and {rows[core, 2048, 'fwd'][0]}x the "
-            f"time of `keras.ops.dot_product_attention` forward and "
-            f"{rows[core, 512, 'fwd_bwd'][0]}x and {rows[core, 2048, 'fwd_bwd'][0]}x forward plus "
-            f"backward; at T=2048 it runs forward plus backward at {rows[core, 2048, 'fwd_bwd'][1]} "
-            f"GFLOP/s, {rows[core, 2048, 'fwd_bwd'][2]}% of this machine's") in text
+    assert (
+        f"forward alone the layer takes {rows[layer, 512, 'fwd'][0]}x "
+        f"`keras.layers.MultiHeadAttention`'s time at T=512 and "
+        f"{rows[layer, 2048, 'fwd'][0]}x at T=2048, forward plus backward "
+        f"{rows[layer, 512, 'fwd_bwd'][0]}x and {rows[layer, 2048, 'fwd_bwd'][0]}x"
+    ) in text
+    assert (
+        f"The core takes {rows[core, 512, 'fwd'][0]}x and {rows[core, 2048, 'fwd'][0]}x the "
+        f"time of `keras.ops.dot_product_attention` forward and "
+        f"{rows[core, 512, 'fwd_bwd'][0]}x and {rows[core, 2048, 'fwd_bwd'][0]}x forward plus "
+        f"backward; at T=2048 it runs forward plus backward at "
+        f"{rows[core, 2048, 'fwd_bwd'][1]} GFLOP/s, {rows[core, 2048, 'fwd_bwd'][2]}% of "
+        f"this machine's"
+    ) in text
 
 
 def _attention_ratios(section):
@@ -537,9 +546,13 @@ def test_speed_page_quotes_the_benchmarks():
     machine = "AMD EPYC" if "AMD EPYC" in jit else "Intel Xeon"
     layer_512 = compiled["sdpa_layer", 512, "fwd_bwd"].split()[0]
     layer_2048 = compiled["sdpa_layer", 2048, "fwd_bwd"].split()[0]
-    assert (f"runs the layer at {layer_512}x the time of Keras's layer, both compiled, forward "
-            f"plus backward at T=512, and {layer_2048}x at T=2048 (BENCHMARKS.md, {machine})") in text
-    step = re.search(r"\*\*ratio\*\* \| \*\*([\d.]+)\*\* \(([\d.]+)-([\d.]+)\)", section("app-step"))
+    assert (
+        f"runs the layer at {layer_512}x the time of Keras's layer, both compiled, forward "
+        f"plus backward at T=512, and {layer_2048}x at T=2048 "
+        f"(BENCHMARKS.md, {machine})"
+    ) in text
+    ratio = r"\*\*ratio\*\* \| \*\*([\d.]+)\*\* \(([\d.]+)-([\d.]+)\)"
+    step = re.search(ratio, section("app-step"))
     assert f"**{step[1]}x** Keras's step ({step[2]} to {step[3]} over 11 rounds" in text
     # (The app-step table names no machine; the notes below it do.)
     assert f"is the table above: **{step[1]}** ({step[2]}-{step[3]}), on the same AMD EPYC" in (
@@ -560,12 +573,14 @@ def test_development_page_quotes_the_tiers_as_measured():
     text = " ".join((DOCS / "development.md").read_text().split())
     default, large = tiers["default"], tiers["large"]
     cpu = tiers["cpu"].split(",")[0]
-    assert (f"On a {tiers['cores']}-core {cpu} (`benchmarks/tiers.json`) the default tier "
-            f"collects {default['collected']} tests and runs in {default['seconds']} s "
-            f"({default['seconds_with_coverage']} s with coverage, as CI runs it: "
-            f"{default['coverage_percent']['keras_sdpa']:.0f}% of `keras_sdpa/`, "
-            f"{default['coverage_percent']['apps']:.0f}% of `apps/`); the large tier collects "
-            f"{large['collected']} and runs in {large['seconds']} s.") in text
+    assert (
+        f"On a {tiers['cores']}-core {cpu} (`benchmarks/tiers.json`) the default tier "
+        f"collects {default['collected']} tests and runs in {default['seconds']} s "
+        f"({default['seconds_with_coverage']} s with coverage, as CI runs it: "
+        f"{default['coverage_percent']['keras_sdpa']:.0f}% of `keras_sdpa/`, "
+        f"{default['coverage_percent']['apps']:.0f}% of `apps/`); the large tier collects "
+        f"{large['collected']} and runs in {large['seconds']} s."
+    ) in text
     assert default["collected"] + large["collected"] == tiers["collected"]
 
 
@@ -630,8 +645,10 @@ def test_mods_figures_are_the_benchmarks():
         ("`document` (8 segments) vs no mask, chunked", "8 equal segments **{}x**"),
         ("`sliding_window(512)` vs no mask, chunked", "`sliding_window(512)` **{}x**"),
         ("causal as a plain function vs `is_causal=True`, chunked", "plain function **{}x**"),
-        ("causal as a plain function vs `is_causal=True`, dense",
-         "chunked and **{}x** dense (T=2,048)"),
+        (
+            "causal as a plain function vs `is_causal=True`, dense",
+            "chunked and **{}x** dense (T=2,048)",
+        ),
         ("ALiBi `score_mod` vs ALiBi `bias`, chunked", "as `score_mod` **{}x**"),
         ("ALiBi `score_mod` vs ALiBi `bias`, dense", "chunked and **{}x** dense (the bias"),
         ("`mods.causal()` vs `is_causal=True`, chunked", "**{}x** `is_causal=True`. That"),
@@ -662,7 +679,6 @@ def test_decode_figures_are_the_benchmarks():
     assert float(rows[1, 32768][0]) > float(rows[1, 8192][0])
     assert f"the cache is **{faster}x faster**" in text
     assert f"peak {peaks['2']} MiB against {peaks['8']}" in text
-
 
 
 def test_app_page_quotes_the_shipped_calibration_and_short_reviews():

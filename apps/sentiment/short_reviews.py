@@ -34,6 +34,27 @@ def sentences(text):
     return out
 
 
+def training_spans(texts, labels, fraction, seed, most=3):
+    """`(texts, labels)`: for a `fraction` of the reviews, drawn with `seed`, one span of 1 to
+    `most` consecutive sentences starting at a random one, with its review's label. Training
+    on them as well as on the whole reviews shows the model short texts like the ones people
+    type."""
+    if not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"`fraction` must be in [0, 1]. Received: fraction={fraction}")
+    rng = np.random.default_rng(seed)
+    chosen = np.sort(rng.permutation(len(texts))[: int(round(fraction * len(texts)))])
+    out_texts, out_labels = [], []
+    for index in chosen:
+        parts = sentences(texts[index])
+        if not parts:
+            continue
+        size = int(rng.integers(1, min(most, len(parts)) + 1))
+        start = int(rng.integers(0, len(parts) - size + 1))
+        out_texts.append(b" ".join(parts[start : start + size]))
+        out_labels.append(int(labels[index]))
+    return np.array(out_texts, dtype=object), np.array(out_labels, np.int64)
+
+
 def spans(texts, labels, count, seed):
     """`{bucket name: (texts, labels)}`: for up to `count` reviews drawn with `seed`, one span
     per bucket, consecutive sentences starting at a random one. A review too short for a

@@ -81,6 +81,9 @@ class Config:
     # counted on the training labels with this additive smoothing; 0 = none
     naive_bayes_alpha: float = 0.0
     naive_bayes_folds: int = 5  # cross-fitted: a review reads ratios counted on other folds
+    # this fraction of the training reviews also trains as a span of 1 to 3 of its sentences,
+    # with the review's label (people type short reviews); 0 = whole reviews only
+    short_spans: float = 0.0
     # model
     embed_dim: int = 64  # E
     num_heads: int = 2  # N, in the blocks and in the pooling
@@ -126,7 +129,7 @@ _RUN_DEFINING = (
     "trigram_vocab_size", "naive_bayes_alpha", "naive_bayes_folds", "vocabulary_source",
     "embed_dim", "num_heads", "key_dim", "ff_dim", "num_layers", "dropout", "batch_size",
     "learning_rate", "weight_decay", "seed", "max_steps", "epochs", "strategy", "logical_cpus",
-    "monitor", "mixed_precision", "pooling_scale", "pooling_values", "ngram_dim",
+    "monitor", "mixed_precision", "pooling_scale", "pooling_values", "ngram_dim", "short_spans",
 )  # fmt: skip
 
 STRATEGIES = ("default", "mirrored", "multi_worker")
@@ -193,6 +196,10 @@ def _check_config(config):
             f"Received: trigram_vocab_size={config.trigram_vocab_size}"
         )
     _check_choice(config, "strategy", STRATEGIES)
+    if not 0.0 <= config.short_spans <= 1.0:
+        raise ValueError(
+            f"`--short_spans` must be in [0, 1]. Received: short_spans={config.short_spans}"
+        )
     if config.logical_cpus is not None and config.logical_cpus <= 0:
         raise ValueError(
             f"`--logical_cpus` must be positive. Received: logical_cpus={config.logical_cpus}"
@@ -523,7 +530,17 @@ def _dtype_policy(name):
 def _train(config, argv, git_commit):
     run = _start_run(config)
     splits, vectorizer, train_ids, validation_ids, counted_ids = _prepare_data(config, run)
-    steps_per_epoch = max(1, len(train_ids) // run.global_batch)
+    train_labels = splits.train_label
+    if config.short_spans:
+        texts, labels = short_reviews.training_spans(
+            splits.train_text, splits.train_label, config.short_spans, config.seed
+        )
+        print(f"{len(texts)} spans of 1 to 3 sentences train beside the whole reviews")
+        fit_ids = np.concatenate([train_ids, data.vectorize(vectorizer, texts)])
+        train_labels = np.concatenate([train_labels, labels])
+    else:
+        fit_ids = train_ids
+    steps_per_epoch = max(1, len(fit_ids) // run.global_batch)
     if config.max_steps is not None:
         steps_per_epoch = min(steps_per_epoch, config.max_steps)
     model, inspector = _build_model(
@@ -532,7 +549,7 @@ def _train(config, argv, git_commit):
     # Smoke runs (`--max_steps`) evaluate the first `max_steps` batches' worth of examples.
     limit = None if config.max_steps is None else config.max_steps * run.global_batch
     validation = eval_dataset(validation_ids, splits.validation_label, run.global_batch, limit)
-    fitted = _fit(config, run, model, train_ids, splits.train_label, validation, steps_per_epoch)
+    fitted = _fit(config, run, model, fit_ids, train_labels, validation, steps_per_epoch)
     if fitted is None:
         return 130  # interrupted; the state is saved
     train_seconds, stopped = fitted
