@@ -132,6 +132,11 @@ def test_probabilities_are_calibrated_on_validation_as_reported(run, splits):
     output, metrics = run
     calibrated = metrics["calibration"]
     assert calibrated["fitted_on"] == "validation" and calibrated["bins"] == 15
+    # Before the temperature, the validation loss is Keras's at the kept epoch.
+    best = max(metrics["history"], key=lambda row: row["val_accuracy"])
+    np.testing.assert_allclose(
+        calibrated["validation"]["before"]["log_loss"], best["val_loss"], rtol=1e-5
+    )
     serve = tf.saved_model.load(os.path.join(output, "saved_model")).signatures["serving_default"]
 
     def log_odds(texts):
@@ -488,6 +493,12 @@ def test_predict_cli_text_arguments_and_errors(run, capsys, tmp_path):
     assert "--model" in err and "nope" in err
     with pytest.raises(ValueError, match="model="):
         predict.resolve_model_path(os.path.join(output, "nope"))
+    corrupt = tmp_path / "corrupt"
+    corrupt.mkdir()
+    (corrupt / "saved_model.pb").write_bytes(b"not a SavedModel")
+    assert predict.main(["--model", str(corrupt), "text"]) == 2
+    err = capsys.readouterr().err
+    assert "could not be loaded as a SavedModel" in err and str(corrupt) in err
     for flags, message in (
         (["--top_k", "-1"], "top_k=-1"),
         (["--max_bytes", "0"], "max_bytes=0"),

@@ -97,8 +97,11 @@ def test_lengths_past_the_model_are_refused(trained):
         with pytest.raises(ValueError, match=rf"max_length=48. Received: num_new={num_new}"):
             app.generate(model, tf.constant(prompt), num_new)
     app.generate(model, tf.constant(prompt[:1]), 40)
-    with pytest.raises(ValueError, match=r"`prompt` must hold at least one token. Received: "
-                                         r"prompt.shape=\(3, 0\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"`prompt` must hold at least one token. Received: "
+        r"prompt.shape=\(3, 0\)",
+    ):
         app.generate(model, tf.constant(prompt[:, :0]), 5)
     generate = tf.saved_model.load(path).signatures["generate"]
     with pytest.raises(tf.errors.InvalidArgumentError, match="at most 48"):

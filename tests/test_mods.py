@@ -521,9 +521,7 @@ def test_a_shared_block_mask_gives_the_same_result_and_must_match_its_mod():
                                      chunk_size=CHUNK),
     )  # fmt: skip
     with pytest.raises(ValueError, match="chunk_size=4, block_mask.block_size=3"):
-        scaled_dot_product_attention(
-            q, k, v, mask_mod=mod, block_mask=block_mask, chunk_size=4
-        )
+        scaled_dot_product_attention(q, k, v, mask_mod=mod, block_mask=block_mask, chunk_size=4)
 
 
 BAND = st.tuples(st.integers(-12, 12), st.integers(0, 12))
@@ -615,11 +613,23 @@ def test_bad_mod_arguments(kwargs, match):
         (lambda: mods.and_masks(), r"needs at least one mask mod"),
         # At max_distance == max_exact T5's log-bucket formula divides by log(1) = 0.
         (lambda: mods.relative_position_bias(4, 8, 2), r"above the 2 distances .* max_distance=2"),
-        (lambda: mods.relative_position_bias(4, 8, 3, bidirectional=False),
-         r"above the 4 distances .* max_distance=3"),
+        (
+            lambda: mods.relative_position_bias(4, 8, 3, bidirectional=False),
+            r"above the 4 distances .* max_distance=3",
+        ),
     ],
-    ids=["window", "chunk", "prefix", "segments", "cap", "alibi", "buckets", "and_masks",
-         "max_distance", "max_distance_causal"],
+    ids=[
+        "window",
+        "chunk",
+        "prefix",
+        "segments",
+        "cap",
+        "alibi",
+        "buckets",
+        "and_masks",
+        "max_distance",
+        "max_distance_causal",
+    ],
 )
 def test_bad_mod_constructor_arguments(make, match):
     with pytest.raises(ValueError, match=match):
@@ -690,8 +700,11 @@ def test_segment_ids_of_another_size_are_refused():
 def test_a_mod_made_for_other_heads_is_refused(mod):
     """A per-head gather past the mod's heads is clamped inside XLA (the last head's slope or
     column, silently): the layer and the core refuse it."""
-    with pytest.raises(ValueError, match=r"made for \d heads and meets 6 query heads. "
-                                         r"Received: score_mod=\w+\(num_heads=\d\), num_heads=6"):
+    with pytest.raises(
+        ValueError,
+        match=r"made for \d heads and meets 6 query heads. "
+        r"Received: score_mod=\w+\(num_heads=\d\), num_heads=6",
+    ):
         keras_sdpa.ScaledDotProductAttention(num_heads=6, key_dim=4, score_mod=mod)
     q, k, v = inputs(kv_heads=K)  # N = 6
     with pytest.raises(ValueError, match="meets 6 query heads"):

@@ -162,14 +162,16 @@ def test_shipped_run_is_the_quickstart_command_on_the_apps_defaults():
     # default output.
     assert metrics["command"] in (quickstart, quickstart + " --output saved_models/imdb_sdpa")
     defaults = dataclasses.asdict(train_sentiment.Config())
-    assert metrics["config"].keys() == defaults.keys()
+    # A flag added after the run: the run had its first default.
+    config = {**train_sentiment._FIRST_DEFAULTS, **metrics["config"]}
+    assert config.keys() == defaults.keys()
     # Where it read the data and where it wrote: shipped with `--output saved_models/imdb_sdpa`,
     # or (this model) written to the default `runs/imdb_sdpa` and its files copied over.
-    assert {k for k, v in defaults.items() if metrics["config"][k] != v} <= {"data_dir", "output"}
-    assert metrics["config"]["output"] in ("saved_models/imdb_sdpa", "runs/imdb_sdpa")
+    assert {k for k, v in defaults.items() if config[k] != v} <= {"data_dir", "output"}
+    assert config["output"] in ("saved_models/imdb_sdpa", "runs/imdb_sdpa")
     # The command, parsed by today's app, asks for the configuration the run recorded.
     parsed = train_sentiment.parse_args(shlex.split(quickstart)[3:])
-    assert dataclasses.asdict(parsed) == {**metrics["config"], "output": "runs/imdb_sdpa"}
+    assert dataclasses.asdict(parsed) == {**config, "output": "runs/imdb_sdpa"}
     commit = metrics["git_commit"]
     assert commit and "+" not in commit, commit
     ancestor = subprocess.run(["git", "merge-base", "--is-ancestor", commit, "HEAD"], cwd=ROOT)
@@ -194,7 +196,8 @@ def test_readme_quotes_the_default_configurations_seeds_and_the_shipped_run_is_s
     assert [run["config"]["seed"] for run in runs] == [0, 1, 2]
     defaults = dataclasses.asdict(train_sentiment.Config())
     for run in runs:
-        differing = {k for k, v in defaults.items() if run["config"][k] != v}
+        config = {**train_sentiment._FIRST_DEFAULTS, **run["config"]}
+        differing = {k for k, v in defaults.items() if config[k] != v}
         assert differing <= {"seed", "verbose", "output", "data_dir"}, differing
     minutes = statistics.fmean(run["train_seconds"] for run in runs) / 60
     tests = [100 * run["test_accuracy"] for run in runs]
@@ -705,3 +708,18 @@ def test_app_page_quotes_the_shipped_calibration_and_short_reviews():
         assert row in text
     gap = 100 * (short["buckets"][-1]["accuracy"] - short["buckets"][0]["accuracy"])
     assert f"One sentence reads {gap:.1f} points below the whole review" in text
+
+
+def test_app_page_quotes_the_short_spans_experiment():
+    """The `--short_spans 1.0` run that docs/app.md cites is its recorded metrics.json."""
+    run = json.loads(
+        (ROOT / "saved_models/experiments/seeds/spans1_default/seed0.metrics.json").read_text()
+    )
+    assert run["config"]["short_spans"] == 1.0 and run["config"]["seed"] == 0
+    one = run["short_reviews"]["buckets"][0]
+    assert one["bucket"] == "1 sentence"
+    text = " ".join((ROOT / "docs/app.md").read_text().split())
+    assert (
+        f"seed 0 read {_percent(one['accuracy'])} on one sentence and "
+        f"{_percent(run['test_accuracy'])} on the whole test split"
+    ) in text

@@ -113,7 +113,7 @@ def _flags(metrics):
 _BEFORE_THE_FLAG = {
     "trigram_vocab_size": 0, "ngram_dim": None, "vocabulary_source": "train",
     "naive_bayes_alpha": 0.0, "pooling_scale": None, "pooling_values": "block",
-    "mixed_precision": None, "weight_decay": 0.0,
+    "mixed_precision": None, "weight_decay": 0.0, "short_spans": 0.0,
 }  # fmt: skip
 # Where a run read and wrote, and what it exported besides the model: not a configuration.
 _NOT_CONFIGURATION = (

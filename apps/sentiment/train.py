@@ -132,6 +132,9 @@ _RUN_DEFINING = (
     "monitor", "mixed_precision", "pooling_scale", "pooling_values", "ngram_dim", "short_spans",
 )  # fmt: skip
 
+# The flags added since resumable runs were saved, with the value a run without them had.
+_FIRST_DEFAULTS = {"short_spans": 0.0}
+
 STRATEGIES = ("default", "mirrored", "multi_worker")
 VOCABULARY_SOURCES = ("train", "train+unsupervised")
 MIXED_PRECISION = ("mixed_bfloat16", "mixed_float16")
@@ -199,6 +202,15 @@ def _check_config(config):
     if not 0.0 <= config.short_spans <= 1.0:
         raise ValueError(
             f"`--short_spans` must be in [0, 1]. Received: short_spans={config.short_spans}"
+        )
+    if config.short_spans and config.naive_bayes_alpha:
+        # The ratios are cross-fitted by a review's token count: a span of a review falls in
+        # another fold than its review, and would read ratios counted on its own label.
+        raise ValueError(
+            "`--short_spans` cannot be combined with `--naive_bayes_alpha` (a span would read "
+            "naive-Bayes ratios counted on its own review). "
+            f"Received: short_spans={config.short_spans}, "
+            f"naive_bayes_alpha={config.naive_bayes_alpha}"
         )
     if config.logical_cpus is not None and config.logical_cpus <= 0:
         raise ValueError(
@@ -536,10 +548,10 @@ def _train(config, argv, git_commit):
             splits.train_text, splits.train_label, config.short_spans, config.seed
         )
         print(f"{len(texts)} spans of 1 to 3 sentences train beside the whole reviews")
+    fit_ids = train_ids
+    if config.short_spans and len(texts):
         fit_ids = np.concatenate([train_ids, data.vectorize(vectorizer, texts)])
         train_labels = np.concatenate([train_labels, labels])
-    else:
-        fit_ids = train_ids
     steps_per_epoch = max(1, len(fit_ids) // run.global_batch)
     if config.max_steps is not None:
         steps_per_epoch = min(steps_per_epoch, config.max_steps)
@@ -820,6 +832,13 @@ def _report(config, output, model, inspector, vectorizer, splits, history, best_
     print("Fitting the probabilities' temperature on the validation set")
     validation_log_odds, validation_labels = _log_odds(model, validation)
     temperature = calibration.fit_temperature(validation_log_odds, validation_labels)
+    if temperature in calibration.TEMPERATURE_RANGE:
+        print(
+            f"Warning: the temperature ({temperature:g}) is at the end of its range: the "
+            f"{len(validation_labels)} validation reviews are all right, or the model has not "
+            "learned; its probabilities are not calibrated.",
+            file=sys.stderr,
+        )
     calibration.fold_temperature(model, temperature)  # every export below is calibrated
     print("Evaluating the best epoch's weights, calibrated, on validation and test")
     validation_loss, validation_accuracy = model.evaluate(validation, verbose=0)
@@ -1088,6 +1107,8 @@ def _check_same_run(config, config_path):
         return
     with open(config_path) as f:
         saved = json.load(f)
+    # A run saved before a flag existed ran with the flag's first default.
+    saved = {**_FIRST_DEFAULTS, **saved}
     changed = [
         f"--{name} (saved {saved.get(name)!r}, received {getattr(config, name)!r})"
         for name in _RUN_DEFINING

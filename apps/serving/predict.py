@@ -74,15 +74,29 @@ def load(path):
     return loaded, serve, inspect
 
 
+# The lines of /proc/cpuinfo that say what a CPU is and can do: x86's, then Arm's.
+_CPU_FIELDS = ("vendor_id", "model name", "flags", "CPU implementer", "CPU part", "Features")
+
+
 def _cpu():
-    """What the CPU is and can do: its model name and feature flags (Linux), else what
-    `platform` knows."""
+    """What the CPU is and can do: the machine, and its model and features as /proc/cpuinfo
+    gives them (Linux on x86 or Arm), else what `platform` knows."""
+    lines = [f"{platform.machine()} {platform.processor()}\n"]
     try:
         with open("/proc/cpuinfo") as f:
-            lines = [line for line in f if line.startswith(("model name", "flags"))]
-        return "".join(sorted(set(lines)))
+            lines += sorted({line for line in f if line.startswith(_CPU_FIELDS)})
     except OSError:
-        return f"{platform.machine()} {platform.processor()}"
+        pass
+    return "".join(lines)
+
+
+def _tensorflow_version():
+    for name in ("tensorflow", "tensorflow-cpu", "tensorflow-intel", "tf-nightly"):
+        try:
+            return f"{name}-{importlib.metadata.version(name)}"
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return "tensorflow-unknown"
 
 
 def cache_folder(root):
@@ -90,12 +104,8 @@ def cache_folder(root):
     CPU that compiled them, so a home shared between machines never loads another CPU's (what
     TensorFlow's "could lead to execution errors such as SIGILL" warning is about), and a new
     TensorFlow never reads an old one's."""
-    try:
-        version = importlib.metadata.version("tensorflow")
-    except importlib.metadata.PackageNotFoundError:
-        version = "unknown"
     digest = hashlib.sha256(_cpu().encode()).hexdigest()[:12]
-    return os.path.join(root, f"tensorflow-{version}-cpu-{digest}")
+    return os.path.join(root, f"{_tensorflow_version()}-cpu-{digest}")
 
 
 def use_xla_cache(folder):
@@ -281,52 +291,97 @@ def _format(result, width=60):
     return line
 
 
+_TERMINAL = None  # stderr on a copy of file descriptor 2, made once, never closed
+
+
+def _terminal(previous, descriptor):
+    """A stream on a copy of `descriptor` (the terminal's), made once for the process and
+    never closed: logging handlers that TensorFlow makes while the log is set aside hold it,
+    and write to the terminal after."""
+    global _TERMINAL
+    if _TERMINAL is None:
+        encoding = previous.encoding or "utf-8"
+        _TERMINAL = open(
+            os.dup(descriptor), "w", encoding=encoding, errors="backslashreplace", buffering=1
+        )
+    return _TERMINAL
+
+
 @contextlib.contextmanager
 def native_log_set_aside(keep=False):
-    """TensorFlow's and XLA's C++ log lines go to a temporary file, not the terminal.
+    """TensorFlow's and XLA's C++ log lines go to a log file, not the terminal.
 
     They are written straight to file descriptor 2 (TensorFlow 2.21 prints its start-up lines
     whatever `TF_CPP_MIN_LOG_LEVEL` says, and its persistent XLA cache logs every entry it
-    loads), and absl's Python warnings follow them there. `sys.stderr` keeps the terminal
-    (a copy of the descriptor), so this program's own messages, progress and tracebacks still
-    show; absl's warnings below ERROR are dropped (loading the SavedModel warns that its
-    attention has no saved gradient, which serving never asks for). If the block raises,
-    the log's last `NATIVE_LOG_LINES` lines are printed first. With `keep`, nothing is set
-    aside."""
-    if keep:
+    loads). `sys.stderr` keeps the terminal (a copy of the descriptor), so this program's own
+    messages, progress and tracebacks still show; absl's Python warnings below ERROR are
+    dropped (loading the SavedModel warns that its attention has no saved gradient, which
+    serving never asks for).
+
+    The log is `keras_sdpa_predict_*.log` in the temporary folder, removed when the block ends
+    well. If it raises, the log's last `NATIVE_LOG_LINES` lines and its path are printed; if the
+    process crashes in native code, `faulthandler` prints the Python stack to the terminal and
+    the log stays. With `keep`, or without a terminal or a temporary folder, nothing is set
+    aside. For the command line: one block at a time, from one thread.
+    """
+    previous = sys.stderr
+    log = None
+    if not keep and previous is not None:
+        try:
+            previous.flush()
+            log = tempfile.NamedTemporaryFile(
+                prefix="keras_sdpa_predict_", suffix=".log", delete=False
+            )
+        except (OSError, ValueError):
+            log = None  # no temporary folder, or stderr closed: leave it all as it is
+    if log is None:
         yield
         return
+    import faulthandler
     import logging
 
     absl = logging.getLogger("absl")
     level = absl.level
-    absl.setLevel(logging.ERROR)  # loading the SavedModel warns of what serving never does
-    previous = sys.stderr
-    previous.flush()
-    terminal = os.dup(2)
-    log = tempfile.TemporaryFile()
-    os.dup2(log.fileno(), 2)
-    if _descriptor(previous) == 2:  # else (a test's capture, a StringIO) it is not on fd 2
-        sys.stderr = open(
-            os.dup(terminal), "w", encoding=previous.encoding, errors="backslashreplace"
-        )
+    faults = faulthandler.is_enabled()
+    saved = os.dup(2)
+    failed = False
     try:
+        os.dup2(log.fileno(), 2)
+        if _descriptor(previous) == 2:  # else (a test's capture, a StringIO) it is not on fd 2
+            sys.stderr = _terminal(previous, saved)
+        absl.setLevel(logging.ERROR)
+        if _descriptor(sys.stderr) is not None:
+            faulthandler.enable(file=sys.stderr)
         yield
-    except BaseException:
-        log.seek(0)
-        lines = log.read().decode("utf-8", "replace").splitlines()[-NATIVE_LOG_LINES:]
-        if lines:
-            print("TensorFlow's log (the last lines):", *lines, sep="\n", file=sys.stderr)
+    except Exception as error:
+        failed = not isinstance(error, BrokenPipeError)  # a closed pipe is not a failure
+        if failed:
+            _print_log_tail(log)
         raise
     finally:
         absl.setLevel(level)
-        sys.stderr.flush()
-        os.dup2(terminal, 2)
-        os.close(terminal)
-        if sys.stderr is not previous:
-            sys.stderr.close()
+        if not faults:
+            faulthandler.disable()
+        with contextlib.suppress(OSError, ValueError):
+            sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+        if sys.stderr is _TERMINAL and previous is not _TERMINAL:
             sys.stderr = previous
         log.close()
+        if not failed:
+            with contextlib.suppress(OSError):
+                os.unlink(log.name)
+
+
+def _print_log_tail(log):
+    with contextlib.suppress(OSError, ValueError):
+        log.flush()
+        with open(log.name, "rb") as f:
+            lines = f.read().decode("utf-8", "replace").splitlines()[-NATIVE_LOG_LINES:]
+        if lines:
+            print(f"TensorFlow's log ({log.name}), its last lines:", *lines, sep="\n",
+                  file=sys.stderr)  # fmt: skip
 
 
 def _descriptor(stream):
@@ -377,10 +432,10 @@ def main(argv=None):
         prog="python -m apps.predict",
         description="Classify raw reviews with a SavedModel from apps.train_sentiment.",
         epilog="Each answer is the label, then the probability that the review is positive. "
-        "It is calibrated on reviews held out from training (a temperature, fitted after "
-        "training): of the reviews given about 0.8, about 80% are positive. A negative "
-        "label comes with a probability below 0.5. The model learned from long IMDB reviews "
-        "and reads one sentence less surely (its model card's 'Short reviews').",
+        "It is calibrated on whole reviews held out from training (a temperature, fitted after "
+        "training): of the IMDB test reviews given about 0.8, about 80% are positive. A "
+        "negative label comes with a probability below 0.5. The model learned from long "
+        "reviews, and reads a single sentence less surely (its model card's 'Short reviews').",
     )
     parser.add_argument(
         "texts", nargs="*", help="reviews; none reads one review per line from --input or stdin"
@@ -456,7 +511,13 @@ def _main(args):
             counting = _count_aside([_as_bytes(t)[: args.max_bytes] for t in first])
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
         use_xla_cache(args.xla_cache)
-        _, serve, inspect = load(path)
+        try:
+            _, serve, inspect = load(path)
+        except Exception as error:  # a corrupt or foreign file: TensorFlow's own error
+            raise ValueError(
+                f"`--model` could not be loaded as a SavedModel ({type(error).__name__}: "
+                f"{str(error)[:300]}). Received: model={args.model!r}"
+            ) from None
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
