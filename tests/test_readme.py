@@ -416,30 +416,35 @@ def test_math_section_quotes_the_committed_measurements():
 
 
 @pytest.mark.large  # the shipped model on all 25,000 test reviews
-def test_committed_saved_model_reproduces_its_recorded_accuracy():
-    """The committed SavedModel, not the metrics file, measured anew on IMDB test reviews.
+def test_committed_saved_model_reproduces_its_recorded_accuracy_and_calibration():
+    """The committed SavedModel, not the metrics file, measured anew on IMDB's test split.
 
-    1,000 reviews spread over the test split (every 25th, both labels), served through
-    `serving_default` with plain TensorFlow: the accuracy is within 3 standard errors
-    of the one `metrics.json` records for the full split.
+    Every test review served through `serving_default` with plain TensorFlow: the accuracy is
+    the one `metrics.json` records (to one review), and the expected calibration error,
+    computed here from the served probabilities (`tests/test_calibration.py`'s bin-by-bin
+    ECE), is at most 0.015 and the recorded one.
     """
     import numpy as np
     import tensorflow as tf
+    from test_calibration import reference_ece
 
     from apps.sentiment import data
 
     metrics = json.loads((ROOT / "saved_models/imdb_sdpa/metrics.json").read_text())
-    splits = data.load_splits(seed=metrics["config"]["seed"])
-    texts, labels = splits.test_text[::25][:1000], splits.test_label[::25][:1000]
+    texts, labels, _ = data.load_test_split("imdb_reviews")
     serve = tf.saved_model.load(str(ROOT / "saved_models/imdb_sdpa/saved_model"))
     serve = serve.signatures["serving_default"]
-    predicted = np.concatenate(
-        [serve(text=tf.constant(texts[i : i + 100]))["label"].numpy() for i in range(0, 1000, 100)]
-    )
-    accuracy = np.mean(predicted == labels)
-    recorded = metrics["test_accuracy"]
-    standard_error = np.sqrt(recorded * (1 - recorded) / len(labels))
-    assert abs(accuracy - recorded) < 3 * standard_error, (accuracy, recorded)
+    probability = np.concatenate(
+        [
+            serve(text=tf.constant(texts[i : i + 256]))["probability"].numpy()
+            for i in range(0, len(texts), 256)
+        ]
+    ).astype("float64")
+    accuracy = np.mean((probability >= 0.5) == (labels == 1))
+    assert abs(accuracy - metrics["test_accuracy"]) <= 1 / len(labels), accuracy
+    ece = reference_ece(probability, labels, 15)
+    assert ece <= 0.015, ece
+    assert abs(ece - metrics["calibration"]["test"]["after"]["ece"]) < 1e-4, ece
 
 
 def test_faithfulness_table_is_the_committed_report():
