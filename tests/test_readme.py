@@ -163,7 +163,7 @@ def test_shipped_run_is_the_quickstart_command_on_the_apps_defaults():
     assert metrics["command"] in (quickstart, quickstart + " --output saved_models/imdb_sdpa")
     defaults = dataclasses.asdict(train_sentiment.Config())
     # A flag added after the run: the run had its first default.
-    config = {**train_sentiment._FIRST_DEFAULTS, **metrics["config"]}
+    config = {**train_sentiment.FIRST_DEFAULTS, **metrics["config"]}
     assert config.keys() == defaults.keys()
     # Where it read the data and where it wrote: shipped with `--output saved_models/imdb_sdpa`,
     # or (this model) written to the default `runs/imdb_sdpa` and its files copied over.
@@ -196,7 +196,7 @@ def test_readme_quotes_the_default_configurations_seeds_and_the_shipped_run_is_s
     assert [run["config"]["seed"] for run in runs] == [0, 1, 2]
     defaults = dataclasses.asdict(train_sentiment.Config())
     for run in runs:
-        config = {**train_sentiment._FIRST_DEFAULTS, **run["config"]}
+        config = {**train_sentiment.FIRST_DEFAULTS, **run["config"]}
         differing = {k for k, v in defaults.items() if config[k] != v}
         assert differing <= {"seed", "verbose", "output", "data_dir"}, differing
     minutes = statistics.fmean(run["train_seconds"] for run in runs) / 60

@@ -60,7 +60,7 @@ def test_against_todays_defaults_rebuilds_every_recorded_configuration():
         parsed = dataclasses.asdict(
             train_sentiment.parse_args([] if flags == "(today's defaults)" else shlex.split(flags))
         )
-        recorded = {**sweep._BEFORE_THE_FLAG, **runs[0]["config"]}
+        recorded = {**train_sentiment.FIRST_DEFAULTS, **runs[0]["config"]}
         for key, value in parsed.items():
             unused = key == "naive_bayes_folds" and not recorded["naive_bayes_alpha"]
             if key not in sweep._NOT_CONFIGURATION and not unused:

@@ -34,6 +34,14 @@ def sentences(text):
     return out
 
 
+def _draw_span(parts, fewest, most, rng):
+    """`fewest` to `most` consecutive sentences of `parts` (at least `fewest` long), of a
+    random size, from a random start."""
+    size = int(rng.integers(fewest, min(most, len(parts)) + 1))
+    start = int(rng.integers(0, len(parts) - size + 1))
+    return b" ".join(parts[start : start + size])
+
+
 def training_spans(texts, labels, fraction, seed, most=3):
     """`(texts, labels)`: for a `fraction` of the reviews, drawn with `seed`, one span of 1 to
     `most` consecutive sentences starting at a random one, with its review's label. Training
@@ -48,9 +56,7 @@ def training_spans(texts, labels, fraction, seed, most=3):
         parts = sentences(texts[index])
         if not parts:
             continue
-        size = int(rng.integers(1, min(most, len(parts)) + 1))
-        start = int(rng.integers(0, len(parts) - size + 1))
-        out_texts.append(b" ".join(parts[start : start + size]))
+        out_texts.append(_draw_span(parts, 1, most, rng))
         out_labels.append(int(labels[index]))
     return np.array(out_texts, dtype=object), np.array(out_labels, np.int64)
 
@@ -72,9 +78,7 @@ def spans(texts, labels, count, seed):
             else:
                 if len(parts) < fewest:
                     continue
-                size = int(rng.integers(fewest, min(most, len(parts)) + 1))
-                start = int(rng.integers(0, len(parts) - size + 1))
-                span = b" ".join(parts[start : start + size])
+                span = _draw_span(parts, fewest, most, rng)
             out[name][0].append(span)
             out[name][1].append(int(labels[index]))
     return {

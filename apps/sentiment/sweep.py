@@ -108,13 +108,6 @@ def _flags(metrics):
     return shlex.join(shown) or "(defaults)"
 
 
-# The settings a run recorded before its flag existed did what the flag's first default did:
-# each flag came in with the behaviour of its day as its default.
-_BEFORE_THE_FLAG = {
-    "trigram_vocab_size": 0, "ngram_dim": None, "vocabulary_source": "train",
-    "naive_bayes_alpha": 0.0, "pooling_scale": None, "pooling_values": "block",
-    "mixed_precision": None, "weight_decay": 0.0, "short_spans": 0.0,
-}  # fmt: skip
 # Where a run read and wrote, and what it exported besides the model: not a configuration.
 _NOT_CONFIGURATION = (
     "seed", "output", "data_dir", "verbose", "resume", "save_every", "inspect_examples",
@@ -126,7 +119,9 @@ def against_defaults(config, defaults):
     """The flags that turn today's defaults (`defaults`, a dict) into the configuration a run
     recorded (`config`), or "(today's defaults)". The recorded commands are relative to the
     defaults of their day; this column stays true when the defaults change."""
-    config = {**_BEFORE_THE_FLAG, **config}
+    from .train import FIRST_DEFAULTS
+
+    config = {**FIRST_DEFAULTS, **config}
     if not config.get("naive_bayes_alpha"):
         config["naive_bayes_folds"] = defaults.get("naive_bayes_folds")  # unused without ratios
     flags = []

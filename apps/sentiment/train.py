@@ -132,8 +132,14 @@ _RUN_DEFINING = (
     "monitor", "mixed_precision", "pooling_scale", "pooling_values", "ngram_dim", "short_spans",
 )  # fmt: skip
 
-# The flags added since resumable runs were saved, with the value a run without them had.
-_FIRST_DEFAULTS = {"short_spans": 0.0}
+# A run recorded before one of these flags existed did what the flag's first default does:
+# each flag came in with the behaviour of its day as its default (resumed runs' configs and
+# the sweep's recorded runs are read with them).
+FIRST_DEFAULTS = {
+    "trigram_vocab_size": 0, "ngram_dim": None, "vocabulary_source": "train",
+    "naive_bayes_alpha": 0.0, "pooling_scale": None, "pooling_values": "block",
+    "mixed_precision": None, "weight_decay": 0.0, "short_spans": 0.0,
+}  # fmt: skip
 
 STRATEGIES = ("default", "mirrored", "multi_worker")
 VOCABULARY_SOURCES = ("train", "train+unsupervised")
@@ -542,16 +548,15 @@ def _dtype_policy(name):
 def _train(config, argv, git_commit):
     run = _start_run(config)
     splits, vectorizer, train_ids, validation_ids, counted_ids = _prepare_data(config, run)
-    train_labels = splits.train_label
+    fit_ids, train_labels = train_ids, splits.train_label
     if config.short_spans:
         texts, labels = short_reviews.training_spans(
             splits.train_text, splits.train_label, config.short_spans, config.seed
         )
         print(f"{len(texts)} spans of 1 to 3 sentences train beside the whole reviews")
-    fit_ids = train_ids
-    if config.short_spans and len(texts):
-        fit_ids = np.concatenate([train_ids, data.vectorize(vectorizer, texts)])
-        train_labels = np.concatenate([train_labels, labels])
+        if len(texts):
+            fit_ids = np.concatenate([train_ids, data.vectorize(vectorizer, texts)])
+            train_labels = np.concatenate([train_labels, labels])
     steps_per_epoch = max(1, len(fit_ids) // run.global_batch)
     if config.max_steps is not None:
         steps_per_epoch = min(steps_per_epoch, config.max_steps)
@@ -1108,7 +1113,7 @@ def _check_same_run(config, config_path):
     with open(config_path) as f:
         saved = json.load(f)
     # A run saved before a flag existed ran with the flag's first default.
-    saved = {**_FIRST_DEFAULTS, **saved}
+    saved = {**FIRST_DEFAULTS, **saved}
     changed = [
         f"--{name} (saved {saved.get(name)!r}, received {getattr(config, name)!r})"
         for name in _RUN_DEFINING
