@@ -285,7 +285,8 @@ def main(argv=None):
     section = (
         "## Long sequences\n\n"
         f"Produced by:\n\n    {command.strip()}\n\n"
-        f"{cpu_name()}. One self-attention layer, forward plus backward, B={B}, E={E}, N={N}, H={H}, "
+        f"{cpu_name()}. One self-attention layer, forward plus backward, B={B}, E={E}, "
+        f"N={N}, H={H}, "
         f"chunk_size={args.chunk_size}. Times: {args.rounds} alternating rounds of the "
         f"implementations in one process, one call each a round after a warm-up call (median); "
         f"ratios are the median of the per-round ratios (range). Peak MiB: the most resident "

@@ -44,7 +44,14 @@ _DEFAULT_CHUNK_SIZE = 2048
 # 0.60x in 1024 and 0.63x in 2048 (unmasked: 1024 and 2048 within noise of each other).
 _MASKED_CHUNK_SIZE = 512
 
+# A caller's `tf.function` converts the functions it calls with AutoGraph, and every function
+# those call, on its first trace. This module branches only on static values (shapes, dtypes,
+# flags), so conversion would change nothing but the time a trace takes: its two entry points
+# run as written, as Keras's own train, test and predict steps do (`do_not_convert`;
+# benchmarks/tracing.py measures the first call).
 
+
+@tf.autograph.experimental.do_not_convert
 def scaled_dot_product_attention(
     query,
     key,
@@ -629,6 +636,7 @@ class BlockMask:
         )
 
 
+@tf.autograph.experimental.do_not_convert
 def create_block_mask(mask_mod, B, N, T, S, block_size=None, num_kv_heads=None):
     """Precomputes the block kinds of `mask_mod` for the chunked path.
 

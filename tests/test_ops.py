@@ -426,6 +426,45 @@ def test_public_call_runs_the_xla_compiled_program(monkeypatch):
     assert paths == ["dense"]
 
 
+def test_a_callers_tf_function_runs_this_package_as_written():
+    """A caller's `tf.function` converts what it calls with AutoGraph; the two entry points are
+    `do_not_convert` (their branches are on static values), so the first trace does not pay
+    for converting the package (benchmarks/tracing.py measures it).
+
+    Seen from the mods, which run inside both: of the functions above them, only the caller's
+    own is AutoGraph's code."""
+    import inspect
+
+    stacks = []
+
+    def converted():
+        return [f.function for f in inspect.stack() if "__autograph_generated" in f.filename]
+
+    def score(s, b, h, q_idx, kv_idx):
+        stacks.append(converted())
+        return s * 2.0
+
+    def causal(b, h, q_idx, kv_idx):
+        stacks.append(converted())
+        return q_idx >= kv_idx
+
+    @tf.function
+    def attend(q, k, v):
+        block_mask = ops.create_block_mask(causal, B, N, T, S, block_size=2)
+        return scaled_dot_product_attention(
+            q, k, v, score_mod=score, mask_mod=causal, block_mask=block_mask,
+            implementation="chunked",
+        )  # fmt: skip
+
+    q, k, v = random_inputs()
+    got = attend(q, k, v)
+    np.testing.assert_allclose(got, reference(q, k, v, is_causal=True, scale=2 / H**0.5)[0],
+                               atol=1e-5)  # fmt: skip
+    assert len(stacks) >= 2
+    for stack in stacks:
+        assert stack and set(stack) == {"tf__attend"}, stack
+
+
 @pytest.mark.parametrize(
     "kwargs, want",
     [

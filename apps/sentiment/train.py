@@ -834,8 +834,12 @@ def _report(config, output, model, inspector, vectorizer, splits, history, best_
     steps = config.max_steps
     global_batch = distribution["global_batch_size"]
     limit = None if steps is None else steps * global_batch
+    # One compiled classifier for every pass below: it reads the model's variables, so it
+    # computes the calibrated log-odds once the temperature is folded in, and each shape's
+    # program compiles once for the validation, test and short-review passes.
+    classify = model_lib.compiled_classifier(model, log_odds=True)
     print("Fitting the probabilities' temperature on the validation set")
-    validation_log_odds, validation_labels = _log_odds(model, validation)
+    validation_log_odds, validation_labels = _log_odds(classify, validation)
     temperature = calibration.fit_temperature(validation_log_odds, validation_labels)
     if temperature in calibration.TEMPERATURE_RANGE:
         print(
@@ -852,7 +856,7 @@ def _report(config, output, model, inspector, vectorizer, splits, history, best_
     test = eval_dataset(test_ids, splits.test_label[: len(test_ids)], global_batch, limit)
     test_loss, test_accuracy = model.evaluate(test, verbose=0)
     # The folded model's log-odds are the trained model's divided by the temperature.
-    test_log_odds, test_labels = _log_odds(model, test)
+    test_log_odds, test_labels = _log_odds(classify, test)
     calibrated = {
         "temperature": temperature,
         "fitted_on": "validation",
@@ -872,7 +876,7 @@ def _report(config, output, model, inspector, vectorizer, splits, history, best_
         num_validation = min(num_validation, steps * global_batch)
 
     by_length = _short_review_accuracy(
-        model, vectorizer, splits, min(SHORT_REVIEWS, limit or SHORT_REVIEWS), config.seed,
+        classify, vectorizer, splits, min(SHORT_REVIEWS, limit or SHORT_REVIEWS), config.seed,
         global_batch,
     )  # fmt: skip
 
@@ -1006,9 +1010,10 @@ def _report(config, output, model, inspector, vectorizer, splits, history, best_
     return 0
 
 
-def _short_review_accuracy(model, vectorizer, splits, count, seed, batch_size):
+def _short_review_accuracy(classify, vectorizer, splits, count, seed, batch_size):
     """Accuracy by review length (`short_reviews.BUCKETS`) on spans cut from `count` test
-    reviews: what a person who types one sentence can expect."""
+    reviews: what a person who types one sentence can expect. `classify` is the model's
+    `compiled_classifier(model, log_odds=True)`."""
     print(f"Reading spans of {count} test reviews: one sentence, 2-3, a paragraph, the whole")
     buckets_ = []
     for name, (texts, labels) in short_reviews.spans(
@@ -1017,7 +1022,7 @@ def _short_review_accuracy(model, vectorizer, splits, count, seed, batch_size):
         if not len(texts):
             continue
         ids = data.vectorize(vectorizer, texts)
-        log_odds, ordered = _log_odds(model, eval_dataset(ids, labels, batch_size))
+        log_odds, ordered = _log_odds(classify, eval_dataset(ids, labels, batch_size))
         buckets_.append(
             {
                 "bucket": name,
@@ -1029,9 +1034,9 @@ def _short_review_accuracy(model, vectorizer, splits, count, seed, batch_size):
     return {"split": splits.test_split, "reviews": count, "seed": seed, "buckets": buckets_}
 
 
-def _log_odds(model, dataset):
-    """The model's log-odds `(n,)` and the labels `(n,)` of an `eval_dataset`, in its order."""
-    classify = model_lib.compiled_classifier(model, log_odds=True)
+def _log_odds(classify, dataset):
+    """The log-odds `(n,)` that `classify` (`compiled_classifier(model, log_odds=True)`) gives
+    and the labels `(n,)` of an `eval_dataset`, in its order."""
     log_odds, labels = [], []
     for ids, label in dataset:
         log_odds.append(classify(ids).numpy())
