@@ -937,12 +937,6 @@ def _serialize_mod(name, mod):
 
 def _check_cache_index(index, batch, length, size):
     """`cache_update_index` as a `(B,)` int32 tensor, checked where its value is known."""
-    if isinstance(index, (int, np.integer)) and not isinstance(index, bool):
-        if index < 0 or (None not in (length, size) and index + length > size):
-            raise ValueError(
-                f"`cache_update_index` must leave room for the {length} new positions in a "
-                f"cache of {size}. Received: cache_update_index={index}"
-            )
     index = tf.convert_to_tensor(index)
     if not index.dtype.is_integer or index.shape.rank not in (0, 1):
         raise ValueError(
@@ -951,26 +945,29 @@ def _check_cache_index(index, batch, length, size):
             f"{index.dtype.name}"
         )
     index = tf.cast(index, tf.int32)
-    if None not in (length, size):
-        room = f"must leave room for the {length} new positions in a cache of {size}"
-        if not tf.is_symbolic_tensor(index):
-            values = index.numpy()
-            if values.size and (values.min() < 0 or values.max() + length > size):
-                raise ValueError(
-                    f"`cache_update_index` {room}: each row's index in [0, {size - length}]. "
-                    f"Received: cache_update_index={values.tolist()}"
-                )
-        else:
-            # In a graph the values are known only when it runs: a graph raises there, while
-            # inside an XLA program (where asserts are dropped) a write past the end is lost.
-            checks = [
-                tf.debugging.assert_greater_equal(index, 0, message=f"`cache_update_index` {room}"),
-                tf.debugging.assert_less_equal(
-                    index, size - length, message=f"`cache_update_index` {room}"
-                ),
-            ]
-            with tf.control_dependencies(checks):
-                index = tf.identity(index)
+    known = None not in (length, size)
+    room = f"must leave room for the {length} new positions in a cache of {size}"
+    values = tf.get_static_value(index)  # an int, an eager tensor, a constant in a graph
+    if values is not None:
+        values = np.asarray(values)
+        if values.size and (values.min() < 0 or (known and values.max() + length > size)):
+            rule = f"{room}: each row's index in [0, {size - length}]" if known else (
+                "must not be negative"
+            )  # fmt: skip
+            raise ValueError(
+                f"`cache_update_index` {rule}. Received: cache_update_index={values.tolist()}"
+            )
+    elif known:
+        # Otherwise the values are known only when the graph runs: it raises there, while
+        # inside an XLA program (where asserts are dropped) a write past the end is lost.
+        checks = [
+            tf.debugging.assert_greater_equal(index, 0, message=f"`cache_update_index` {room}"),
+            tf.debugging.assert_less_equal(
+                index, size - length, message=f"`cache_update_index` {room}"
+            ),
+        ]
+        with tf.control_dependencies(checks):
+            index = tf.identity(index)
     if index.shape.rank == 0:
         index = tf.fill(batch[None], index)
     return index

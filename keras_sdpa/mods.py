@@ -622,11 +622,11 @@ def _static_key(mod):
 def check_heads(mod, num_heads, name="score_mod"):
     """Raises when a built-in mod made for a head count (`alibi(n)`,
     `relative_position_bias(n)`) meets `num_heads` query heads: inside XLA its per-head
-    gather would clamp the heads past `n` to the last one."""
-    inner = getattr(mod, "inner_score", None)  # the layer's cache wraps its score mod
-    if inner is not None:
-        return check_heads(inner, num_heads, name)
-    heads = getattr(mod, "num_heads", None) if isinstance(mod, (Alibi, RelativePositionBias)) else None
+    gather would clamp the heads past `n` to the last one. (The layer checks its own score
+    mod when it is made; the wrapper its cached calls pass the core has no head count.)"""
+    if not isinstance(mod, (Alibi, RelativePositionBias)):
+        return
+    heads = mod.num_heads
     if heads is not None and num_heads is not None and heads != num_heads:
         raise ValueError(
             f"`{name}` was made for {heads} heads and meets {num_heads} query heads. "

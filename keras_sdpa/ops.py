@@ -217,7 +217,8 @@ def scaled_dot_product_attention(
             f"Received: implementation={implementation!r}"
         )
     lengths = (query.shape[1], key.shape[1])
-    if implementation == "decode" and is_causal and None not in lengths and lengths[0] != lengths[1]:
+    unequal = None not in lengths and lengths[0] != lengths[1]
+    if implementation == "decode" and is_causal and unequal:
         # Keras aligns the causal mask at the top left: a decode row would see key 0 alone.
         # (With a length unknown while tracing this cannot be told; the docstring says so.)
         causal_by = "is_causal=True"

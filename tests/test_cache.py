@@ -167,8 +167,8 @@ def test_scores_come_back_with_the_cache():
         ),
         (
             lambda layer, x: layer(x, x, cache=tf.zeros((B, 2, L, 4, H)), cache_update_index=11),
-            "must leave room for the 2 new positions in a cache of 12. "
-            "Received: cache_update_index=11",
+            r"must leave room for the 2 new positions in a cache of 12: each row's index in "
+            r"\[0, 10\]. Received: cache_update_index=11\b",
         ),
     ],
     ids=["index_without_cache", "head_count", "cache_rank", "index_past_the_cache"],
@@ -254,6 +254,11 @@ def test_a_tensor_cache_index_past_the_end_is_refused():
     with pytest.raises(tf.errors.InvalidArgumentError, match="must leave room for the 2 new"):
         step(x, cache, tf.constant([3, 11, 0]))
     step(x, cache, tf.constant([3, 10, 0]))
+    # A Python int is a constant of the graph: refused while tracing, inside an XLA program too.
+    compiled = tf.function(lambda x, cache: layer(x, x, cache=cache, cache_update_index=11),
+                           jit_compile=True)  # fmt: skip
+    with pytest.raises(ValueError, match=r"index in \[0, 10\]. Received: cache_update_index=11\b"):
+        compiled(x, cache)
 
 
 def test_the_cached_call_drops_weights_in_training():

@@ -110,3 +110,29 @@ def test_two_tiers_split_a_grid_and_skip_large_tests_unless_asked(tmp_path):
     # One case named on the command line collects only it: no pattern is checked then.
     one = _session(tmp_path, "--collect-only", "test_tiers.py::test_grid[chunked]")
     assert one.returncode == 0, one.stdout[-2000:] + one.stderr[-2000:]
+
+
+# XLA's own defaults: LLVM's -O2 and the MLIR fusion emitters.
+XLA_DEFAULTS = "--xla_backend_optimization_level=2 --xla_cpu_use_fusion_emitters=true"
+
+
+@pytest.mark.large  # the core's default cases again, compiled as a user's programs are
+def test_the_core_is_right_under_xlas_default_flags(tmp_path):
+    """The tiers compile with flags that compile faster (`pytest_configure`); a user's
+    programs compile with XLA's defaults. The core's default-tier cases (dense, chunked and
+    decode paths, every mask kind, dtypes, gradients, dropout) pass under those too, with an
+    XLA cache of their own (a program another session compiled with other flags is never
+    read back)."""
+    env = {
+        **os.environ, "XLA_FLAGS": XLA_DEFAULTS, "TF_XLA_FLAGS": "",
+        "KERAS_SDPA_TEST_XLA_CACHE": str(tmp_path / "xla"),
+    }  # fmt: skip
+    (tmp_path / "xla").mkdir()
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:xdist", "-o",
+         "addopts=", "-q", "tests/test_ops.py", "tests/test_chunked.py", "tests/test_decode.py"],
+        capture_output=True, text=True, timeout=1200, cwd=ROOT, env=env,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert " passed" in result.stdout and " failed" not in result.stdout
+    assert list((tmp_path / "xla").rglob("*.pb")), "nothing compiled into the session's own cache"
