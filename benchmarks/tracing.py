@@ -39,6 +39,8 @@ def first_call_seconds(variant):
     """In this process: seconds of the first call of a caller's `tf.function`."""
     import time
 
+    if variant not in VARIANTS:
+        raise ValueError(f"`variant` must be one of {VARIANTS}. Received: variant={variant!r}")
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     import numpy as np
     import tensorflow as tf
@@ -72,12 +74,16 @@ def child(variant):
         f"import sys, json; sys.path.insert(0, {here!r}); import tracing as m; "
         f"print(json.dumps(m.first_call_seconds({variant!r})))"
     )
+    # XLA's defaults, and no persistent cache (`TF_XLA_FLAGS`): every first call compiles.
+    env = {name: value for name, value in os.environ.items()
+           if name not in ("XLA_FLAGS", "TF_XLA_FLAGS")}  # fmt: skip
     result = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=600
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=env
     )
-    if result.returncode:
-        raise RuntimeError(f"{variant} failed:\n{result.stderr[-3000:]}")
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    lines = result.stdout.strip().splitlines()
+    if result.returncode or not lines:
+        raise RuntimeError(f"{variant} failed (exit {result.returncode}):\n{result.stderr[-3000:]}")
+    return json.loads(lines[-1])
 
 
 def table(seconds, args):
@@ -94,8 +100,9 @@ def table(seconds, args):
             f"On {cpu_name()}. The first call of a caller's `tf.function` (trace, AutoGraph, "
             f"XLA compilation and one run): the chunked path's forward and gradient with a "
             f"document `mask_mod` and its block map, B={B}, T=S={T}, N={N}, H={H}. A new "
-            f"process for each call, {args.rounds} alternating rounds; ratio = median of the "
-            "per-round ratios (range in brackets).",
+            f"process for each call, under XLA's default flags and without a persistent XLA "
+            f"cache, {args.rounds} alternating rounds; ratio = median of the per-round ratios "
+            "(range in brackets).",
             "",
             "| the package's entry points | first call s | time ratio |",
             "|---|---|---|",

@@ -509,11 +509,14 @@ class ScaledDotProductAttention(keras.layers.Layer):
         keys, values = cache[:, 0], cache[:, 1]  # (B, S, K, H)
         offset = tf.zeros(tf.shape(query)[:1], tf.int32)  # (B,): where each row's queries start
         if index is not None:
-            offset = _check_cache_index(index, tf.shape(query)[0], query.shape[1], cache.shape[2])
+            offset = _check_cache_index(index, query, cache.shape[2])
             new_keys = tf.cast(self._key_dense(key), cache.dtype)  # (B, t, K, H)
             new_values = tf.cast(self._value_dense(value), cache.dtype)
             cache = _write_rows(cache, tf.stack([new_keys, new_values], axis=1), offset)
             keys, values = cache[:, 0], cache[:, 1]
+        # The core sees the score mod only inside the positioned wrapper, whose head count it
+        # cannot read: checked here, for a score mod set after the layer was made too.
+        mods.check_heads(self.score_mod, self.num_heads)
         positioned = _Positioned(
             offset, bool(use_causal_mask), self.sliding_window, mask_mod, self.score_mod
         )
@@ -935,8 +938,10 @@ def _serialize_mod(name, mod):
     return keras.saving.serialize_keras_object(mod)
 
 
-def _check_cache_index(index, batch, length, size):
-    """`cache_update_index` as a `(B,)` int32 tensor, checked where its value is known."""
+def _check_cache_index(index, query, size):
+    """`cache_update_index` as a `(B,)` int32 tensor for `query` `(B, T, E)`, checked where its
+    value is known: while tracing when it is static (an int, an eager tensor, a constant of the
+    graph), else when the graph runs."""
     index = tf.convert_to_tensor(index)
     if not index.dtype.is_integer or index.shape.rank not in (0, 1):
         raise ValueError(
@@ -944,32 +949,42 @@ def _check_cache_index(index, batch, length, size):
             f"Received: cache_update_index with shape {tuple(index.shape)} and dtype "
             f"{index.dtype.name}"
         )
-    index = tf.cast(index, tf.int32)
+    rows, length = query.shape[0], query.shape[1]
+    if index.shape.rank == 1 and None not in (rows, index.shape[0]) and index.shape[0] != rows:
+        raise ValueError(
+            f"`cache_update_index` must have one position per row of the batch ({rows}). "
+            f"Received: cache_update_index with shape {tuple(index.shape)}"
+        )
     known = None not in (length, size)
     room = f"must leave room for the {length} new positions in a cache of {size}"
-    values = tf.get_static_value(index)  # an int, an eager tensor, a constant in a graph
+    values = tf.get_static_value(index)  # before the cast to int32, which would wrap it
     if values is not None:
         values = np.asarray(values)
-        if values.size and (values.min() < 0 or (known and values.max() + length > size)):
-            rule = f"{room}: each row's index in [0, {size - length}]" if known else (
-                "must not be negative"
+        last = (size - length) if known else (size if size is not None else np.iinfo("int32").max)
+        if values.size and (values.min() < 0 or values.max() > last):
+            rule = (
+                f"{room}: each row's index in [0, {last}]" if known
+                else f"must be a position in [0, {last}]"
             )  # fmt: skip
             raise ValueError(
                 f"`cache_update_index` {rule}. Received: cache_update_index={values.tolist()}"
             )
-    elif known:
+    index = tf.cast(index, tf.int32)
+    if size is not None and (values is None or length is None):
         # Otherwise the values are known only when the graph runs: it raises there, while
         # inside an XLA program (where asserts are dropped) a write past the end is lost.
+        if length is None:
+            room = f"must leave room for the new positions in a cache of {size}"
         checks = [
             tf.debugging.assert_greater_equal(index, 0, message=f"`cache_update_index` {room}"),
             tf.debugging.assert_less_equal(
-                index, size - length, message=f"`cache_update_index` {room}"
+                index, size - tf.shape(query)[1], message=f"`cache_update_index` {room}"
             ),
         ]
         with tf.control_dependencies(checks):
             index = tf.identity(index)
     if index.shape.rank == 0:
-        index = tf.fill(batch[None], index)
+        index = tf.fill(tf.shape(query)[:1], index)
     return index
 
 

@@ -622,8 +622,8 @@ def _static_key(mod):
 def check_heads(mod, num_heads, name="score_mod"):
     """Raises when a built-in mod made for a head count (`alibi(n)`,
     `relative_position_bias(n)`) meets `num_heads` query heads: inside XLA its per-head
-    gather would clamp the heads past `n` to the last one. (The layer checks its own score
-    mod when it is made; the wrapper its cached calls pass the core has no head count.)"""
+    gather would clamp the heads past `n` to the last one. (The layer checks its score mod
+    itself before its cached calls wrap it for the core.)"""
     if not isinstance(mod, (Alibi, RelativePositionBias)):
         return
     heads = mod.num_heads

@@ -254,11 +254,63 @@ def test_a_tensor_cache_index_past_the_end_is_refused():
     with pytest.raises(tf.errors.InvalidArgumentError, match="must leave room for the 2 new"):
         step(x, cache, tf.constant([3, 11, 0]))
     step(x, cache, tf.constant([3, 10, 0]))
-    # A Python int is a constant of the graph: refused while tracing, inside an XLA program too.
-    compiled = tf.function(lambda x, cache: layer(x, x, cache=cache, cache_update_index=11),
-                           jit_compile=True)  # fmt: skip
+    # A constant of the graph is refused while tracing, inside an XLA program too (where the
+    # run-time asserts are dropped and the write past the end was lost).
+    compiled = tf.function(
+        lambda x, cache: layer(x, x, cache=cache, cache_update_index=tf.constant(11)),
+        jit_compile=True,
+    )
     with pytest.raises(ValueError, match=r"index in \[0, 10\]. Received: cache_update_index=11\b"):
         compiled(x, cache)
+
+
+@pytest.mark.parametrize(
+    "index, match",
+    [
+        (2**32 + 3, r"Received: cache_update_index=4294967299\b"),  # int32 would wrap it to 3
+        (tf.constant([1, 2]), r"one position per row of the batch \(3\). Received: "
+                              r"cache_update_index with shape \(2,\)"),
+        (tf.constant([1]), r"Received: cache_update_index with shape \(1,\)"),
+    ],
+    ids=["past_int32", "two_rows_of_three", "one_row_of_three"],
+)  # fmt: skip
+def test_cache_indexes_that_would_write_elsewhere_are_refused(index, match):
+    layer = layer_for("mha")
+    x = sequences()[:, :2]
+    with pytest.raises(ValueError, match=match):
+        layer(x, x, cache=empty_cache(layer), cache_update_index=index)
+
+
+def test_a_static_cache_index_is_checked_when_the_query_length_is_unknown():
+    """With the new positions' count unknown while tracing, a static index is still refused
+    when it is negative or past the cache, and a graph checks the rest when it runs."""
+    layer = layer_for("mha")
+    cache = empty_cache(layer)
+    spec = tf.TensorSpec((B, None, E), tf.float32)
+    for index, match in ((-1, r"a position in \[0, 12\]. Received: cache_update_index=-1\b"),
+                         (13, r"a position in \[0, 12\]. Received: cache_update_index=13\b")):
+        step = tf.function(
+            lambda x, index=index: layer(x, x, cache=cache, cache_update_index=index),
+            input_signature=[spec],
+        )  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            step.get_concrete_function()
+    step = tf.function(
+        lambda x: layer(x, x, cache=cache, cache_update_index=11), input_signature=[spec]
+    )
+    with pytest.raises(tf.errors.InvalidArgumentError, match="room for the new positions"):
+        step(sequences()[:, :2])  # 11 + 2 > 12
+    step(sequences()[:, :1])
+
+
+def test_a_score_mod_set_after_the_layer_was_made_is_checked_in_cached_calls():
+    """The cached call hands the core the score mod inside a wrapper: an ALiBi for 2 heads on
+    a 4-head layer would have its heads 2 and 3 read head 1's slopes."""
+    layer = layer_for("mha")
+    layer.score_mod = mods.alibi(2)
+    x = sequences()[:, :2]
+    with pytest.raises(ValueError, match=r"Received: score_mod=Alibi\(num_heads=2\), num_heads=4"):
+        layer(x, x, cache=empty_cache(layer), cache_update_index=0)
 
 
 def test_the_cached_call_drops_weights_in_training():
