@@ -955,15 +955,15 @@ def _check_cache_index(index, query, size):
             f"`cache_update_index` must have one position per row of the batch ({rows}). "
             f"Received: cache_update_index with shape {tuple(index.shape)}"
         )
-    known = None not in (length, size)
-    room = f"must leave room for the {length} new positions in a cache of {size}"
+    count = "" if length is None else f"{length} "
+    room = f"must leave room for the {count}new positions in a cache of {size}"
     values = tf.get_static_value(index)  # before the cast to int32, which would wrap it
     if values is not None:
         values = np.asarray(values)
-        last = (size - length) if known else (size if size is not None else np.iinfo("int32").max)
+        last = np.iinfo("int32").max if size is None else size - (length or 0)
         if values.size and (values.min() < 0 or values.max() > last):
             rule = (
-                f"{room}: each row's index in [0, {last}]" if known
+                f"{room}: each row's index in [0, {last}]" if None not in (length, size)
                 else f"must be a position in [0, {last}]"
             )  # fmt: skip
             raise ValueError(
@@ -973,8 +973,6 @@ def _check_cache_index(index, query, size):
     if size is not None and (values is None or length is None):
         # Otherwise the values are known only when the graph runs: it raises there, while
         # inside an XLA program (where asserts are dropped) a write past the end is lost.
-        if length is None:
-            room = f"must leave room for the new positions in a cache of {size}"
         checks = [
             tf.debugging.assert_greater_equal(index, 0, message=f"`cache_update_index` {room}"),
             tf.debugging.assert_less_equal(
