@@ -29,6 +29,9 @@ import statistics
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from attention import cpu_name  # noqa: E402
+
 START, END = "<!-- app-step:start -->", "<!-- app-step:end -->"
 MIXED_START, MIXED_END = "<!-- app-step-mixed:start -->", "<!-- app-step-mixed:end -->"
 MODEL_ARGUMENTS = (
@@ -168,7 +171,8 @@ def main(argv=None):
             f"    python benchmarks/app_step.py {flags}--rounds {args.rounds} --steps {args.steps} "
             f"{'' if args.length is None else f'--length {length} '}--output BENCHMARKS.md",
             "",
-            f"{what}; {args.rounds} alternating rounds of {args.steps} steps in one process; "
+            f"On {cpu_name()}. {what}; {args.rounds} alternating rounds of {args.steps} steps "
+            "in one process; "
             f"ratio = median of the per-round ratios ({ratio_of}; range in brackets).",
             "",
             "| model | ms per step (median) |",

@@ -22,6 +22,7 @@ import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from attention import cpu_name  # noqa: E402
 from long_sequences import time_alternating  # noqa: E402
 
 START, END = "<!-- buckets:start -->", "<!-- buckets:end -->"
@@ -123,6 +124,7 @@ def main(argv=None):
             f"    python benchmarks/buckets.py --rounds {args.rounds} --steps {args.steps} "
             "--output BENCHMARKS.md",
             "",
+            f"On {cpu_name()}. "
             "The shipped configuration (`saved_models/imdb_sdpa/metrics.json`), trained as the "
             f"app trains it, on the first {args.steps} batches of {config['batch_size']} real IMDB "
             f"training reviews of `apps.sentiment.train.training_stream` (mean width "

@@ -27,6 +27,9 @@ import subprocess
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from attention import cpu_name  # noqa: E402
+
 START, END = "<!-- features:start -->", "<!-- features:end -->"
 H = 64
 
@@ -128,6 +131,7 @@ def table(rows, args):
         "",
         f"    python benchmarks/features.py --rounds {args.rounds} --output BENCHMARKS.md",
         "",
+        f"On {cpu_name()}. "
         "`keras_sdpa.ops.scaled_dot_product_attention`, forward plus backward, B=1, H=64. "
         f"Times: {args.rounds} alternating rounds in one process after one warm-up each; "
         "ratio = median of the per-round ratios (range in brackets). Peak MiB: resident "

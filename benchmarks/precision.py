@@ -21,6 +21,9 @@ import argparse
 import os
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from attention import cpu_name  # noqa: E402
+
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
@@ -115,7 +118,8 @@ def main(argv=None):
     section = (
         "## Accuracy under mixed precision\n\nProduced by:\n\n"
         f"    {command.strip()}\n\n"
-        f"B={B}, N={N}, K={K}, H={H}, T=S. Absolute errors against keras_sdpa's float64 result "
+        f"On {cpu_name()}. B={B}, N={N}, K={K}, H={H}, T=S. "
+        "Absolute errors against keras_sdpa's float64 result "
         "on the same half-precision inputs (the output, and the gradients of sum(out * dO) "
         "with respect to q, k and v). Our products take the half-precision operands and "
         "accumulate in float32; keras.ops.dot_product_attention gets keys and values repeated "

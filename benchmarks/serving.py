@@ -29,6 +29,9 @@ import sys
 import tempfile
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from attention import cpu_name  # noqa: E402
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 START, END = "<!-- serving:start -->", "<!-- serving:end -->"
 SIGNATURES = ("serving_default", "inspect")
@@ -155,6 +158,7 @@ def main(argv=None):
         "",
         command,
         "",
+        f"On {cpu_name()}. "
         "The shipped SavedModel loaded with plain TensorFlow (no `keras_sdpa` in the process), "
         f"IMDB test reviews in the split's order. `serving_default` returns the label and "
         "probability and computes each review at its length bucket; `inspect` returns the "
