@@ -517,6 +517,21 @@ def test_benchmark_notes_quote_the_table_above_them():
     ) in text
 
 
+def test_every_benchmark_table_names_its_machine():
+    """Each table in BENCHMARKS.md names, above it, the CPU it was measured on: every script
+    that writes a section writes `cpu_name()` into it."""
+    benchmarks = (ROOT / "BENCHMARKS.md").read_text()
+    sections = re.findall(r"<!-- ([\w-]+):start -->(.*?)<!-- \1:end -->", benchmarks, re.S)
+    assert len(sections) >= 12, [name for name, _ in sections]
+    for name, text in [("attention-float32", benchmarks.split("<!--")[0])] + sections:
+        header = text.split("\n|")[0]
+        assert re.search(r"AMD EPYC|Intel\(R\) Xeon\(R\)", header), name
+    for script in (ROOT / "benchmarks").glob("*.py"):
+        source = script.read_text()
+        if "--output BENCHMARKS.md" in source and "Produced by" in source:
+            assert "cpu_name()" in source, script.name
+
+
 def _attention_ratios(section):
     """`{(pair, T, pass): "ratio (range)"}` of a `benchmarks/attention.py` table."""
     return {
@@ -561,8 +576,23 @@ def test_speed_page_quotes_the_benchmarks():
     ) in text
     ratio = r"\*\*ratio\*\* \| \*\*([\d.]+)\*\* \(([\d.]+)-([\d.]+)\)"
     step = re.search(ratio, section("app-step"))
-    assert f"**{step[1]}x** Keras's step ({step[2]} to {step[3]} over 11 rounds" in text
-    # (The app-step table names no machine; the notes below it do.)
+    rounds = re.search(r"(\d+) alternating rounds of (\d+) steps", section("app-step"))
+    assert (
+        f"**{step[1]}x** Keras's step ({step[2]} to {step[3]} over {rounds[1]} rounds of "
+        f"{rounds[2]} steps; BENCHMARKS.md, AMD EPYC)"
+    ) in text
+    assert "AMD EPYC" in section("app-step")
+    features = {
+        label: (ratio, low, high)
+        for label, ratio, low, high in re.findall(
+            r"^\| (chunked, sliding|GQA).*?\*\*([\d.]+)\*\* \(([\d.]+)-([\d.]+)\)",
+            section("features"), re.M,
+        )
+    }  # fmt: skip
+    assert "AMD EPYC" in section("features")
+    window, gqa = features["chunked, sliding"], features["GQA"]
+    assert f"takes **{window[0]}x** the time of full chunked" in text
+    assert f"**{gqa[0]}x** the time of 8 full heads at T=4,096 ({gqa[1]}x to {gqa[2]}x" in text
     assert f"is the table above: **{step[1]}** ({step[2]}-{step[3]}), on the same AMD EPYC" in (
         " ".join(benchmarks.split())
     )
@@ -608,6 +638,17 @@ def test_long_sequences_page_quotes_the_benchmarks():
     assert f"Keras's layer needs **{rows[16384][7]} MiB** there" in text
     dense, keras = (re.match(r"\*\*([\d.]+)\*\*", rows[8192][i])[1] for i in (3, 4))
     assert f"takes **{dense}x** the time of the dense path and **{keras}x** Keras's layer" in text
+
+
+def test_app_page_quotes_the_mixed_precision_step():
+    """docs/app.md's mixed-precision step ratio is `benchmarks/app_step.py`'s mixed table's."""
+    benchmarks = (ROOT / "BENCHMARKS.md").read_text()
+    section = benchmarks[benchmarks.index("<!-- app-step-mixed:start -->") :
+                         benchmarks.index("<!-- app-step-mixed:end -->")]  # fmt: skip
+    ratio = re.search(r"^\| \*\*ratio\*\* \| \*\*([\d.]+)\*\*", section, flags=re.M)[1]
+    text = " ".join((DOCS / "app.md").read_text().split())
+    assert "AMD EPYC" in section
+    assert f"its step took {ratio}x the float32 step's time at L=512 on a 2-core AMD EPYC" in text
 
 
 def test_bucket_ratio_is_the_benchmarks():
