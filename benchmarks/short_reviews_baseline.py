@@ -153,6 +153,7 @@ def main(argv=None):
         "reviews": args.reviews,
         "seed": args.seed,
         "examples": {bucket: int(len(labels)) for bucket, (_, labels) in spans.items()},
+        "training_texts": {name: int(len(train[0])) for name, (train, _) in trainings.items()},
         "accuracy": results,
     }
     os.makedirs(os.path.dirname(args.output), exist_ok=True)

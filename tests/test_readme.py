@@ -756,6 +756,35 @@ def test_app_page_quotes_the_shipped_calibration_and_short_reviews():
     assert f"One sentence reads {gap:.1f} points below the whole review" in text
 
 
+def test_app_page_quotes_the_short_review_baselines():
+    """docs/app.md's linear baselines on the short-review spans are the file
+    `benchmarks/short_reviews_baseline.py` wrote, on the spans the shipped run reports."""
+    baseline = json.loads(
+        (ROOT / "saved_models/experiments/short_reviews_baseline.json").read_text()
+    )
+    metrics = json.loads((ROOT / "saved_models/imdb_sdpa/metrics.json").read_text())
+    short = metrics["short_reviews"]
+    assert (baseline["reviews"], baseline["seed"]) == (short["reviews"], short["seed"])
+    assert baseline["examples"] == {b["bucket"]: b["examples"] for b in short["buckets"]}
+    assert "AMD EPYC" in baseline["machine"]
+    text = " ".join((ROOT / "docs/app.md").read_text().split())
+    labels = {
+        "reviews": "the whole reviews",
+        "sentences": f"their {baseline['training_texts']['sentences']:,} sentences, "
+        "each with its review's label",
+        "both": "both",
+    }
+    for name, label in labels.items():
+        row = baseline["accuracy"][name]
+        cells = " | ".join(_percent(value) for value in row.values())
+        assert f"| {label} | {cells} |" in text, name
+    reviews, sentences = baseline["accuracy"]["reviews"], baseline["accuracy"]["sentences"]
+    gain = 100 * (sentences["1 sentence"] - reviews["1 sentence"])
+    gap = 100 * (sentences["the whole review"] - sentences["1 sentence"])
+    assert f"A model trained on sentences gains {gain:.1f} points on one sentence" in text
+    assert f"still reads it {gap:.1f} points below the whole review" in text
+
+
 def test_app_page_quotes_the_short_spans_experiment():
     """The `--short_spans 1.0` run that docs/app.md cites is its recorded metrics.json."""
     run = json.loads(
