@@ -34,8 +34,7 @@ import tensorflow as tf  # noqa: E402
 from keras_sdpa import ScaledDotProductAttention  # noqa: E402
 from keras_sdpa.ops import scaled_dot_product_attention  # noqa: E402
 
-from . import cli  # noqa: E402
-from .serving import export  # noqa: E402
+from . import cli, files  # noqa: E402
 
 # Standard errors a measurement may lie from its prediction before a claim fails.
 # A false failure at 5 standard errors has probability below 1e-6 per number.
@@ -472,7 +471,7 @@ def check_weighted_sum(result, tolerance=1e-5):
 
 
 def _plot_variance(variance, path_1, path_2):
-    plt = export.pyplot()
+    plt = files.pyplot()
 
     d = np.array([r["d_k"] for r in variance["rows"]], float)
     v = np.array([r["variance"] for r in variance["rows"]])
@@ -484,7 +483,7 @@ def _plot_variance(variance, path_1, path_2):
     axis.set(xscale="log", yscale="log", xlabel="d_k", ylabel="Var(q . k)")
     axis.set_title("Claim 1: Var(q . k) = d_k")
     axis.legend()
-    export.save_figure(figure, path_1)
+    files.save_figure(figure, path_1)
 
     scaled = np.array([r["scaled_variance"] for r in variance["rows"]])
     figure, axis = plt.subplots(figsize=(5.5, 4))
@@ -494,11 +493,11 @@ def _plot_variance(variance, path_1, path_2):
     axis.set(xscale="log", yscale="log", xlabel="d_k", ylabel="variance of the scores")
     axis.set_title("Claim 2: scaling brings the variance back to 1")
     axis.legend()
-    export.save_figure(figure, path_2)
+    files.save_figure(figure, path_2)
 
 
 def _plot_saturation(saturation, sequence_length, path_3, path_4):
-    plt = export.pyplot()
+    plt = files.pyplot()
 
     d = [r["d_k"] for r in saturation]
     figure, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
@@ -511,7 +510,7 @@ def _plot_saturation(saturation, sequence_length, path_3, path_4):
     left.legend()
     right.legend()
     figure.suptitle(f"Claim 3: without scaling the softmax saturates (S = {sequence_length})")
-    export.save_figure(figure, path_3)
+    files.save_figure(figure, path_3)
 
     figure, axis = plt.subplots(figsize=(5.5, 4))
     for name, color in (("unscaled", "C0"), ("scaled", "C1")):
@@ -522,11 +521,11 @@ def _plot_saturation(saturation, sequence_length, path_3, path_4):
     axis.set(xscale="log", yscale="log", xlabel="d_k", ylabel="||d softmax / d scores||_F")
     axis.set_title("Claim 4: saturated softmax, vanishing gradient")
     axis.legend()
-    export.save_figure(figure, path_4)
+    files.save_figure(figure, path_4)
 
 
 def _plot_training(training, path):
-    plt = export.pyplot()
+    plt = files.pyplot()
 
     figure, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     for name, color in (("scaled", "C0"), ("unscaled", "C3")):
@@ -541,7 +540,7 @@ def _plot_training(training, path):
     right.set(xlabel="training step", ylabel="validation accuracy", ylim=(0.4, 1.01))
     right.legend()
     figure.suptitle(f"Claim 5: training at d_k = {training['key_dim']} (faint: training loss)")
-    export.save_figure(figure, path)
+    files.save_figure(figure, path)
 
 
 def _results_table(metrics):
@@ -720,8 +719,8 @@ def run(config):
     _plot_training(training, paths["claim5_training.png"])
     metrics_path = os.path.join(config.output, "metrics.json")
     results_path = os.path.join(config.output, "results.md")
-    export.write_json_atomic(metrics_path, metrics)
-    export.write_text_atomic(results_path, _results_table(metrics))
+    files.write_json_atomic(metrics_path, metrics)
+    files.write_text_atomic(results_path, _results_table(metrics))
 
     progress("done")
     for claim, ok in metrics["holds"].items():

@@ -35,7 +35,7 @@ import sys
 import tempfile
 import time
 
-from ..sentiment import buckets
+from ..classifier import buckets
 
 DEFAULT_MODEL = "saved_models/imdb_sdpa"
 # XLA compiles the model once per review length bucket and batch shape; a persistent cache
@@ -46,7 +46,7 @@ DEFAULT_XLA_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "keras_sdpa"
 NATIVE_LOG_LINES = 30  # of TensorFlow's own log, shown when the predictor fails
 BATCH_SIZE = 256  # measured: 32 reads at half the rate of 256 on 2 cores (BENCHMARKS.md)
 # Batches computed at once: one per core. A batch of one length bucket runs its row steps
-# on one core (apps.sentiment.model.compiled_classifier).
+# on one core (apps.serving.compiled.compiled_classifier).
 WORKERS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 CHUNK_BATCHES = 128  # batches read, grouped by length and written at a time
 
@@ -134,7 +134,7 @@ def _as_bytes(text):
 
 def batches(texts, batch_size, fill=False, counts=None):
     """Lists of indices into `texts` (bytes), one list a call: reviews of one length bucket
-    each (`apps.sentiment.buckets`, by `count_tokens`, or the word `counts` given), so that
+    each (`apps.classifier.buckets`, by `count_tokens`, or the word `counts` given), so that
     `serving_default` computes a batch as one group, at one length. With `fill`, a bucket's
     last, short batch repeats its last review up to `batch_size`: every call then has the
     same shape, and XLA compiles one program per bucket, not one per remainder (about a
