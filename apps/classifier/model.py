@@ -11,6 +11,8 @@ Both attentions are our layer: the blocks with T = S = L, the pooling with T = 1
 whose weights say directly which tokens the classifier looked at.
 """
 
+import typing
+
 import keras
 from keras import ops
 
@@ -121,16 +123,9 @@ def build_classifier(
     `adapt_naive_bayes(ids, labels)` with `naive_bayes=True`).
     """
     embedding = TokenAndPositionEmbedding(
-        vocab_size,
-        sequence_length,
-        embed_dim,
-        bigram_vocab_size,
-        trigram_vocab_size,
-        naive_bayes,
-        naive_bayes_folds,
-        ngram_dim=ngram_dim,
-        name="embedding",
-    )
+        vocab_size, sequence_length, embed_dim, bigram_vocab_size, trigram_vocab_size,
+        naive_bayes, naive_bayes_folds, ngram_dim=ngram_dim, name="embedding",
+    )  # fmt: skip
     embedding_dropout = keras.layers.Dropout(dropout, seed=seed, name="embedding_dropout")
     blocks = [
         TransformerBlock(
@@ -149,30 +144,13 @@ def build_classifier(
         1, activation="sigmoid", name="classifier", dtype="float32" if mixed else None
     )
 
-    def forward(with_scores):
-        """The classifier over shared layers; with the attention weights for the inspector."""
-        # Any length up to `sequence_length`: the positions are sliced to it, and the SavedModel
-        # serves each review at the shortest of a few lengths that holds it.
-        ids = keras.Input((None,), dtype="int32", name="token_ids")
-        mask = ops.not_equal(ids, 0)  # (B, L), the Embedding's mask_zero mask
-        x = embedded = embedding_dropout(embedding(ids))
-        block_scores = []
-        for block in blocks:
-            x = block(x, mask=mask, return_attention_scores=with_scores)
-            if with_scores:
-                x, scores = x  # (B, L, E), (B, N, L, L)
-                block_scores.append(scores)
-        values = embedded if pooling_values == "embedding" else None
-        pooled = pooling(x, mask=mask, values=values, return_attention_scores=with_scores)
-        pool_scores = None
-        if with_scores:
-            pooled, pool_scores = pooled  # (B, E), (B, N, 1, L)
-        probability = classifier(pooled_dropout(pooled))
-        return ids, probability, block_scores, pool_scores
+    layers = _Layers(
+        embedding, embedding_dropout, blocks, pooling, pooled_dropout, classifier, pooling_values
+    )
 
     # The inspector's graph first: Keras (3.15) cannot connect the weights of a layer's
     # second symbolic call that asks for them when its first call did not.
-    ids, probability, block_scores, pool_scores = forward(with_scores=True)
+    ids, probability, block_scores, pool_scores = _forward(layers, with_scores=True)
     inspector = keras.Model(
         ids,
         {
@@ -182,9 +160,43 @@ def build_classifier(
         },
         name="sdpa_sentiment_inspector",
     )
-    ids, probability, _, _ = forward(with_scores=False)
+    ids, probability, _, _ = _forward(layers, with_scores=False)
     model = keras.Model(ids, probability, name="sdpa_sentiment")
     return model, inspector
+
+
+class _Layers(typing.NamedTuple):
+    """The classifier's layers, shared by the trained model and the inspector."""
+
+    embedding: keras.layers.Layer
+    embedding_dropout: keras.layers.Layer
+    blocks: list
+    pooling: keras.layers.Layer
+    pooled_dropout: keras.layers.Layer
+    classifier: keras.layers.Layer
+    pooling_values: str
+
+
+def _forward(layers, with_scores):
+    """The classifier over shared `layers`; with the attention weights for the inspector."""
+    # Any length up to `sequence_length`: the positions are sliced to it, and the SavedModel
+    # serves each review at the shortest of a few lengths that holds it.
+    ids = keras.Input((None,), dtype="int32", name="token_ids")
+    mask = ops.not_equal(ids, 0)  # (B, L), the Embedding's mask_zero mask
+    x = embedded = layers.embedding_dropout(layers.embedding(ids))
+    block_scores = []
+    for block in layers.blocks:
+        x = block(x, mask=mask, return_attention_scores=with_scores)
+        if with_scores:
+            x, scores = x  # (B, L, E), (B, N, L, L)
+            block_scores.append(scores)
+    values = embedded if layers.pooling_values == "embedding" else None
+    pooled = layers.pooling(x, mask=mask, values=values, return_attention_scores=with_scores)
+    pool_scores = None
+    if with_scores:
+        pooled, pool_scores = pooled  # (B, E), (B, N, 1, L)
+    probability = layers.classifier(layers.pooled_dropout(pooled))
+    return ids, probability, block_scores, pool_scores
 
 
 def log_odds_from_embeddings(model, x, mask):

@@ -76,27 +76,7 @@ def write_model_card(metrics, path):
         f"| {row['val_loss']:.4f} | {row['val_accuracy']:.4f} |"
         for row in metrics["history"]
     )
-    counted = "train"
-    if config.get("vocabulary_source") == "train+unsupervised":
-        counted = "train and the unlabelled reviews"
-    pairs = ""
-    if config.get("bigram_vocab_size"):
-        pairs = (
-            f" + the embedding of each word's pair with the word before it (the "
-            f"{config['bigram_vocab_size']:,} most frequent pairs in {counted}, `bigrams.txt`)"
-        )
-    if config.get("trigram_vocab_size"):
-        pairs += (
-            f" + the embedding of the word triple ending at each word (the "
-            f"{config['trigram_vocab_size']:,} most frequent in {counted}, `trigrams.txt`)"
-        )
-    if pairs and config.get("ngram_dim"):
-        pairs += f" (n-gram tables {config['ngram_dim']} wide, one learned projection to the width)"
-    if config.get("naive_bayes_alpha"):
-        pairs += (
-            " + a learned projection of their naive-Bayes log-count ratios (counted on the "
-            f"training labels, smoothing {config['naive_bayes_alpha']:g})"
-        )
+    pairs = _ngram_inputs(config)
     pooled = (
         "each token's own embedding, weighed by the last block's output"
         if config.get("pooling_values") == "embedding"
@@ -153,6 +133,33 @@ or, with TensorFlow alone:
 (add `--data_dir` for an existing TFDS folder).
 {_faithfulness_section(os.path.dirname(path))}"""
     return write_text_atomic(path, card)
+
+
+def _ngram_inputs(config):
+    """The card's words on what each position adds to its word's embedding: the word pairs
+    and triples, and the naive-Bayes ratios ("" for words alone)."""
+    counted = "train"
+    if config.get("vocabulary_source") == "train+unsupervised":
+        counted = "train and the unlabelled reviews"
+    pairs = ""
+    if config.get("bigram_vocab_size"):
+        pairs = (
+            f" + the embedding of each word's pair with the word before it (the "
+            f"{config['bigram_vocab_size']:,} most frequent pairs in {counted}, `bigrams.txt`)"
+        )
+    if config.get("trigram_vocab_size"):
+        pairs += (
+            f" + the embedding of the word triple ending at each word (the "
+            f"{config['trigram_vocab_size']:,} most frequent in {counted}, `trigrams.txt`)"
+        )
+    if pairs and config.get("ngram_dim"):
+        pairs += f" (n-gram tables {config['ngram_dim']} wide, one learned projection to the width)"
+    if config.get("naive_bayes_alpha"):
+        pairs += (
+            " + a learned projection of their naive-Bayes log-count ratios (counted on the "
+            f"training labels, smoothing {config['naive_bayes_alpha']:g})"
+        )
+    return pairs
 
 
 _SIGNATURE_ROWS = "\n".join(
