@@ -34,8 +34,8 @@ import tensorflow as tf  # noqa: E402
 from keras_sdpa import ScaledDotProductAttention  # noqa: E402
 from keras_sdpa.ops import scaled_dot_product_attention  # noqa: E402
 
-from . import cli  # noqa: E402
-from .serving import export  # noqa: E402
+from . import cli, files, math_report  # noqa: E402
+from .math_training import check_training, measure_training  # noqa: E402
 
 # Standard errors a measurement may lie from its prediction before a claim fails.
 # A false failure at 5 standard errors has probability below 1e-6 per number.
@@ -283,132 +283,6 @@ def check_gradients(rows):
     return falls and vanished and steady
 
 
-# Claim 5: training with and without the scaling.
-
-
-def majority_task(examples, sequence_length, vocab_size, seed):
-    """Token sequences labelled 1 when most of their tokens come from the lower half of
-    the vocabulary: a bag-of-words sentiment task that attention pooling solves by
-    averaging over every token, which a saturated softmax cannot do."""
-    rng = np.random.default_rng(seed)
-    tokens = rng.integers(0, vocab_size, (examples, sequence_length)).astype(np.int32)
-    labels = ((tokens < vocab_size // 2).sum(1) > sequence_length // 2).astype(np.float32)
-    return tokens, labels
-
-
-def pooling_classifier(key_dim, scale, sequence_length, vocab_size, embed_dim, seed):
-    """Embedding -> LayerNormalization -> attention pooling (a learned query, our layer
-    with T = 1) -> Dense(1, sigmoid).
-
-    The normalized inputs and the `fan_in` initializer give the projected queries
-    and keys components of variance 1, the derivation's premise, at every `key_dim`.
-    """
-    keras.utils.set_random_seed(seed)
-    tokens = keras.Input((sequence_length,), dtype="int32")
-    x = keras.layers.Embedding(vocab_size, embed_dim, embeddings_initializer="normal")(tokens)
-    x = keras.layers.LayerNormalization()(x)  # (B, S, E), unit variance per token
-    first = keras.ops.zeros_like(tokens[:, :1])  # (B, 1): one learned query per example
-    query = keras.layers.Embedding(1, embed_dim, embeddings_initializer="normal")(first)
-    pooled = ScaledDotProductAttention(
-        key_dim=key_dim,
-        value_dim=embed_dim,
-        scale=scale,
-        kernel_initializer="lecun_normal",  # variance 1 / fan_in: Var(q_i) = Var(k_i) = 1
-        name="pooling",
-    )(query, x)  # (B, 1, E)
-    probability = keras.layers.Dense(1, activation="sigmoid")(keras.layers.Flatten()(pooled))
-    return keras.Model(tokens, probability)
-
-
-class _Evaluate(keras.callbacks.Callback):
-    """Validation loss and accuracy every `every` training steps, and the training loss."""
-
-    def __init__(self, data, every):
-        super().__init__()
-        self.data, self.every = data, every
-        self.steps, self.val_loss, self.val_accuracy, self.loss = [], [], [], []
-        self.step = 0
-
-    def evaluate(self):
-        loss, accuracy = self.model.evaluate(*self.data, batch_size=1000, verbose=0)
-        self.steps.append(self.step)
-        self.val_loss.append(float(loss))
-        self.val_accuracy.append(float(accuracy))
-
-    def on_train_begin(self, logs=None):
-        self.evaluate()
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.step += 1
-        self.loss.append(float(logs["loss"]))
-        if self.step % self.every == 0:
-            self.evaluate()
-
-
-def measure_training(config, progress):
-    sequence_length, vocab_size, embed_dim = 33, 64, 64
-    train = majority_task(config.train_examples, sequence_length, vocab_size, config.seed)
-    validation = majority_task(2000, sequence_length, vocab_size, config.seed + 1)
-    runs = {}
-    for name, scale in (("scaled", None), ("unscaled", 1.0)):
-        progress(f"claim 5: training with {name} scores (d_k = {config.train_key_dim})")
-        model = pooling_classifier(
-            config.train_key_dim, scale, sequence_length, vocab_size, embed_dim, config.seed
-        )
-        model.compile(
-            optimizer=keras.optimizers.Adam(config.learning_rate),
-            loss="binary_crossentropy",
-            metrics=["accuracy"],
-        )
-        evaluate = _Evaluate(validation, config.eval_every)
-        start = time.perf_counter()
-        model.fit(
-            *train,
-            batch_size=config.train_batch_size,
-            epochs=config.train_epochs,
-            shuffle=True,
-            callbacks=[evaluate],
-            verbose=0,
-        )
-        evaluate.evaluate()  # the final point
-        runs[name] = {
-            "steps": evaluate.steps,
-            "val_loss": evaluate.val_loss,
-            "val_accuracy": evaluate.val_accuracy,
-            "train_loss": evaluate.loss,
-            "seconds": time.perf_counter() - start,
-            "steps_to_95": _first_step(evaluate.steps, evaluate.val_accuracy, 0.95),
-            "final_val_accuracy": evaluate.val_accuracy[-1],
-            "final_val_loss": evaluate.val_loss[-1],
-        }
-    return {
-        "task": "majority vote of 33 tokens from a vocabulary of 64 (lower half = positive)",
-        "key_dim": config.train_key_dim,
-        "examples": config.train_examples,
-        "validation_examples": 2000,
-        "epochs": config.train_epochs,
-        **runs,
-    }
-
-
-def _first_step(steps, accuracies, bar):
-    return next((s for s, a in zip(steps, accuracies) if a >= bar), None)
-
-
-def check_training(result):
-    """Claim 5: scaled reaches 95% validation accuracy, at least twice as fast as
-    unscaled (or unscaled never does), and ends with the lower validation loss.
-
-    The validation set has 2,000 examples: the standard error of an accuracy near
-    0.95 is 0.005, far inside the gaps this checks.
-    """
-    scaled, unscaled = result["scaled"], result["unscaled"]
-    if scaled["steps_to_95"] is None:
-        return False
-    faster = unscaled["steps_to_95"] is None or unscaled["steps_to_95"] >= 2 * scaled["steps_to_95"]
-    return faster and scaled["final_val_loss"] < unscaled["final_val_loss"]
-
-
 # Claim 6: rows of A are distributions, and output row i = sum_j A_ij V_j.
 
 
@@ -471,200 +345,6 @@ def check_weighted_sum(result, tolerance=1e-5):
 # Report.
 
 
-def _plot_variance(variance, path_1, path_2):
-    plt = export.pyplot()
-
-    d = np.array([r["d_k"] for r in variance["rows"]], float)
-    v = np.array([r["variance"] for r in variance["rows"]])
-    se = np.array([r["standard_error"] for r in variance["rows"]])
-    figure, axis = plt.subplots(figsize=(5.5, 4))
-    axis.errorbar(d, v, yerr=_SIGMAS * se, fmt="o", label=f"measured (bars: {_SIGMAS:g} SE)")
-    axis.plot(d, d, "k--", lw=1, label="Var = d_k")
-    axis.plot(d, variance["slope"] * d, "C1", lw=1, label=f"fit: slope {variance['slope']:.4f}")
-    axis.set(xscale="log", yscale="log", xlabel="d_k", ylabel="Var(q . k)")
-    axis.set_title("Claim 1: Var(q . k) = d_k")
-    axis.legend()
-    export.save_figure(figure, path_1)
-
-    scaled = np.array([r["scaled_variance"] for r in variance["rows"]])
-    figure, axis = plt.subplots(figsize=(5.5, 4))
-    axis.errorbar(d, v, yerr=_SIGMAS * se, fmt="o", label="q . k")
-    axis.errorbar(d, scaled, yerr=_SIGMAS * se / d, fmt="s", label="q . k / sqrt(d_k)")
-    axis.axhline(1.0, color="k", ls="--", lw=1)
-    axis.set(xscale="log", yscale="log", xlabel="d_k", ylabel="variance of the scores")
-    axis.set_title("Claim 2: scaling brings the variance back to 1")
-    axis.legend()
-    export.save_figure(figure, path_2)
-
-
-def _plot_saturation(saturation, sequence_length, path_3, path_4):
-    plt = export.pyplot()
-
-    d = [r["d_k"] for r in saturation]
-    figure, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    for name, style in (("unscaled", "o-"), ("scaled", "s-")):
-        left.plot(d, [r[name]["entropy"] for r in saturation], style, label=name)
-        right.plot(d, [r[name]["max_weight"] for r in saturation], style, label=name)
-    left.axhline(math.log(sequence_length), color="k", ls=":", lw=1, label="log S (uniform)")
-    left.set(xscale="log", xlabel="d_k", ylabel="mean row entropy (nats)")
-    right.set(xscale="log", xlabel="d_k", ylabel="mean max weight", ylim=(0, 1.05))
-    left.legend()
-    right.legend()
-    figure.suptitle(f"Claim 3: without scaling the softmax saturates (S = {sequence_length})")
-    export.save_figure(figure, path_3)
-
-    figure, axis = plt.subplots(figsize=(5.5, 4))
-    for name, color in (("unscaled", "C0"), ("scaled", "C1")):
-        median = [r[name]["jacobian_norm_median"] for r in saturation]
-        mean = [r[name]["jacobian_norm"] for r in saturation]
-        axis.plot(d, median, "o-", color=color, label=f"{name}, median row")
-        axis.plot(d, mean, ":", color=color, label=f"{name}, mean")
-    axis.set(xscale="log", yscale="log", xlabel="d_k", ylabel="||d softmax / d scores||_F")
-    axis.set_title("Claim 4: saturated softmax, vanishing gradient")
-    axis.legend()
-    export.save_figure(figure, path_4)
-
-
-def _plot_training(training, path):
-    plt = export.pyplot()
-
-    figure, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    for name, color in (("scaled", "C0"), ("unscaled", "C3")):
-        run = training[name]
-        label = "1/sqrt(d_k)" if name == "scaled" else "scale = 1"
-        left.plot(np.arange(1, len(run["train_loss"]) + 1), run["train_loss"], color, alpha=0.3)
-        left.plot(run["steps"], run["val_loss"], color, lw=2, label=f"{label} (validation)")
-        right.plot(run["steps"], run["val_accuracy"], color, lw=2, label=label)
-    left.set(xlabel="training step", ylabel="binary cross-entropy", ylim=(0, None))
-    left.legend()
-    right.axhline(0.95, color="k", ls=":", lw=1)
-    right.set(xlabel="training step", ylabel="validation accuracy", ylim=(0.4, 1.01))
-    right.legend()
-    figure.suptitle(f"Claim 5: training at d_k = {training['key_dim']} (faint: training loss)")
-    export.save_figure(figure, path)
-
-
-def _results_table(metrics):
-    variance = metrics["claims"]["1_variance"]
-    saturation = metrics["claims"]["3_saturation"]
-    training = metrics["claims"]["5_training"]
-    weighted = metrics["claims"]["6_weighted_sum"]
-    core = metrics["claims"]["2_core_score_variance"]
-    first, last = saturation[0], saturation[-1]
-    d_first, d_last = first["d_k"], last["d_k"]
-    n = metrics["config"]["samples"]
-
-    quick = " --quick" if metrics["config"]["quick"] else ""
-
-    def fmt_steps(steps):
-        return "never" if steps is None else f"step {steps}"
-
-    def holds(key):
-        return "yes" if metrics["holds"][key] else "**NO**"
-
-    variances = ", ".join(f"{r['variance']:.2f}" for r in variance["rows"])
-    scaled_variances = ", ".join(f"{r['scaled_variance']:.4f}" for r in variance["rows"])
-    core_variances = ", ".join(f"{r['variance']:.3f}" for r in core)
-    dims = ", ".join(str(r["d_k"]) for r in variance["rows"])
-    rows = [
-        (
-            "1. Var(q . k) = d_k",
-            f"the derivation's premise, on NumPy's random numbers (not this package): "
-            f"Var(q . k) over {n:,} pairs of N(0, I) vectors, d_k = {dims}",
-            f"{variances}; fitted slope {variance['slope']:.4f} "
-            f"+/- {variance['slope_standard_error']:.4f}",
-            f"each within {_SIGMAS:g} SE of d_k, SE = sqrt((2 d_k^2 + 6 d_k) / n); slope within "
-            f"{_SIGMAS:g} SE of 1",
-            holds("1_variance"),
-        ),
-        (
-            "2. Var(q . k / sqrt(d_k)) = 1",
-            "the premise again, the same NumPy pairs scaled; and, measuring this package, "
-            "the spread of log A over keys in the core's own output (default scale)",
-            f"{scaled_variances}; core: {core_variances}",
-            f"each within {_SIGMAS:g} SE of 1",
-            holds("2_scaled_variance"),
-        ),
-        (
-            "3. Unscaled, the softmax saturates",
-            f"mean row entropy and max weight of the core's weights, S = "
-            f"{metrics['config']['sequence_length']}, unscaled vs scaled",
-            f"d_k = {d_first}: entropy {first['unscaled']['entropy']:.2f} vs "
-            f"{first['scaled']['entropy']:.2f}; d_k = {d_last}: entropy "
-            f"{last['unscaled']['entropy']:.3f} vs {last['scaled']['entropy']:.2f}, max weight "
-            f"{last['unscaled']['max_weight']:.3f} vs {last['scaled']['max_weight']:.3f}",
-            "unscaled: entropy falls with d_k, < 0.5 nats and max weight > 0.8 at the largest; "
-            "scaled: entropy within 10% of log S - 1/2 at every d_k",
-            holds("3_saturation"),
-        ),
-        (
-            "4. Unscaled, the gradients vanish",
-            "median over rows of the Frobenius norm of d A / d scores, through the core's "
-            "hand-written backward pass (scores fed as its bias), unscaled vs scaled; the mean "
-            "in brackets",
-            f"d_k = {d_first}: {first['unscaled']['jacobian_norm_median']:.3g} vs "
-            f"{first['scaled']['jacobian_norm_median']:.3g}; d_k = {d_last}: "
-            f"{last['unscaled']['jacobian_norm_median']:.2g} vs "
-            f"{last['scaled']['jacobian_norm_median']:.3g} "
-            f"({last['unscaled']['jacobian_norm']:.3g} vs {last['scaled']['jacobian_norm']:.3g})",
-            "unscaled peaks, then falls at every larger d_k to < 1/10 of scaled; scaled within "
-            "a factor 2 across d_k",
-            holds("4_gradients"),
-        ),
-        (
-            "5. Unscaled, training suffers",
-            f"the same attention-pooling classifier and data, d_k = {training['key_dim']}, "
-            f"{training['examples']:,} examples x {training['epochs']} epochs: first step at "
-            "95% validation accuracy; final validation loss",
-            f"scaled: {fmt_steps(training['scaled']['steps_to_95'])}, loss "
-            f"{training['scaled']['final_val_loss']:.3f}, accuracy "
-            f"{training['scaled']['final_val_accuracy']:.3f}; unscaled: "
-            f"{fmt_steps(training['unscaled']['steps_to_95'])}, loss "
-            f"{training['unscaled']['final_val_loss']:.3f}, accuracy "
-            f"{training['unscaled']['final_val_accuracy']:.3f}",
-            "scaled reaches 95% at least 2x sooner (or unscaled never) and ends with the "
-            "lower loss",
-            holds("5_training"),
-        ),
-        (
-            "6. Rows of A are distributions; out_i = sum_j A_ij V_j",
-            "the real layer (2 heads, W_O, padding, a fully masked row) against NumPy float64: "
-            "A recomputed from the inputs and the layer's W_Q, W_K; out from A, W_V, W_O",
-            f"min A {weighted['min_weight']:.2g}; max |row sum - 1| "
-            f"{weighted['max_row_sum_error']:.2g}; masked weights "
-            f"{weighted['max_masked_weight']:g}; "
-            f"fully masked row sum {weighted['fully_masked_row_sum']:g}; max |A - returned| "
-            f"{weighted['max_weight_error']:.2g}; max |out - A V W_O| "
-            f"{weighted['max_output_error']:.2g}",
-            "A >= 0; row sums within 1e-5 of 1; masked exactly 0; returned weights and output "
-            "within 1e-5 (relative)",
-            holds("6_weighted_sum"),
-        ),
-    ]
-    lines = [
-        "# The math, verified",
-        "",
-        f"Written by `python -m apps.math_verified{quick}` in {metrics['seconds']:.0f} s "
-        f"(TensorFlow {metrics['versions']['tensorflow']}, "
-        f"Keras {metrics['versions']['keras']}). Every number is in `metrics.json`.",
-        "",
-        "| claim | measured | result | bar | holds |",
-        "|---|---|---|---|---|",
-    ]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
-    lines += [""] + [f"![claim {i}](claim{i}_{name}.png)" for i, name in _PLOTS] + [""]
-    return "\n".join(lines)
-
-
-_PLOTS = (
-    (1, "variance"),
-    (2, "scaled_variance"),
-    (3, "saturation"),
-    (4, "gradients"),
-    (5, "training"),
-)
-
-
 def run(config):
     start = time.perf_counter()
     os.makedirs(config.output, exist_ok=True)
@@ -708,20 +388,22 @@ def run(config):
     }
     paths = {
         f"claim{i}_{name}.png": os.path.join(config.output, f"claim{i}_{name}.png")
-        for i, name in _PLOTS
+        for i, name in math_report.PLOTS
     }
-    _plot_variance(variance, paths["claim1_variance.png"], paths["claim2_scaled_variance.png"])
-    _plot_saturation(
+    math_report.plot_variance(
+        variance, paths["claim1_variance.png"], paths["claim2_scaled_variance.png"], _SIGMAS
+    )
+    math_report.plot_saturation(
         saturation,
         config.sequence_length,
         paths["claim3_saturation.png"],
         paths["claim4_gradients.png"],
     )
-    _plot_training(training, paths["claim5_training.png"])
+    math_report.plot_training(training, paths["claim5_training.png"])
     metrics_path = os.path.join(config.output, "metrics.json")
     results_path = os.path.join(config.output, "results.md")
-    export.write_json_atomic(metrics_path, metrics)
-    export.write_text_atomic(results_path, _results_table(metrics))
+    files.write_json_atomic(metrics_path, metrics)
+    files.write_text_atomic(results_path, math_report.results_table(metrics, _SIGMAS))
 
     progress("done")
     for claim, ok in metrics["holds"].items():

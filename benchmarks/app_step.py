@@ -1,14 +1,14 @@
 """One training step of the app's classifier, as shipped, against its Keras-MHA twin.
 
-The shipped configuration (`apps.train_sentiment`'s defaults: E=64, 2 heads of 32, one
-block plus attention pooling over each token's embedding, vocabulary 30,000 with 200,000
-word pairs and 200,000 triples 16 wide, batch 64, the app's Adam) is built twice by
-`apps.sentiment.model.build_classifier`: once as shipped, on `keras_sdpa.ScaledDotProductAttention`,
-and once with `keras.layers.MultiHeadAttention` in its place (same arguments, same weights
-copied over). Each step is `model.train_on_batch` on the same batch of random token ids,
-cut to `--length` (one of the app's length buckets: 512, the longest, by default),
-compiled as the app compiles it (`apps.sentiment.model.Adam`, `jit_compile=False`: the attention
-core is XLA-compiled on its own).
+The shipped configuration (`apps.train_sentiment`'s defaults: E=64, 2 heads of 32, one block
+plus attention pooling over each token's embedding, vocabulary 30,000 with 200,000 word pairs
+and 200,000 triples 16 wide, batch 64, the app's Adam) is built twice by
+`apps.classifier.model.build_classifier`: once as shipped, on
+`keras_sdpa.ScaledDotProductAttention`, and once with `keras.layers.MultiHeadAttention` in its
+place (same arguments, same weights copied over). Each step is `model.train_on_batch` on the
+same batch of random token ids, cut to `--length` (one of the app's length buckets: 512, the
+longest, by default), compiled as the app compiles it (`apps.classifier.optimizer.Adam`,
+`jit_compile=False`: the attention core is XLA-compiled on its own).
 
 Rounds alternate the two in one process; the table gives the median of the
 per-round ratios (ours / Keras) and their range.
@@ -43,7 +43,7 @@ MODEL_ARGUMENTS = (
 
 def shipped_config():
     """The model arguments and batch size of `apps.train_sentiment`'s defaults."""
-    from apps.sentiment.train import Config
+    from apps.training.config import Config
 
     config = Config()
     return {name: getattr(config, name) for name in MODEL_ARGUMENTS}, config.batch_size
@@ -54,8 +54,10 @@ def build(kind, ids, config, policy="float32"):
     its layers built under the dtype `policy`."""
     import keras
 
-    from apps.sentiment import model as model_lib
-    from apps.sentiment.train import _dtype_policy
+    from apps.classifier import model as model_lib
+    from apps.classifier import pooling
+    from apps.classifier.optimizer import Adam
+    from apps.training.build import dtype_policy
 
     class KerasTwin(keras.layers.MultiHeadAttention):
         """Keras's layer under our layer's arguments: it has no `scale`, only the default."""
@@ -65,21 +67,25 @@ def build(kind, ids, config, policy="float32"):
                 raise ValueError(f"The Keras twin takes no `scale`. Received: scale={scale}")
             super().__init__(*args, **kwargs)
 
+    # The blocks (`model`) and the pooling (`pooling`) each name the attention layer.
+    modules = (model_lib, pooling)
     original = model_lib.ScaledDotProductAttention
     if kind == "keras_mha":
-        model_lib.ScaledDotProductAttention = KerasTwin
+        for module in modules:
+            module.ScaledDotProductAttention = KerasTwin
     try:
         keras.utils.set_random_seed(0)
-        with _dtype_policy(policy):
+        with dtype_policy(policy):
             model, _ = model_lib.build_classifier(**config)
     finally:
-        model_lib.ScaledDotProductAttention = original
+        for module in modules:
+            module.ScaledDotProductAttention = original
     embedding = model.get_layer("embedding")
     if config["bigram_vocab_size"]:
         embedding.adapt_bigrams(ids)  # the word-pair vocabulary
     if config["trigram_vocab_size"]:
         embedding.adapt_trigrams(ids)
-    model.compile(model_lib.Adam(1e-3), "binary_crossentropy", jit_compile=False)
+    model.compile(Adam(1e-3), "binary_crossentropy", jit_compile=False)
     return model
 
 

@@ -34,8 +34,9 @@ def build(config, vectorizer):
     """The shipped configuration's classifier, compiled as the app compiles it."""
     import keras
 
-    from apps.sentiment import data
-    from apps.sentiment import model as model_lib
+    from apps.classifier import data
+    from apps.classifier import model as model_lib
+    from apps.classifier.optimizer import Adam
 
     keras.utils.set_random_seed(config["seed"])
     model, _ = model_lib.build_classifier(
@@ -52,7 +53,7 @@ def build(config, vectorizer):
     if config["trigram_vocab_size"]:
         embedding.set_trigrams(data.read_ngrams(vectorizer, os.path.join(RUN, "trigrams.txt")))
     model.compile(
-        optimizer=model_lib.Adam(
+        optimizer=Adam(
             config["learning_rate"], weight_decay=config["weight_decay"] or None
         ),
         loss="binary_crossentropy",
@@ -77,8 +78,8 @@ def main(argv=None):
     sys.path.insert(0, ROOT)
     import numpy as np
 
-    from apps.sentiment import data
-    from apps.sentiment import train as train_sentiment
+    from apps.classifier import data
+    from apps.training import batches
 
     with open(os.path.join(RUN, "metrics.json")) as f:
         config = json.load(f)["config"]
@@ -88,7 +89,7 @@ def main(argv=None):
     )
     splits = data.load_splits(seed=config["seed"], data_dir=data.resolve_data_dir(args.data_dir))
     ids = data.vectorize(vectorizer, splits.train_text)
-    stream = train_sentiment.training_stream(
+    stream = batches.training_stream(
         ids, splits.train_label, config["batch_size"], config["seed"]
     )
     bucketed = [(x.numpy(), y.numpy()) for x, y in stream.take(args.steps)]
@@ -127,7 +128,7 @@ def main(argv=None):
             f"On {cpu_name()}. "
             "The shipped configuration (`saved_models/imdb_sdpa/metrics.json`), trained as the "
             f"app trains it, on the first {args.steps} batches of {config['batch_size']} real IMDB "
-            f"training reviews of `apps.sentiment.train.training_stream` (mean width "
+            f"training reviews of `apps.training.batches.training_stream` (mean width "
             f"{statistics.fmean(widths):.0f} tokens), against the same batches padded to {length}; "
             f"{args.rounds} alternating rounds in one process; ratio = median of the per-round "
             "ratios (bucketed / padded; range in brackets).",

@@ -228,7 +228,7 @@ def tiny_run(tmp_path_factory):
     Under pytest-xdist the workers share the session's base temporary folder: the first to
     take the file lock trains, the other waits and reads the finished run. `tiny_run.done`,
     written after the app returned, says the run is whole."""
-    from apps.sentiment import train
+    from apps.training import train
 
     shared = tmp_path_factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):

@@ -16,10 +16,17 @@ import pytest
 import tensorflow as tf
 from conftest import TINY_RUN
 
-from apps.sentiment import data
-from apps.sentiment import model as model_lib
-from apps.sentiment import train as train_sentiment
-from apps.serving import predict
+from apps.classifier import data
+from apps.classifier import embedding as embedding_lib
+from apps.classifier import model as model_lib
+from apps.classifier import optimizer as optimizer_lib
+from apps.classifier import pooling as pooling_lib
+from apps.serving import compiled, predict
+from apps.training import batches as train_batches
+from apps.training import build as train_build
+from apps.training import fit as train_fit
+from apps.training import prepare as train_prepare
+from apps.training import train as train_sentiment
 from keras_sdpa import ScaledDotProductAttention
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -232,7 +239,7 @@ def test_bigram_keys_pair_each_word_with_the_one_before():
     ids = rng.integers(1, 50, size=(4, 9))
     ids[0, 5:] = 0  # padding at the end, as TextVectorization pads
     ids[1, :] = 0
-    keys = model_lib.bigram_keys(ids, 50).numpy()
+    keys = embedding_lib.bigram_keys(ids, 50).numpy()
     expected = np.zeros_like(keys)
     for b, row in enumerate(ids):
         for t in range(1, len(row)):
@@ -253,11 +260,11 @@ def test_bigram_embedding_keeps_the_most_frequent_pairs_through_save_and_load(tm
     embedding = model.get_layer("embedding")
     embedding.adapt_bigrams(ids)
     assert embedding.bigrams == [(3, 4), (4, 5), (2, 3)]
-    looked_up = embedding.bigram_lookup(model_lib.bigram_keys(ids[3:4], 10)).numpy()
+    looked_up = embedding.bigram_lookup(embedding_lib.bigram_keys(ids[3:4], 10)).numpy()
     np.testing.assert_array_equal(looked_up, [[0, 4, 2, 0, 0]])  # 0: no pair, (3, 4) is 2
     # Rarer pairs share the out-of-vocabulary vector (index 1).
     np.testing.assert_array_equal(
-        embedding.bigram_lookup(model_lib.bigram_keys(ids[4:5], 10)).numpy(), [[0, 4, 1, 1, 1]]
+        embedding.bigram_lookup(embedding_lib.bigram_keys(ids[4:5], 10)).numpy(), [[0, 4, 1, 1, 1]]
     )
     path = str(tmp_path / "model.keras")
     model.save(path)
@@ -276,7 +283,7 @@ def test_trigram_keys_join_each_word_with_the_two_before():
     ids[0, 5:] = 0
     ids[1, :] = 0
     ids[2, 3] = 0  # a gap: no triple may span it
-    keys = model_lib.trigram_keys(ids, 50).numpy()
+    keys = embedding_lib.trigram_keys(ids, 50).numpy()
     expected = np.zeros_like(keys)
     for b, row in enumerate(ids):
         for t in range(2, len(row)):
@@ -299,7 +306,7 @@ def test_trigram_embedding_keeps_the_most_frequent_triples_through_save_and_load
     embedding.adapt_bigrams(ids)
     embedding.adapt_trigrams(ids)
     assert embedding.trigrams == [(3, 4, 5), (2, 3, 4)]
-    looked_up = embedding.trigram_lookup(model_lib.trigram_keys(ids[4:5], 10)).numpy()
+    looked_up = embedding.trigram_lookup(embedding_lib.trigram_keys(ids[4:5], 10)).numpy()
     np.testing.assert_array_equal(looked_up, [[0, 0, 3, 1, 1]])  # (2, 3, 4) is 3; rarer: 1
     path = str(tmp_path / "model.keras")
     model.save(path)
@@ -320,8 +327,8 @@ def test_compiled_classifier_in_steps_matches_the_model(length):
     model, _ = model_lib.build_classifier(
         vocab_size=50, sequence_length=length, embed_dim=16, key_dim=8, ff_dim=16, seed=3
     )
-    classify = model_lib.compiled_classifier(model)
-    step = int(model_lib.step_rows(length))
+    classify = compiled.compiled_classifier(model)
+    step = int(compiled.step_rows(length))
     assert step == {48: 32, 256: 8}[length]
     rng = np.random.default_rng(0)
     sizes = (0, 1, step, step + 1, 3 * step + 2)
@@ -656,16 +663,16 @@ def test_resume_after_an_interrupt_at_step_2_gives_the_uninterrupted_weights(
     the tiny run only at the end, so it runs while another worker trains it.)"""
     output = str(tmp_path / "imdb")
     tail = ["--inspect_examples", "0", "--faithfulness_examples", "0", "--output", output]
-    batch_end = train_sentiment.TrainingState.on_train_batch_end
+    batch_end = train_fit.TrainingState.on_train_batch_end
     sent = []
 
     def interrupt_after_step_2(self, batch, logs=None):
         batch_end(self, batch, logs)
-        if not sent and train_sentiment._step(self.model) == 2:
+        if not sent and train_fit.optimizer_step(self.model) == 2:
             sent.append(True)
             os.kill(os.getpid(), signal.SIGINT)
 
-    monkeypatch.setattr(train_sentiment.TrainingState, "on_train_batch_end", interrupt_after_step_2)
+    monkeypatch.setattr(train_fit.TrainingState, "on_train_batch_end", interrupt_after_step_2)
     assert train_sentiment.main([*TINY_RUN, *tail]) == 130
     assert sent and "--resume" in capsys.readouterr().err
     with open(os.path.join(output, "checkpoints", "state.json")) as f:
@@ -706,7 +713,7 @@ def _synthetic_ids(lengths, width):
 
 
 def _stream_batches(ids, labels, batch_size, seed, steps, start_step=0):
-    stream = train_sentiment.training_stream(ids, labels, batch_size, seed, start_step)
+    stream = train_batches.training_stream(ids, labels, batch_size, seed, start_step)
     return [(x.numpy(), y.numpy()) for x, y in stream.take(steps)]
 
 
@@ -770,7 +777,7 @@ def test_prediction_does_not_depend_on_the_batch_length():
     model.get_layer("embedding").adapt_bigrams(ids)
     full = model.predict(ids, batch_size=96, verbose=0)[:, 0]
     labels = (np.arange(96) % 2).astype("int64")
-    dataset = train_sentiment.eval_dataset(ids, labels, batch_size=16)
+    dataset = train_batches.eval_dataset(ids, labels, batch_size=16)
     seen, widths = 0, set()
     for x, y in dataset:
         x = x.numpy()
@@ -780,7 +787,7 @@ def test_prediction_does_not_depend_on_the_batch_length():
         np.testing.assert_allclose(model(x, training=False)[:, 0], full[rows], atol=1e-5)
         seen += len(rows)
     assert seen == 96 and len(widths) >= 4  # several buckets, each compared with 256
-    limited = train_sentiment.eval_dataset(ids, labels, batch_size=16, limit=40)
+    limited = train_batches.eval_dataset(ids, labels, batch_size=16, limit=40)
     assert sum(len(y) for _, y in limited) == 40
 
 
@@ -788,7 +795,7 @@ def test_progress_bar_shows_reviews_per_second(capsys):
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
     model.compile(optimizer="sgd", loss="mse")
     x, y = np.zeros((64, 3), "float32"), np.zeros((64, 1), "float32")
-    callback = train_sentiment.ReviewsPerSecond(global_batch=16)
+    callback = train_fit.ReviewsPerSecond(global_batch=16)
     model.fit(x, y, batch_size=16, epochs=1, verbose=1, callbacks=[callback])
     shown = re.findall(r"reviews/s: ([0-9.e+]+)", capsys.readouterr().out)
     assert shown and float(shown[-1]) > 0
@@ -798,8 +805,8 @@ def test_reviews_per_second_is_the_epochs_throughput_so_far(monkeypatch):
     """Steps of 1 s, 2 s and 1 s at 16 reviews: the bar reads 16/1, 32/3, 48/4 reviews/s (the
     reviews since the epoch began over the time since), not each step's own rate."""
     clock = iter([10.0, 11.0, 13.0, 14.0, 20.0, 22.0])
-    monkeypatch.setattr(train_sentiment.time, "perf_counter", lambda: next(clock))
-    callback = train_sentiment.ReviewsPerSecond(global_batch=16)
+    monkeypatch.setattr(train_fit.time, "perf_counter", lambda: next(clock))
+    callback = train_fit.ReviewsPerSecond(global_batch=16)
     shown = []
     for epoch, steps in ((0, 3), (1, 1)):
         callback.on_epoch_begin(epoch)
@@ -822,11 +829,11 @@ def test_early_stopping_replays_the_logged_epochs_on_its_monitor(monitor, tmp_pa
     path = tmp_path / "history.csv"
     lines = [f"{epoch},{loss},{accuracy}\n" for epoch, loss, accuracy in rows]
     path.write_text("epoch,val_loss,val_accuracy\n" + "".join(lines))
-    history = train_sentiment.read_history(str(path))
+    history = train_fit.read_history(str(path))
     best = 1 if monitor == "val_loss" else 2
-    assert train_sentiment._best_row(history, monitor)["epoch"] == best
-    assert train_sentiment._stopped_early(history, 1, monitor) == (monitor == "val_loss")
-    callback = train_sentiment.ResumableEarlyStopping(str(path), monitor=monitor, patience=1)
+    assert train_fit.best_row(history, monitor)["epoch"] == best
+    assert train_fit._stopped_early(history, 1, monitor) == (monitor == "val_loss")
+    callback = train_fit.ResumableEarlyStopping(str(path), monitor=monitor, patience=1)
     callback.set_model(keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)]))
     callback.on_train_begin()
     assert (callback.best_epoch, callback.wait) == (best, 2 - best)
@@ -870,22 +877,22 @@ def test_training_state_restores_weights_optimizer_and_dropout_draws(tmp_path):
         return model
 
     model = build()
-    state = train_sentiment.TrainingState(str(tmp_path / "checkpoints"), save_every=2)
+    state = train_fit.TrainingState(str(tmp_path / "checkpoints"), save_every=2)
     model.fit(x, y, batch_size=2, epochs=1, verbose=0, callbacks=[state])  # 4 steps: saved at 4
     with open(tmp_path / "checkpoints" / "state.json") as f:
         assert json.load(f)["step"] == 4
     restored = build()
     restored.build((None, 6, 4))
     restored.optimizer.build(restored.trainable_variables)
-    again = train_sentiment.TrainingState(str(tmp_path / "checkpoints"), save_every=2)
+    again = train_fit.TrainingState(str(tmp_path / "checkpoints"), save_every=2)
     again.set_model(restored)
     again.restore()
-    assert train_sentiment._step(restored) == 4
+    assert train_fit.optimizer_step(restored) == 4
     for name, a, b in (("weights", model.get_weights(), restored.get_weights()),
                        ("optimizer", [v.numpy() for v in model.optimizer.variables],
                         [v.numpy() for v in restored.optimizer.variables]),
-                       ("seeds", [v.numpy() for v in train_sentiment._seed_states(model)],
-                        [v.numpy() for v in train_sentiment._seed_states(restored)])):  # fmt: skip
+                       ("seeds", [v.numpy() for v in train_fit._seed_states(model)],
+                        [v.numpy() for v in train_fit._seed_states(restored)])):  # fmt: skip
         assert len(a) == len(b) and len(a) > 0, name
         for u, v in zip(a, b):
             np.testing.assert_array_equal(u, v, err_msg=name)
@@ -912,7 +919,7 @@ def test_adam_sums_repeated_rows_of_a_sparse_gradient():
     embedding = keras.layers.Embedding(5, 3)
     embedding.build((None,))
     weights = embedding.embeddings.numpy().astype(np.float64)
-    optimizer = model_lib.Adam(lr, beta_1=beta_1, beta_2=beta_2, epsilon=epsilon)
+    optimizer = optimizer_lib.Adam(lr, beta_1=beta_1, beta_2=beta_2, epsilon=epsilon)
     ids = np.array([1, 1, 3, 1, 4])
     rng = np.random.default_rng(0)
     m, v = np.zeros_like(weights), np.zeros_like(weights)
@@ -942,7 +949,7 @@ def test_vocabularies_counted_on_train_and_the_unlabelled_reviews(tmp_path, caps
     )  # fmt: skip
     run = train_sentiment.Run(None, {}, 32, config.output, str(tmp_path / "a" / "c"), False)
     os.makedirs(config.output)
-    splits, vectorizer, train_ids, _, counted_ids = train_sentiment._prepare_data(config, run)
+    splits, vectorizer, train_ids, _, counted_ids = train_prepare.prepare_data(config, run)
     unlabeled = data.load_unlabeled("imdb_reviews")
     assert len(unlabeled) == 50000
     # Less the unlabelled reviews that repeat a validation or test review word for word.
@@ -974,7 +981,7 @@ def test_mixed_precision_builds_half_precision_layers_with_a_float32_probability
     bfloat16 operands, while the probability and the variables stay float32; the global
     policy is restored after the run."""
     before = keras.config.dtype_policy().name
-    with train_sentiment._dtype_policy("mixed_bfloat16"):
+    with train_build.dtype_policy("mixed_bfloat16"):
         model, inspector = model_lib.build_classifier(
             vocab_size=50, sequence_length=16, embed_dim=8, num_heads=2, key_dim=4, ff_dim=8
         )
@@ -1024,14 +1031,14 @@ def test_pooling_scale_multiplies_the_pooling_logits():
 
 
 def test_pooling_sharpness_reads_uniform_as_1_and_one_token_as_0():
-    from apps.serving import export
+    from apps.inspection import records
 
     uniform = {"pooling": np.full((2, 8), 1 / 8).tolist()}
     one_token = {"pooling": np.eye(1, 8).repeat(2, 0).tolist()}
-    assert export.pooling_sharpness([uniform]) == {
+    assert records.pooling_sharpness([uniform]) == {
         "normalized_entropy": 1.0, "top_weight_times_uniform": 1.0, "reviews": 1,
     }  # fmt: skip
-    both = export.pooling_sharpness([uniform, one_token])
+    both = records.pooling_sharpness([uniform, one_token])
     assert both == {"normalized_entropy": 0.5, "top_weight_times_uniform": 4.5, "reviews": 2}
 
 
@@ -1074,7 +1081,7 @@ def test_pooling_values_embedding_sums_each_tokens_own_embedding(tmp_path):
     assert reloaded.get_layer("pooling").values_from == "embedding"
     np.testing.assert_allclose(np.asarray(reloaded(ids))[:, 0], got, atol=1e-6)
     with pytest.raises(ValueError, match="values_from='sum'"):
-        model_lib.AttentionPooling(2, 4, values_from="sum")
+        pooling_lib.AttentionPooling(2, 4, values_from="sum")
     pooling = model.get_layer("pooling")
     with pytest.raises(ValueError, match="values_from='embedding', values=None"):
         pooling(blocks.astype("float32"), mask=ids != 0)
@@ -1084,7 +1091,7 @@ def test_ngram_dim_projects_the_pair_and_triple_tables_to_the_width(tmp_path):
     """`ngram_dim=d`: the pair and triple tables are d wide, and a position's embedding is
     its word's and position's plus one projection of its pair's and triple's rows summed,
     checked in NumPy from the tables; it survives save and load."""
-    embedding = model_lib.TokenAndPositionEmbedding(
+    embedding = embedding_lib.TokenAndPositionEmbedding(
         50, 16, 8, bigram_vocab_size=30, trigram_vocab_size=20, ngram_dim=3
     )
     ids = np.random.default_rng(0).integers(1, 6, (4, 16))  # few words: pairs and triples repeat
@@ -1095,8 +1102,8 @@ def test_ngram_dim_projects_the_pair_and_triple_tables_to_the_width(tmp_path):
     assert embedding.trigram_embedding.embeddings.shape == (22, 3)
     words = np.asarray(embedding.token_embedding.embeddings, "float64")[ids]
     positions = np.asarray(embedding.position_embedding.embeddings, "float64")[:16]
-    pairs = np.asarray(embedding.bigram_lookup(model_lib.bigram_keys(ids, 50)))
-    triples = np.asarray(embedding.trigram_lookup(model_lib.trigram_keys(ids, 50)))
+    pairs = np.asarray(embedding.bigram_lookup(embedding_lib.bigram_keys(ids, 50)))
+    triples = np.asarray(embedding.trigram_lookup(embedding_lib.trigram_keys(ids, 50)))
     assert (pairs > 1).any() and (triples > 1).any()  # in-vocabulary n-grams looked up
     ngrams = (
         np.asarray(embedding.bigram_embedding.embeddings, "float64")[pairs]
@@ -1107,4 +1114,4 @@ def test_ngram_dim_projects_the_pair_and_triple_tables_to_the_width(tmp_path):
     reloaded = keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(embedding))
     assert reloaded.ngram_dim == 3
     with pytest.raises(ValueError, match="ngram_dim=0"):
-        model_lib.TokenAndPositionEmbedding(50, 16, 8, bigram_vocab_size=30, ngram_dim=0)
+        embedding_lib.TokenAndPositionEmbedding(50, 16, 8, bigram_vocab_size=30, ngram_dim=0)

@@ -7,8 +7,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from apps.sentiment import calibration, short_reviews
-from apps.sentiment import model as model_lib
+from apps.classifier import model as model_lib
+from apps.classifier import short_reviews
+from apps.serving.compiled import compiled_classifier
+from apps.training import calibration
 
 
 def keras_loss(log_odds, labels, temperature):
@@ -112,7 +114,7 @@ def test_fold_divides_the_log_odds_and_keeps_every_label():
     )
     model.get_layer("classifier").bias.assign([0.7])  # zero as initialized: folded too
     ids = np.random.default_rng(0).integers(0, 50, (32, 16)).astype("int32")
-    log_odds = model_lib.compiled_classifier(model, log_odds=True)(tf.constant(ids)).numpy()
+    log_odds = compiled_classifier(model, log_odds=True)(tf.constant(ids)).numpy()
     before = model.predict(ids, verbose=0)[:, 0]
     np.testing.assert_allclose(before, 1 / (1 + np.exp(-log_odds)), atol=1e-6)
     calibration.fold_temperature(model, 2.5)

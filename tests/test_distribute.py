@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from apps.sentiment import distribute
-from apps.sentiment import train as train_sentiment
+from apps.training import distribute
+from apps.training import train as train_sentiment
 
 # Whole app runs, two of them in two processes: the large tier. Under pytest-xdist, the tests
 # that use this module's module fixtures share one worker (tests/conftest.py).
@@ -137,7 +137,7 @@ def test_mirrored_model_exports_and_serves_raw_text(mirrored):
     texts = ["A wonderful film.", "Dull and far too long."]
     # What the Keras model the run saved predicts for the same texts, in this process.
     metrics = _metrics(output)
-    from apps.sentiment import data
+    from apps.classifier import data
 
     vectorizer = data.make_vectorizer(
         metrics["config"]["vocab_size"],

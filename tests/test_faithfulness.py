@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from apps.classifier import data, run_folder
+from apps.classifier import model as model_lib
 from apps.inspection import explain, faithfulness
-from apps.sentiment import data, runs
-from apps.sentiment import model as model_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHIPPED = os.path.join(ROOT, "saved_models", "imdb_sdpa")
@@ -176,7 +176,7 @@ def test_gradient_x_input_matches_finite_differences(tiny_float64_model):
 
 @pytest.fixture(scope="module")
 def shipped():
-    return runs.load_run(SHIPPED)
+    return run_folder.load_run(SHIPPED)
 
 
 @pytest.fixture(scope="module")

@@ -416,7 +416,7 @@ def test_short_queries_fold_the_projections_and_match(kwargs, length):
 
 
 class _Pooling(keras.layers.Layer):
-    """A learned query attending over a sequence, as `apps.sentiment.model.AttentionPooling`."""
+    """A learned query attending over a sequence, as `apps.classifier.pooling.AttentionPooling`."""
 
     def __init__(self, query, **attention_kwargs):
         super().__init__(name="pooling")

@@ -13,6 +13,7 @@ import re
 import numpy as np
 import pytest
 
+from apps import math_report
 from apps import math_verified as mv
 
 # Under pytest-xdist, the tests that use `run` share one worker (tests/conftest.py).
@@ -35,7 +36,7 @@ def test_app_writes_results_and_plots(run):
     status, metrics, output = run
     assert status == 0, metrics["holds"]
     table = (output / "results.md").read_text()
-    for i, name in mv._PLOTS:
+    for i, name in math_report.PLOTS:
         png = output / f"claim{i}_{name}.png"
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert f"(claim{i}_{name}.png)" in table

@@ -6,7 +6,8 @@ import keras
 import numpy as np
 import pytest
 
-from apps.sentiment import model as model_lib
+from apps.classifier import embedding as embedding_lib
+from apps.classifier import model as model_lib
 
 # Six short reviews over a vocabulary of 10 ids (0 = padding, 1 = out of vocabulary).
 IDS = np.array(
@@ -37,7 +38,7 @@ def reference_ratios(features, labels, size, alpha):
 
 @pytest.mark.parametrize("alpha", [1.0, 0.25])
 def test_ratios_count_each_feature_once_per_document(alpha):
-    ratios = model_lib.naive_bayes_ratios(IDS, LABELS, 10, alpha)
+    ratios = embedding_lib.naive_bayes_ratios(IDS, LABELS, 10, alpha)
     np.testing.assert_allclose(ratios, reference_ratios(IDS, LABELS, 10, alpha), rtol=1e-6)
     # Word 3 is in three positive reviews and one negative (twice in the first: counted once);
     # the positive reviews hold 10 distinct (review, word) pairs, the negative 11.
@@ -67,8 +68,8 @@ def test_embedding_adds_the_projected_ratios_of_words_pairs_and_triples(folds, t
     # A review's fold is its number of tokens modulo the folds: lengths 4 3 4 5 3 5.
     fold = np.array([4, 3, 4, 5, 3, 5]) % folds
     np.testing.assert_array_equal(embedding.naive_bayes_fold(IDS), fold)
-    pairs = embedding.bigram_lookup(model_lib.bigram_keys(IDS, 10)).numpy()  # (n, L)
-    triples = embedding.trigram_lookup(model_lib.trigram_keys(IDS, 10)).numpy()
+    pairs = embedding.bigram_lookup(embedding_lib.bigram_keys(IDS, 10)).numpy()  # (n, L)
+    triples = embedding.trigram_lookup(embedding_lib.trigram_keys(IDS, 10)).numpy()
     features = {
         "word_ratios": (IDS, 10),
         "bigram_ratios": (pairs, 5),

@@ -151,7 +151,8 @@ def test_shipped_run_is_the_quickstart_command_on_the_apps_defaults():
     import shlex
     import subprocess
 
-    from apps.sentiment import train as train_sentiment
+    from apps.training import config as train_config
+    from apps.training import train as train_sentiment
 
     metrics = json.loads((ROOT / "saved_models/imdb_sdpa/metrics.json").read_text())
     quickstart = re.search(
@@ -161,9 +162,9 @@ def test_shipped_run_is_the_quickstart_command_on_the_apps_defaults():
     # Shipped with `--output saved_models/imdb_sdpa`, or (this model) trained when that was the
     # default output.
     assert metrics["command"] in (quickstart, quickstart + " --output saved_models/imdb_sdpa")
-    defaults = dataclasses.asdict(train_sentiment.Config())
+    defaults = dataclasses.asdict(train_config.Config())
     # A flag added after the run: the run had its first default.
-    config = {**train_sentiment.FIRST_DEFAULTS, **metrics["config"]}
+    config = {**train_config.FIRST_DEFAULTS, **metrics["config"]}
     assert config.keys() == defaults.keys()
     # Where it read the data and where it wrote: shipped with `--output saved_models/imdb_sdpa`,
     # or (this model) written to the default `runs/imdb_sdpa` and its files copied over.
@@ -190,13 +191,13 @@ def test_readme_quotes_the_default_configurations_seeds_and_the_shipped_run_is_s
     import dataclasses
     import statistics
 
-    from apps.sentiment import train as train_sentiment
+    from apps.training import config as train_config
 
     runs, cell, aopc = _seed_figures(DEFAULT_SEEDS)
     assert [run["config"]["seed"] for run in runs] == [0, 1, 2]
-    defaults = dataclasses.asdict(train_sentiment.Config())
+    defaults = dataclasses.asdict(train_config.Config())
     for run in runs:
-        config = {**train_sentiment.FIRST_DEFAULTS, **run["config"]}
+        config = {**train_config.FIRST_DEFAULTS, **run["config"]}
         differing = {k for k, v in defaults.items() if config[k] != v}
         assert differing <= {"seed", "verbose", "output", "data_dir"}, differing
     minutes = statistics.fmean(run["train_seconds"] for run in runs) / 60
@@ -428,7 +429,7 @@ def test_committed_saved_model_reproduces_its_recorded_accuracy_and_calibration(
     import tensorflow as tf
     from test_calibration import reference_ece
 
-    from apps.sentiment import data
+    from apps.classifier import data
 
     metrics = json.loads((ROOT / "saved_models/imdb_sdpa/metrics.json").read_text())
     texts, labels, _ = data.load_test_split("imdb_reviews")

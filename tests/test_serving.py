@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from apps.sentiment import buckets, data
+from apps.classifier import buckets, data
 from apps.serving import export, predict
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -115,9 +115,9 @@ def test_saved_model_cli_lists_both_signatures():
 @pytest.fixture(scope="module")
 def fresh_export(tmp_path_factory):
     """The shipped run exported again by this code (the committed one is an artifact)."""
-    from apps.sentiment import runs
+    from apps.classifier import run_folder
 
-    run = runs.load_run(os.path.dirname(SAVED_MODEL))
+    run = run_folder.load_run(os.path.dirname(SAVED_MODEL))
     path = str(tmp_path_factory.mktemp("export") / "saved_model")
     return export.export_saved_model(run.model, run.inspector, run.vectorizer, path)
 

@@ -8,13 +8,13 @@ import shlex
 
 import pytest
 
-from apps.sentiment import sweep
+from apps.training import sweep
 
 
 def _metrics(seed, validation, test, seconds, flags="--dropout 0.4"):
-    from apps.sentiment import train as train_sentiment
+    from apps.training import config as train_config
 
-    config = dataclasses.asdict(train_sentiment.Config())
+    config = dataclasses.asdict(train_config.Config())
     return {
         "validation_accuracy": validation,
         "test_accuracy": test,
@@ -48,9 +48,10 @@ def test_against_todays_defaults_rebuilds_every_recorded_configuration():
     """For every configuration in `saved_models/experiments/seeds/`, the table's flags against
     today's defaults, given to today's app, ask for what its runs recorded (a setting that
     predates its flag counts as what the flag's first default did)."""
-    from apps.sentiment import train as train_sentiment
+    from apps.training import config as train_config
+    from apps.training import train as train_sentiment
 
-    defaults = dataclasses.asdict(train_sentiment.Config())
+    defaults = dataclasses.asdict(train_config.Config())
     configurations = sweep.read_configurations(sweep.SEEDS_FOLDER)
     assert len(configurations) >= 10
     shown = set()
@@ -60,7 +61,7 @@ def test_against_todays_defaults_rebuilds_every_recorded_configuration():
         parsed = dataclasses.asdict(
             train_sentiment.parse_args([] if flags == "(today's defaults)" else shlex.split(flags))
         )
-        recorded = {**train_sentiment.FIRST_DEFAULTS, **runs[0]["config"]}
+        recorded = {**train_config.FIRST_DEFAULTS, **runs[0]["config"]}
         for key, value in parsed.items():
             unused = key == "naive_bayes_folds" and not recorded["naive_bayes_alpha"]
             if key not in sweep._NOT_CONFIGURATION and not unused:

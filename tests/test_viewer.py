@@ -15,10 +15,10 @@ import pytest
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import Select
 
+from apps.classifier import data
+from apps.classifier import model as model_lib
+from apps.inspection import records as inspection_records
 from apps.inspection import viewer
-from apps.sentiment import data
-from apps.sentiment import model as model_lib
-from apps.serving import export
 
 # Everything the page shows for the current review, read in one script call.
 READ_TOKENS = """
@@ -33,7 +33,8 @@ return Array.from(document.querySelectorAll("#tokens .tok")).map(s => ({
 @pytest.fixture(scope="module")
 def page(tmp_path_factory):
     """`attention.html` and `attention.jsonl` as a training run's report writes them, for 12
-    real test reviews (`export.inspect_records` with the model: gradients and deletion tests).
+    real test reviews (`inspection_records.inspect_records` with the model: gradients and
+    deletion tests).
 
     The classifier's weights are as initialized: the page shows whatever its records hold, and
     `tests/test_app.py` checks the page a real run writes against its model."""
@@ -44,13 +45,13 @@ def page(tmp_path_factory):
         vocab_size=vectorizer.vocabulary_size(), sequence_length=40, embed_dim=16,
         num_heads=2, key_dim=8, ff_dim=32, num_layers=2, dropout=0.0, seed=0,
     )  # fmt: skip
-    chosen = export.inspection_sample(len(texts), 12, seed=0)
-    records = export.inspect_records(
+    chosen = inspection_records.inspection_sample(len(texts), 12, seed=0)
+    records = inspection_records.inspect_records(
         inspector, vectorizer, texts[chosen], labels[chosen], chosen, model=model
     )
     output = tmp_path_factory.mktemp("viewer")
-    jsonl = export.write_attention_jsonl(records, str(output / "attention.jsonl"))
-    html = export.write_attention_html(records, str(output / "attention.html"))
+    jsonl = inspection_records.write_attention_jsonl(records, str(output / "attention.jsonl"))
+    html = inspection_records.write_attention_html(records, str(output / "attention.html"))
     with open(jsonl) as f:
         records = [json.loads(line) for line in f]
     return output / os.path.basename(html), records
@@ -169,7 +170,7 @@ def test_no_gradient_no_shading_selector(tmp_path, browser):
         "probability": 0.8, "pooling": [[0.2, 0.5, 0.3]],
         "attention": np.full((1, 1, 3, 3), 1 / 3).tolist(),
     }  # fmt: skip
-    html = export.write_attention_html([record], str(tmp_path / "attention.html"))
+    html = inspection_records.write_attention_html([record], str(tmp_path / "attention.html"))
     browser.get("file://" + os.path.abspath(html) + "#review=0&shading=gradient")
     assert not browser.find_element(By.ID, "shading-control").is_displayed()
     np.testing.assert_allclose([t["weight"] for t in _tokens(browser)], [0.2, 0.5, 0.3])
@@ -253,7 +254,7 @@ def test_phone_width_and_a_512_token_review(tmp_path, browser):
         "pooling": np.full((2, n), 1 / n).tolist(),
         "attention": attention.round(5).tolist(),
     }
-    html = export.write_attention_html([record], str(tmp_path / "attention.html"))
+    html = inspection_records.write_attention_html([record], str(tmp_path / "attention.html"))
     browser.set_window_size(390, 844)
     browser.get("file://" + os.path.abspath(html))
     assert len(_tokens(browser)) == n
@@ -290,7 +291,7 @@ def test_hostile_reviews_render_as_text(tmp_path, browser):
                 "attention": np.full((1, 1, n, n), 1 / n).tolist(),
             }
         )  # fmt: skip
-    html = export.write_attention_html(records, str(tmp_path / "attention.html"))
+    html = inspection_records.write_attention_html(records, str(tmp_path / "attention.html"))
     browser.set_window_size(1200, 900)
     browser.get("file://" + os.path.abspath(html))
     for index, record in enumerate(records):

@@ -30,7 +30,7 @@ import numpy as np
 import tensorflow as tf
 from keras import ops
 
-from ..sentiment import model as model_lib
+from ..classifier import model as model_lib
 
 FRACTIONS = (0.01, 0.05, 0.10, 0.20, 0.50)  # of each review's tokens
 ATTENTION = "attention"  # the ranking (pooling, mean over heads) compared with random
@@ -92,8 +92,8 @@ class ModelProbe:
     """The Keras classifier, as the functions the rankings and the tests need.
 
     `model` maps token ids `(B, L)` to `P(positive)` `(B, 1)`, as
-    `apps.sentiment.model.build_classifier` builds it;
-    `apps.sentiment.model.log_odds_from_embeddings` starts it from the embeddings.
+    `apps.classifier.model.build_classifier` builds it;
+    `apps.classifier.model.log_odds_from_embeddings` starts it from the embeddings.
     """
 
     def __init__(self, model, batch_size=128):

@@ -34,11 +34,12 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
 
-from .. import cli  # noqa: E402
-from ..sentiment import data, runs  # noqa: E402
-from ..serving import export  # noqa: E402
-from . import explain  # noqa: E402
+from .. import cli, files  # noqa: E402
+from ..classifier import data  # noqa: E402
+from ..classifier.run_folder import load_run  # noqa: E402
+from . import explain, model_card, records  # noqa: E402
 
 QUICK_EXAMPLES = 200
 
@@ -186,7 +187,7 @@ def evaluate(model, inspector, vectorizer, texts, labels, seed=0, batch_size=128
 
 def plot(payload, path):
     """Drop in P(predicted label) against k per ranking (deleted, and kept only), and tau."""
-    plt = export.pyplot()
+    plt = files.pyplot()
     fractions = [100 * f for f in payload["fractions"]]
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))
     for key, ax, title in (
@@ -211,7 +212,7 @@ def plot(payload, path):
     axes[2].set_ylabel("reviews")
     axes[2].set_title("agreement of the rankings, per review", fontsize=10)
     fig.suptitle(f"Faithfulness on {payload['reviews']} test reviews (ERASER deletion tests)")
-    export.save_figure(fig, path)
+    files.save_figure(fig, path)
     return path
 
 
@@ -222,23 +223,43 @@ def write_report(payload, folder):
         "faithfulness_md": os.path.join(folder, "faithfulness.md"),
         "faithfulness_png": os.path.join(folder, "faithfulness.png"),
     }
-    export.write_json_atomic(paths["faithfulness_json"], payload)
-    export.write_text_atomic(paths["faithfulness_md"], explain.markdown_table(payload))
+    files.write_json_atomic(paths["faithfulness_json"], payload)
+    files.write_text_atomic(paths["faithfulness_md"], explain.markdown_table(payload))
     plot(payload, paths["faithfulness_png"])
     return paths
+
+
+def check_against_saved_model(run, saved_model, texts, tolerance=1e-4):
+    """The largest |P(positive)| difference between the Keras model and the SavedModel on
+    `texts`; a `ValueError` beyond `tolerance`."""
+    loaded = tf.saved_model.load(saved_model)
+    serve = loaded.signatures["serving_default"]
+    served = np.concatenate(
+        [serve(text=tf.constant(texts[i : i + 64]))["probability"].numpy()
+         for i in range(0, len(texts), 64)]
+    )  # fmt: skip
+    ids = data.vectorize(run.vectorizer, texts)
+    ours = explain.ModelProbe(run.model).probability(ids)
+    difference = float(np.max(np.abs(served - ours))) if len(texts) else 0.0
+    if difference > tolerance:
+        raise ValueError(
+            f"the Keras model rebuilt from {run.weights_from} differs from the SavedModel by "
+            f"{difference:.2g} in P(positive) (tolerance {tolerance}); not measuring it"
+        )
+    return difference
 
 
 def main(argv=None):
     config = parse_args(argv)
     try:
-        run = runs.load_run(config.run)
+        run = load_run(config.run)
         dataset = run.metrics["config"]["dataset"]
         data_dir = data.resolve_data_dir(config.data_dir)
         where = data_dir or "default"
         print(f"Loading the {dataset} test split with tensorflow-datasets (data_dir={where})")
         texts, labels, split = data.load_test_split(dataset, data_dir)
-        chosen = export.inspection_sample(len(texts), config.examples, config.seed)
-        difference = runs.check_against_saved_model(
+        chosen = records.inspection_sample(len(texts), config.examples, config.seed)
+        difference = check_against_saved_model(
             run, os.path.join(config.run, "saved_model"), texts[chosen[:64]]
         )
     except ValueError as error:
@@ -265,7 +286,7 @@ def main(argv=None):
     metrics = os.path.join(config.run, "metrics.json")
     if os.path.isfile(metrics):  # a training run's folder: its model card quotes this report
         with open(metrics) as f:
-            paths["model_card"] = export.write_model_card(
+            paths["model_card"] = model_card.write_model_card(
                 json.load(f), os.path.join(config.run, "README.md")
             )
     print("\n" + explain.verdict(payload))

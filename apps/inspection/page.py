@@ -1,6 +1,6 @@
 """The attention viewer's page: one self-contained HTML file, no network.
 
-`TEMPLATE` is the page; `apps.serving.export.write_attention_html` replaces `__TITLE__` with the
+`TEMPLATE` is the page; `apps.inspection.records.write_attention_html` replaces `__TITLE__` with the
 title and `__DATA__` with the records as JSON. It lives here, below both `apps.serving.export`
 (which fills it) and `apps.viewer` (the CLI), so the imports run one way.
 """

@@ -21,7 +21,7 @@ import os
 import sys
 import tempfile
 
-from ..serving import export
+from .records import inspection_sample, make_record, write_attention_html, write_attention_jsonl
 
 # Chromium's flags for these machines: headless, no sandbox (root), and no background
 # connections (the network is closed, and Chromium would keep retrying).
@@ -33,7 +33,7 @@ CHROMIUM_FLAGS = (
 
 
 def records_from_saved_model(serve, texts, labels, indices=None, batch_size=8):
-    """`apps.serving.export.make_record` for each review, from a SavedModel's `inspect` signature
+    """`apps.serving.make_record` for each review, from a SavedModel's `inspect` signature
     (`serve`), cut to each review's real tokens. `indices` as for `inspect_records`."""
     import tensorflow as tf
 
@@ -45,7 +45,7 @@ def records_from_saved_model(serve, texts, labels, indices=None, batch_size=8):
         for i, text in enumerate(batch):
             n = int(out["length"][i])
             records.append(
-                export.make_record(
+                make_record(
                     indices[start + i],
                     text,
                     [t.decode("utf-8") for t in out["tokens"][i, :n].numpy()],
@@ -128,7 +128,7 @@ def main(argv=None):
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import tensorflow as tf
 
-    from ..sentiment import data
+    from ..classifier import data
     from ..serving.predict import resolve_model_path
 
     try:
@@ -149,7 +149,7 @@ def main(argv=None):
         print(f"error: {error}", file=sys.stderr)
         return 2
     # The same seeded sample as the training app's own export.
-    chosen = export.inspection_sample(len(splits.test_text), args.examples, seed)
+    chosen = inspection_sample(len(splits.test_text), args.examples, seed)
     print(f"Serving {len(chosen)} {dataset} test reviews through {model_path}")
     loaded = tf.saved_model.load(model_path)
     signatures = loaded.signatures
@@ -161,8 +161,8 @@ def main(argv=None):
     output = args.output or args.model
     os.makedirs(output, exist_ok=True)
     paths = [
-        export.write_attention_jsonl(records, os.path.join(output, "attention.jsonl")),
-        export.write_attention_html(
+        write_attention_jsonl(records, os.path.join(output, "attention.jsonl")),
+        write_attention_html(
             records,
             os.path.join(output, "attention.html"),
             title=f"keras-sdpa attention: {dataset} test reviews",

@@ -12,7 +12,7 @@ import re
 LENGTH_BUCKETS = (64, 96, 128, 192, 256, 384, 512)
 
 _LINE_BREAK = re.compile(rb"<br\s*/?>", re.IGNORECASE)
-# A word as `apps.sentiment.data.standardize` leaves it: letters and digits, with apostrophes
+# A word as `apps.classifier.data.standardize` leaves it: letters and digits, with apostrophes
 # inside or at its ends (stripped there, which does not change the count); a run of
 # apostrophes alone is no word. `[^\W_]` is a letter or a digit.
 _WORD = re.compile(r"'*[^\W_]+(?:'+[^\W_]*)*")

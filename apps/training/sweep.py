@@ -119,7 +119,7 @@ def against_defaults(config, defaults):
     """The flags that turn today's defaults (`defaults`, a dict) into the configuration a run
     recorded (`config`), or "(today's defaults)". The recorded commands are relative to the
     defaults of their day; this column stays true when the defaults change."""
-    from .train import FIRST_DEFAULTS
+    from .config import FIRST_DEFAULTS
 
     config = {**FIRST_DEFAULTS, **config}
     if not config.get("naive_bayes_alpha"):
@@ -136,7 +136,7 @@ def against_defaults(config, defaults):
 def write_table(folder):
     import dataclasses
 
-    from .train import Config
+    from .config import Config
 
     defaults = dataclasses.asdict(Config())
     rows = []

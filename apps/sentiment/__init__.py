@@ -1,1 +1,0 @@
-"""The sentiment app's data, model and training (`python -m apps.train_sentiment`)."""

@@ -1,0 +1,229 @@
+"""The training run's configuration: its flags (`Config`), their checks, a resumed run's match."""
+
+import dataclasses
+import json
+import os
+
+from ..classifier.pooling import POOLING_VALUES
+
+
+@dataclasses.dataclass
+class Config:
+    # data
+    dataset: str = "imdb_reviews"  # any TFDS text dataset with (text, label)
+    data_dir: str | None = None  # TFDS folder; else $TFDS_DATA_DIR; else TFDS's default
+    validation_fraction: float = 0.1  # of train, fixed-seed; the test split is for the report only
+    vocab_size: int = 30000  # TextVectorization max_tokens
+    sequence_length: int = 512  # tokens kept per review (TextVectorization output_sequence_length)
+    bigram_vocab_size: int = 200000  # most frequent word pairs embedded; 0 = words only
+    trigram_vocab_size: int = 200000  # most frequent word triples embedded; 0 = none
+    # width of the pair and triple tables, projected to embed_dim; None = embed_dim itself
+    ngram_dim: int | None = 16
+    # where the word, pair and triple vocabularies are counted: train, or train+unsupervised
+    # (TFDS's unlabelled split: IMDB's 50,000 reviews without a label; never the test split)
+    vocabulary_source: str = "train+unsupervised"
+    # > 0: each position adds its word's (and pair's, triple's) naive-Bayes log-count ratio,
+    # counted on the training labels with this additive smoothing; 0 = none
+    naive_bayes_alpha: float = 0.0
+    naive_bayes_folds: int = 5  # cross-fitted: a review reads ratios counted on other folds
+    # this fraction of the training reviews also trains as a span of 1 to 3 of its sentences,
+    # with the review's label (people type short reviews); 0 = whole reviews only
+    short_spans: float = 0.0
+    # model
+    embed_dim: int = 64  # E
+    num_heads: int = 2  # N, in the blocks and in the pooling
+    key_dim: int = 32  # H
+    ff_dim: int = 128  # feed-forward width in each block
+    num_layers: int = 1  # self-attention blocks
+    pooling_scale: float | None = None  # the pooling attention's logit scale; None = 1/sqrt(H)
+    # what the pooling sums, weighed by its attention over the last block's output: that
+    # output (block), or each position's own embedding (embedding)
+    pooling_values: str = "embedding"
+    dropout: float = 0.4
+    # training
+    # Keras's dtype policy for the run: mixed_bfloat16 or mixed_float16 (loss-scaled), with the
+    # classifier's output and the variables in float32; None = float32 throughout
+    mixed_precision: str | None = None
+    batch_size: int = 64
+    epochs: int = 2  # the learning rate decays to 0 at the end of the last one
+    learning_rate: float = 1e-3  # Adam, with cosine decay to 0 over the epochs
+    weight_decay: float = 0.5  # decoupled (AdamW), times the learning rate; 0 = plain Adam
+    monitor: str = "val_accuracy"  # early stopping and the kept epoch: val_loss or val_accuracy
+    patience: int = 3  # epochs without a better `monitor` before training stops
+    seed: int = 0
+    max_steps: int | None = None  # smoke runs: cap steps per epoch and evaluation batches
+    save_every: int = 50  # steps between training-state saves (also at every epoch end)
+    verbose: str = "auto"  # model.fit's progress bar
+    # distribution (tf.distribute); --batch_size is per replica, the global batch is N times it
+    strategy: str = (
+        "default"  # default (one device) | mirrored (local GPUs, else CPUs) | multi_worker
+    )
+    logical_cpus: int | None = None  # split the CPU into N devices first (mirrored without GPUs)
+    # output
+    # a new run folder (git ignores runs/); `--output saved_models/imdb_sdpa` ships the run
+    # over the committed model, which the tests and the documentation read
+    output: str = "runs/imdb_sdpa"
+    inspect_examples: int = 50  # test reviews exported for attention inspection
+    faithfulness_examples: int = 200  # test reviews for the deletion tests at the end; 0 = none
+    resume: bool = False
+
+
+# Flags that shape the data, the model or the step sequence; a resumed run must match them.
+_RUN_DEFINING = (
+    "dataset", "validation_fraction", "vocab_size", "sequence_length", "bigram_vocab_size",
+    "trigram_vocab_size", "naive_bayes_alpha", "naive_bayes_folds", "vocabulary_source",
+    "embed_dim", "num_heads", "key_dim", "ff_dim", "num_layers", "dropout", "batch_size",
+    "learning_rate", "weight_decay", "seed", "max_steps", "epochs", "strategy", "logical_cpus",
+    "monitor", "mixed_precision", "pooling_scale", "pooling_values", "ngram_dim", "short_spans",
+)  # fmt: skip
+
+
+# A run recorded before one of these flags existed did what the flag's first default does:
+# each flag came in with the behaviour of its day as its default (resumed runs' configs and
+# the sweep's recorded runs are read with them).
+FIRST_DEFAULTS = {
+    "trigram_vocab_size": 0, "ngram_dim": None, "vocabulary_source": "train",
+    "naive_bayes_alpha": 0.0, "pooling_scale": None, "pooling_values": "block",
+    "mixed_precision": None, "weight_decay": 0.0, "short_spans": 0.0,
+}  # fmt: skip
+
+
+STRATEGIES = ("default", "mirrored", "multi_worker")
+
+
+VOCABULARY_SOURCES = ("train", "train+unsupervised")
+
+
+MIXED_PRECISION = ("mixed_bfloat16", "mixed_float16")
+
+
+MONITORS = {"val_loss": "min", "val_accuracy": "max"}  # the quantity and its better direction
+
+
+def _check_choice(config, name, choices, alternative=""):
+    """A `ValueError` naming `--name` and its value unless the value is one of `choices`."""
+    value = getattr(config, name)
+    if value not in choices:
+        raise ValueError(
+            f"`--{name}` must be one of {', '.join(choices)}{alternative}. "
+            f"Received: {name}={value!r}"
+        )
+
+
+def better(value, best, monitor):
+    """Whether `value` of `monitor` beats `best` (None: nothing to beat yet)."""
+    if best is None:
+        return True
+    return value < best if MONITORS[monitor] == "min" else value > best
+
+
+def check_config(config):
+    """A `ValueError` naming the first flag of `config` that is out of its range."""
+    _check_sizes(config)
+    _check_training(config)
+
+
+def _check_sizes(config):
+    positive = (
+        "vocab_size", "sequence_length", "embed_dim", "num_heads", "key_dim", "ff_dim",
+        "num_layers", "batch_size", "epochs", "patience", "save_every", "naive_bayes_folds",
+    )  # fmt: skip
+    for name in positive:
+        if getattr(config, name) <= 0:
+            raise ValueError(
+                f"`--{name}` must be positive. Received: {name}={getattr(config, name)}"
+            )
+    for name in ("max_steps", "ngram_dim"):  # positive, or left out
+        if getattr(config, name) is not None and getattr(config, name) <= 0:
+            raise ValueError(
+                f"`--{name}` must be positive. Received: {name}={getattr(config, name)}"
+            )
+    if config.vocab_size < 3:
+        raise ValueError(
+            f"`--vocab_size` must be at least 3. Received: vocab_size={config.vocab_size}"
+        )
+    if config.bigram_vocab_size < 0:
+        raise ValueError(
+            "`--bigram_vocab_size` must be >= 0 (0 turns word pairs off). "
+            f"Received: bigram_vocab_size={config.bigram_vocab_size}"
+        )
+    _check_choice(config, "monitor", MONITORS)
+    if config.trigram_vocab_size < 0:
+        raise ValueError(
+            "`--trigram_vocab_size` must be >= 0 (0 turns word triples off). "
+            f"Received: trigram_vocab_size={config.trigram_vocab_size}"
+        )
+
+
+def _check_training(config):
+    _check_choice(config, "strategy", STRATEGIES)
+    if not 0.0 <= config.short_spans <= 1.0:
+        raise ValueError(
+            f"`--short_spans` must be in [0, 1]. Received: short_spans={config.short_spans}"
+        )
+    if config.short_spans and config.naive_bayes_alpha:
+        # The ratios are cross-fitted by a review's token count: a span of a review falls in
+        # another fold than its review, and would read ratios counted on its own label.
+        raise ValueError(
+            "`--short_spans` cannot be combined with `--naive_bayes_alpha` (a span would read "
+            "naive-Bayes ratios counted on its own review). "
+            f"Received: short_spans={config.short_spans}, "
+            f"naive_bayes_alpha={config.naive_bayes_alpha}"
+        )
+    if config.logical_cpus is not None and config.logical_cpus <= 0:
+        raise ValueError(
+            f"`--logical_cpus` must be positive. Received: logical_cpus={config.logical_cpus}"
+        )
+    if not 0.0 <= config.dropout < 1.0:
+        raise ValueError(f"`--dropout` must be in [0, 1). Received: dropout={config.dropout}")
+    if config.learning_rate <= 0:
+        raise ValueError(
+            f"`--learning_rate` must be positive. Received: learning_rate={config.learning_rate}"
+        )
+    if config.mixed_precision is not None:
+        _check_choice(config, "mixed_precision", MIXED_PRECISION, " (or left out)")
+    if config.pooling_scale is not None and not config.pooling_scale > 0:
+        raise ValueError(
+            "`--pooling_scale` must be positive (or left out for 1 / sqrt(key_dim)). "
+            f"Received: pooling_scale={config.pooling_scale}"
+        )
+    _check_choice(config, "vocabulary_source", VOCABULARY_SOURCES)
+    _check_choice(config, "pooling_values", POOLING_VALUES)
+    if config.naive_bayes_alpha < 0:
+        raise ValueError(
+            "`--naive_bayes_alpha` must be >= 0 (0 turns the naive-Bayes ratios off). "
+            f"Received: naive_bayes_alpha={config.naive_bayes_alpha}"
+        )
+    if config.weight_decay < 0:
+        raise ValueError(
+            f"`--weight_decay` must be >= 0. Received: weight_decay={config.weight_decay}"
+        )
+    if config.faithfulness_examples < 0:
+        raise ValueError(
+            "`--faithfulness_examples` must be >= 0. "
+            f"Received: faithfulness_examples={config.faithfulness_examples}"
+        )
+    if config.inspect_examples < 0:
+        raise ValueError(
+            "`--inspect_examples` must be >= 0. "
+            f"Received: inspect_examples={config.inspect_examples}"
+        )
+
+
+def check_same_run(config, config_path):
+    if not os.path.exists(config_path):
+        return
+    with open(config_path) as f:
+        saved = json.load(f)
+    # A run saved before a flag existed ran with the flag's first default.
+    saved = {**FIRST_DEFAULTS, **saved}
+    changed = [
+        f"--{name} (saved {saved.get(name)!r}, received {getattr(config, name)!r})"
+        for name in _RUN_DEFINING
+        if saved.get(name) != getattr(config, name)
+    ]
+    if changed:
+        raise ValueError(
+            "`--resume` must continue the same run, but these flags differ from the saved run: "
+            + ", ".join(changed)
+        )
