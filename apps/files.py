@@ -39,6 +39,13 @@ def save_figure(figure, path):
 
 
 def machine():
-    """The machine as the reports name it: "N CPU cores" (or "this machine")."""
+    """The machine as the reports name it: the CPU's model and its cores ("AMD EPYC, 2 CPU
+    cores"), from /proc/cpuinfo where there is one; else "N CPU cores"."""
     cores = os.cpu_count()
-    return f"{cores} CPU cores" if cores else "this machine"
+    where = f"{cores} CPU cores" if cores else "this machine"
+    try:
+        with open("/proc/cpuinfo") as f:
+            models = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+    except OSError:
+        models = []
+    return f"{models[0]}, {where}" if models else where

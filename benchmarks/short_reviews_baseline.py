@@ -1,7 +1,7 @@
 """How well a review's single sentence can be read at all: linear baselines on the app's
 short-review buckets.
 
-The app's card reports accuracy by span length (`apps.sentiment.short_reviews`): one sentence
+The app's card reports accuracy by span length (`apps.classifier.short_reviews`): one sentence
 of a test review, labelled with the whole review's label, reads far below the whole review.
 Part of that gap is the label: a sentence of plot summary or a "the acting was fine" in a
 negative review carries the review's label without its sentiment. This script measures what a
@@ -41,7 +41,7 @@ def every_sentence(texts, labels):
     """`(sentences, labels)`: each sentence of each text, with its text's label."""
     import numpy as np
 
-    from apps.sentiment import short_reviews
+    from apps.classifier import short_reviews
 
     out_texts, out_labels = [], []
     for text, label in zip(texts, labels):
@@ -59,7 +59,7 @@ def fit_linear(train, validation, seed):
     import numpy as np
     import tensorflow as tf
 
-    from apps.sentiment import data
+    from apps.classifier import data
 
     keras.utils.set_random_seed(seed)
     vectorizer = keras.layers.TextVectorization(
@@ -113,7 +113,7 @@ def main(argv=None):
     import numpy as np
     from attention import cpu_name
 
-    from apps.sentiment import data, short_reviews
+    from apps.classifier import data, short_reviews
 
     start = time.perf_counter()
     splits = data.load_splits(seed=args.seed, data_dir=data.resolve_data_dir(args.data_dir))

@@ -9,7 +9,7 @@ import json
 import os
 
 from ..classifier.buckets import LENGTH_BUCKETS
-from ..files import machine, write_text_atomic
+from ..files import write_text_atomic
 from . import explain
 
 
@@ -82,6 +82,7 @@ def write_model_card(metrics, path):
         if config.get("pooling_values") == "embedding"
         else "the last block's output"
     )
+    trained_on = metrics.get("machine", "a machine metrics.json does not name")
     card = f"""# {config["dataset"]} sentiment classifier on keras-sdpa
 
 Written by `python -m apps.train_sentiment`; every number below comes from this folder's
@@ -95,7 +96,7 @@ Written by `python -m apps.train_sentiment`; every number below comes from this 
   test because the same movies appear in both); trained on {metrics["train_examples"]:,} reviews.
 - Training: {metrics["epochs_run"]} epochs ({metrics["train_steps"]} steps, best epoch
   {metrics["best_epoch"]}, early stopping: {metrics["stopped_early"]}) in
-  {metrics["train_seconds"] / 60:.1f} minutes on {machine()}.
+  {metrics["train_seconds"] / 60:.1f} minutes on {trained_on}.
 - {metrics["parameters"]:,} parameters. TensorFlow {metrics["versions"]["tensorflow"]}, Keras
   {metrics["versions"]["keras"]}, TFDS {metrics["versions"]["tensorflow_datasets"]}.
 

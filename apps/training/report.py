@@ -56,6 +56,7 @@ def report_run(config, output, model, inspector, vectorizer, splits, history, be
         "stopped_early": bool(stopped),
         "train_steps": optimizer_step(model),
         "train_seconds": round(train_seconds, 1),
+        "machine": files.machine(),
         "parameters": int(model.count_params()),
         "export_max_abs_difference": max_difference,
         "calibration": scores["calibration"],
