@@ -1,0 +1,331 @@
+"""Put `ScaledDotProductAttention` in place of the attention inside Keras and keras-hub models.
+
+Two ways, as Transformers' `attn_implementation` offers both:
+
+- `replace_attention(model)` swaps the attention layers of a model already built (loaded
+  from a preset, or trained): each `keras.layers.MultiHeadAttention`,
+  `keras.layers.GroupQueryAttention` and keras-hub `CachedMultiHeadAttention`, at any depth,
+  becomes a `ScaledDotProductAttention` with the same configuration and the same weights.
+- `sdpa_scope()` is a context manager under which those three classes, when constructed,
+  are this layer: for code that builds models.
+
+Subclasses of those classes that change what they compute (keras-hub's Whisper attention has
+no key bias; XLNet's two-stream attention has a call of its own) and a model's own attention
+classes (Gemma, Llama) are left as they are, and the report names them.
+"""
+
+import contextlib
+import dataclasses
+import inspect
+import sys
+
+import keras
+
+from keras_sdpa.layer import ScaledDotProductAttention
+
+
+def _cached_attention_class():
+    """keras-hub's `CachedMultiHeadAttention`, if keras-hub is installed."""
+    try:
+        from keras_hub.src.layers.modeling.cached_multi_head_attention import (
+            CachedMultiHeadAttention,
+        )
+    except ImportError:
+        return None
+    return CachedMultiHeadAttention
+
+
+def _swappable():
+    """The classes swapped: exactly these, never their subclasses."""
+    classes = [keras.layers.MultiHeadAttention, keras.layers.GroupQueryAttention]
+    cached = _cached_attention_class()
+    return tuple(classes + ([cached] if cached is not None else []))
+
+
+def _options(layer_class, args, kwargs):
+    """The keyword arguments of `layer_class(*args, **kwargs)`, in this layer's names."""
+    bound = inspect.signature(layer_class.__init__).bind(None, *args, **kwargs).arguments
+    bound.pop("self", None)
+    bound.setdefault("output_projection", True)  # Keras's layers always apply `W_O`
+    bound.update(bound.pop("kwargs", {}))
+    if "head_dim" in bound:  # GroupQueryAttention's names
+        bound["key_dim"] = bound.pop("head_dim")
+    if "num_query_heads" in bound:
+        bound["num_heads"] = bound.pop("num_query_heads")
+    return bound
+
+
+def _config(layer):
+    """`layer.get_config()` in this layer's argument names (with `W_O`, which Keras's layers
+    always apply, also to one head)."""
+    config = {**layer.get_config(), "output_projection": True}
+    if isinstance(layer, keras.layers.GroupQueryAttention):
+        config["key_dim"] = config.pop("head_dim")
+        config["num_heads"] = config.pop("num_query_heads")
+    return config
+
+
+def _check_options(flash_attention, layer_options):
+    if flash_attention not in (None, True, False):
+        raise ValueError(
+            f"`flash_attention` must be None, True or False. Received: "
+            f"flash_attention={flash_attention!r}"
+        )
+    known = inspect.signature(ScaledDotProductAttention.__init__).parameters
+    unknown = sorted(set(layer_options) - set(known))
+    if unknown:
+        raise ValueError(
+            f"Unknown `ScaledDotProductAttention` arguments: {unknown}. "
+            f"Received: {sorted(layer_options)}"
+        )
+
+
+def _overrides(flash_attention, layer_options):
+    extra = dict(layer_options)
+    if flash_attention is not None:
+        extra["flash_attention"] = flash_attention
+    return extra
+
+
+@dataclasses.dataclass
+class AttentionReport:
+    """What `replace_attention` did.
+
+    Attributes:
+        swapped: `(path, class name)` of each layer put in this layer's place.
+        left: `(path, class name, reason)` of each attention layer left as it was.
+    """
+
+    swapped: list = dataclasses.field(default_factory=list)
+    left: list = dataclasses.field(default_factory=list)
+
+    def __str__(self):
+        lines = [f"Swapped {len(self.swapped)} attention layer(s) for ScaledDotProductAttention"]
+        lines += [f"  {path} ({name})" for path, name in self.swapped]
+        if self.left:
+            lines.append(f"Left {len(self.left)} as they are:")
+            lines += [f"  {path} ({name}): {reason}" for path, name, reason in self.left]
+        return "\n".join(lines)
+
+
+def _is_attention(layer):
+    return "attention" in type(layer).__name__.lower() and not isinstance(
+        layer, ScaledDotProductAttention
+    )
+
+
+def _why_left(layer, swappable):
+    for base in type(layer).__mro__:  # the nearest swappable base
+        if base in swappable:
+            return (
+                f"a subclass of {base.__name__} that changes what it builds or computes; "
+                "its weights or outputs would differ"
+            )
+    return "the model's own attention class, not a Keras or keras-hub attention layer"
+
+
+def _swap(old, extra):
+    """A `ScaledDotProductAttention` configured as `old`, with `old`'s weights."""
+    new = ScaledDotProductAttention.from_config({**_config(old), **extra})
+    if old.built:
+        new.build_from_config(old.get_build_config())
+        want = [tuple(w.shape) for w in old.weights]
+        got = [tuple(w.shape) for w in new.weights]
+        if want != got:
+            raise ValueError(
+                f"Could not swap {old.name!r}: its weights {want} and the new layer's {got} "
+                "differ"
+            )
+        new.set_weights(old.get_weights())
+    return new
+
+
+def _replace_references(parent, old, new):
+    """Points every attribute of `parent` (and list, tuple or dict inside one) that holds
+    `old` at `new`, and keeps Keras's tracking (the order of `parent.weights`) and a
+    functional graph's nodes in place."""
+    tracker = getattr(parent, "_tracker", None)
+    if tracker is not None and tracker.is_in_store("layers", old):
+        tracker.replace_tracked_value("layers", old, new)
+    for name, value in list(vars(parent).items()):
+        if value is old:
+            object.__setattr__(parent, name, new)
+        elif isinstance(value, list) or type(value).__name__ == "ListWrapper":
+            for i, item in enumerate(list(value)):
+                if item is old:
+                    value[i] = new
+        elif isinstance(value, dict) and name not in ("_nodes_by_depth", "_operations_by_depth"):
+            for key, item in list(value.items()):
+                if item is old:
+                    value[key] = new
+        elif isinstance(value, tuple) and any(item is old for item in value):
+            items = [new if item is old else item for item in value]
+            swapped = type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+            object.__setattr__(parent, name, swapped)
+    _replace_in_graph(parent, old, new)
+
+
+def _replace_in_graph(parent, old, new):
+    """In a functional model: the nodes that call `old` call `new`, under `new`'s keys."""
+    by_depth = getattr(parent, "_nodes_by_depth", None)
+    if not by_depth:
+        return
+    found = False
+    for nodes in by_depth.values():
+        for node in nodes:
+            if node.operation is old:
+                node.operation, found = new, True
+    for operations in (getattr(parent, "_operations_by_depth", None) or {}).values():
+        for i, operation in enumerate(operations):
+            if operation is old:
+                operations[i] = new
+    if not found:
+        return
+    new._inbound_nodes = list(old._inbound_nodes)
+    new._outbound_nodes = list(old._outbound_nodes)
+    keys, prefix = parent._nodes, f"{id(old)}_ib-"
+    for key in [key for key in keys if key.startswith(prefix)]:
+        keys.discard(key)
+        keys.add(f"{id(new)}_ib-{key[len(prefix):]}")
+
+
+def _sublayers(layer):
+    seen, out = set(), []
+    for child in list(getattr(layer, "_layers", [])) + list(getattr(layer, "_operations", [])):
+        if isinstance(child, keras.layers.Layer) and id(child) not in seen:
+            seen.add(id(child))
+            out.append(child)
+    return out
+
+
+def replace_attention(model, flash_attention=None, **layer_options):
+    """Swaps a built model's attention layers for `ScaledDotProductAttention`, in place.
+
+    Every `keras.layers.MultiHeadAttention`, `keras.layers.GroupQueryAttention` and keras-hub
+    `CachedMultiHeadAttention` inside `model` (at any depth, in any sublayer's attributes,
+    lists or dicts, or as a node of a functional graph) is replaced by this layer with the
+    same configuration and the same weights, so the model computes what it computed before
+    (to float rounding), through the XLA-compiled core. `model.weights` keeps its count, order
+    and shapes, so weight files and checkpoints still load.
+
+    Subclasses of those classes and a model's own attention classes are left as they are and
+    named in the report. A model saved after the swap and loaded again is built by its own
+    code: blocks that construct their attention (keras-hub's) construct Keras's again; call
+    `replace_attention` after loading, or build under `sdpa_scope()`.
+
+    Args:
+        model: a Keras layer or model (built or not).
+        flash_attention: `True` runs the `O(T)`-memory chunked path, `False` the dense one,
+            `None` keeps each layer's own setting.
+        **layer_options: other `ScaledDotProductAttention` arguments for every swapped layer
+            (`implementation`, `chunk_size`, `attn_logits_soft_cap`, ...).
+
+    Returns:
+        An `AttentionReport`: what was swapped and what was left and why.
+
+    Example:
+
+    >>> import keras, keras_sdpa
+    >>> x = keras.Input((8, 16))
+    >>> y = keras.layers.MultiHeadAttention(num_heads=2, key_dim=8)(x, x)
+    >>> model = keras.Model(x, y)
+    >>> report = keras_sdpa.replace_attention(model)
+    >>> len(report.swapped), report.left
+    (1, [])
+    """
+    if not isinstance(model, keras.layers.Layer):
+        raise ValueError(
+            f"`model` must be a Keras layer or model. Received: model={model!r} of type "
+            f"{type(model).__name__}"
+        )
+    _check_options(flash_attention, layer_options)
+    extra = _overrides(flash_attention, layer_options)
+    swappable, report, done, visited = _swappable(), AttentionReport(), {}, set()
+
+    def visit(parent, path):
+        if id(parent) in visited:
+            return
+        visited.add(id(parent))
+        for child in _sublayers(parent):
+            where = f"{path}/{child.name}"
+            if type(child) in swappable:
+                if id(child) not in done:
+                    done[id(child)] = _swap(child, extra)
+                    report.swapped.append((where, type(child).__name__))
+                _replace_references(parent, child, done[id(child)])
+            elif _is_attention(child) and not _sublayers_hold_attention(child):
+                report.left.append((where, type(child).__name__, _why_left(child, swappable)))
+            else:
+                visit(child, where)
+
+    visit(model, model.name)
+    for name in ("train_function", "test_function", "predict_function", "generate_function"):
+        if getattr(model, name, None) is not None:
+            setattr(model, name, None)  # traced with the old layers
+    return report
+
+
+def _sublayers_hold_attention(layer):
+    """Whether `layer` is a container (a block named "...Attention...") with attention
+    layers inside it, which `replace_attention` then walks into."""
+    return any(
+        type(child) in _swappable() or _sublayers_hold_attention(child)
+        for child in _sublayers(layer)
+    )
+
+
+@contextlib.contextmanager
+def sdpa_scope(flash_attention=None, **layer_options):
+    """Within this scope, constructing `keras.layers.MultiHeadAttention`,
+    `keras.layers.GroupQueryAttention` or keras-hub's `CachedMultiHeadAttention` makes a
+    `ScaledDotProductAttention` with the same arguments (and `layer_options`).
+
+    For code that builds models: a keras-hub backbone built inside the scope holds this layer
+    in every block that constructs one of those classes by name. The names are restored on
+    exit, also on an error. Subclasses defined before the scope (Whisper's attention) are not
+    affected.
+
+    Args:
+        flash_attention: `True`, `False` or `None` (each layer's own), as in
+            `replace_attention`.
+        **layer_options: other `ScaledDotProductAttention` arguments for every such layer.
+
+    Example:
+
+    >>> import keras, keras_sdpa
+    >>> with keras_sdpa.sdpa_scope():
+    ...     layer = keras.layers.MultiHeadAttention(num_heads=2, key_dim=8)
+    >>> type(layer).__name__
+    'ScaledDotProductAttention'
+    """
+    _check_options(flash_attention, layer_options)
+    extra = _overrides(flash_attention, layer_options)
+    replacements = {cls: _constructor(cls, extra) for cls in _swappable()}
+    patched = []
+    try:
+        for module in list(sys.modules.values()):
+            name = getattr(module, "__name__", "") or ""
+            if not name.startswith(("keras", "keras_hub", "tf_keras")):
+                continue
+            for attribute, value in list(vars(module).items()):
+                if isinstance(value, type) and value in replacements and value.__module__ != name:
+                    patched.append((module, attribute, value))
+                    setattr(module, attribute, replacements[value])
+        yield
+    finally:
+        for module, attribute, value in reversed(patched):
+            setattr(module, attribute, value)
+
+
+def _constructor(layer_class, extra):
+    """A class that, constructed with `layer_class`'s arguments, is a
+    `ScaledDotProductAttention` (its instances are of exactly that class, so they
+    serialize and load as it)."""
+
+    class Constructed(ScaledDotProductAttention):
+        def __init__(self, *args, **kwargs):
+            super().__init__(**{**_options(layer_class, args, kwargs), **extra})
+            self.__class__ = ScaledDotProductAttention
+
+    Constructed.__name__ = Constructed.__qualname__ = f"SDPA{layer_class.__name__}"
+    return Constructed
