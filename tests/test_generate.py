@@ -19,7 +19,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def trained(tmp_path_factory):
     keras.utils.set_random_seed(0)
     model = app.TinyLM(max_length=48)
-    inputs, targets = app.byte_windows(open(f"{ROOT}/README.md", "rb").read(), 32, 128, 0)
+    # A corpus of its own: trained on the README, the rows' text changed with every edit of it
+    # (and once all three rows wrote the same spaces).
+    corpus = b"".join(f"{i} squared is {i * i}; {i} cubed is {i**3}. ".encode() for i in range(300))
+    inputs, targets = app.byte_windows(corpus, 32, 128, 0)
     model.compile(
         keras.optimizers.Adam(3e-3), keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     )

@@ -223,6 +223,9 @@ def test_whisper_and_gemma_attention_are_left_and_named():
     assert [name for _, name, _ in report.left] == ["CachedGemmaAttention"], report
     assert "own attention class" in report.left[0][2]
     assert "CachedGemmaAttention" in str(report)
+    ids, mask = token_inputs(padded=True)
+    out = gemma({"token_ids": ids, "padding_mask": mask})  # left as it was, and still runs
+    assert out.shape == (B, T, 16) and np.isfinite(keras.ops.convert_to_numpy(out)).all()
 
 
 def functional(layer, value_width):
