@@ -39,10 +39,10 @@ def save_figure(figure, path):
 
 
 def machine():
-    """The machine as the reports name it: the CPU's model and its cores ("AMD EPYC, 2 CPU
-    cores"), from /proc/cpuinfo where there is one; else "N CPU cores"."""
+    """The machine as the reports name it: the CPU's model and its logical CPUs ("AMD EPYC,
+    2 logical CPUs", as `benchmarks/` name theirs), from /proc/cpuinfo where there is one."""
     cores = os.cpu_count()
-    where = f"{cores} CPU cores" if cores else "this machine"
+    where = f"{cores} logical CPUs" if cores else "this machine"
     try:
         with open("/proc/cpuinfo") as f:
             models = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]

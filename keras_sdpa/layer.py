@@ -175,7 +175,10 @@ class ScaledDotProductAttention(keras.layers.Layer):
         mask_mod=None,
         **kwargs,
     ):
-        super().__init__(activity_regularizer=activity_regularizer, **kwargs)
+        # As in MultiHeadAttention, the activity regularizer applies to every projection's
+        # output, not to the layer's.
+        super().__init__(**kwargs)
+        self._activity_regularizer = keras.regularizers.get(activity_regularizer)
         ops._check_backend()
         _check_positive_int("num_heads", num_heads)
         for name, size in (
@@ -341,6 +344,7 @@ class ScaledDotProductAttention(keras.layers.Layer):
             bias_initializer=fresh(self.bias_initializer),
             kernel_regularizer=self.kernel_regularizer,
             bias_regularizer=self.bias_regularizer,
+            activity_regularizer=self._activity_regularizer,
             kernel_constraint=self.kernel_constraint,
             bias_constraint=self.bias_constraint,
             dtype=self.dtype_policy,
@@ -891,7 +895,7 @@ class ScaledDotProductAttention(keras.layers.Layer):
                 "bias_initializer": keras.initializers.serialize(self.bias_initializer),
                 "kernel_regularizer": keras.regularizers.serialize(self.kernel_regularizer),
                 "bias_regularizer": keras.regularizers.serialize(self.bias_regularizer),
-                "activity_regularizer": keras.regularizers.serialize(self.activity_regularizer),
+                "activity_regularizer": keras.regularizers.serialize(self._activity_regularizer),
                 "kernel_constraint": keras.constraints.serialize(self.kernel_constraint),
                 "bias_constraint": keras.constraints.serialize(self.bias_constraint),
                 "use_gate": self.use_gate,

@@ -20,6 +20,7 @@ import inspect
 import sys
 
 import keras
+from keras.src.ops.node import KerasHistory
 
 from keras_sdpa.layer import ScaledDotProductAttention
 
@@ -115,18 +116,35 @@ def _is_attention(layer):
 
 
 def _why_left(layer, swappable):
+    """Why `layer` stays as it is, or None: a swappable layer, or no attention at all."""
+    if type(layer) in swappable:
+        cached = type(layer) is _cached_attention_class()
+        if cached and (layer.get_config().get("use_gate") or layer.get_config().get(
+            "sliding_window"
+        )):  # fmt: skip
+            return (
+                "keras-hub's cached call ignores its `use_gate` and `sliding_window`, which "
+                "this layer would apply"
+            )
+        return None
     for base in type(layer).__mro__:  # the nearest swappable base
         if base in swappable:
             return (
                 f"a subclass of {base.__name__} that changes what it builds or computes; "
                 "its weights or outputs would differ"
             )
-    return "the model's own attention class, not a Keras or keras-hub attention layer"
+    if _is_attention(layer):
+        return (
+            "its own attention class, not a MultiHeadAttention, GroupQueryAttention or "
+            "CachedMultiHeadAttention"
+        )
+    return None
 
 
 def _swap(old, extra):
     """A `ScaledDotProductAttention` configured as `old`, with `old`'s weights."""
     new = ScaledDotProductAttention.from_config({**_config(old), **extra})
+    new._parent_path = old._parent_path  # its variables' paths are the old ones'
     if old.built:
         new.build_from_config(old.get_build_config())
         want = [tuple(w.shape) for w in old.weights]
@@ -140,6 +158,11 @@ def _swap(old, extra):
     return new
 
 
+# Attributes that record layers for Keras's graph and TensorFlow's checkpoints; the setters
+# and `_replace_in_graph` update them.
+_BOOKKEEPING = ("_nodes_by_depth", "_operations_by_depth", "_inbound_nodes", "_outbound_nodes")
+
+
 def _replace_references(parent, old, new):
     """Points every attribute of `parent` (and list, tuple or dict inside one) that holds
     `old` at `new`, and keeps Keras's tracking (the order of `parent.weights`) and a
@@ -148,20 +171,22 @@ def _replace_references(parent, old, new):
     if tracker is not None and tracker.is_in_store("layers", old):
         tracker.replace_tracked_value("layers", old, new)
     for name, value in list(vars(parent).items()):
+        if name.startswith("_self_") or name in _BOOKKEEPING:
+            continue  # TensorFlow's and Keras's own records, which their setters keep
         if value is old:
-            object.__setattr__(parent, name, new)
+            setattr(parent, name, new)  # the TF backend's checkpoint dependency follows
         elif isinstance(value, list) or type(value).__name__ == "ListWrapper":
             for i, item in enumerate(list(value)):
                 if item is old:
                     value[i] = new
-        elif isinstance(value, dict) and name not in ("_nodes_by_depth", "_operations_by_depth"):
+        elif isinstance(value, dict):
             for key, item in list(value.items()):
                 if item is old:
                     value[key] = new
         elif isinstance(value, tuple) and any(item is old for item in value):
             items = [new if item is old else item for item in value]
             swapped = type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
-            object.__setattr__(parent, name, swapped)
+            setattr(parent, name, swapped)
     _replace_in_graph(parent, old, new)
 
 
@@ -183,6 +208,9 @@ def _replace_in_graph(parent, old, new):
         return
     new._inbound_nodes = list(old._inbound_nodes)
     new._outbound_nodes = list(old._outbound_nodes)
+    for index, node in enumerate(new._inbound_nodes):
+        for position, tensor in enumerate(node.outputs):  # what the graph's config reads
+            tensor._keras_history = KerasHistory(new, index, position)
     keys, prefix = parent._nodes, f"{id(old)}_ib-"
     for key in [key for key in keys if key.startswith(prefix)]:
         keys.discard(key)
@@ -205,8 +233,13 @@ def replace_attention(model, flash_attention=None, **layer_options):
     `CachedMultiHeadAttention` inside `model` (at any depth, in any sublayer's attributes,
     lists or dicts, or as a node of a functional graph) is replaced by this layer with the
     same configuration and the same weights, so the model computes what it computed before
-    (to float rounding), through the XLA-compiled core. `model.weights` keeps its count, order
-    and shapes, so weight files and checkpoints still load.
+    (to float rounding), through the XLA-compiled core. `model.weights` keeps its count, order,
+    shapes and paths, and TensorFlow checkpoints follow the new layers. A `.weights.h5` file of
+    the stock model loads into the swapped one where the attention is a named attribute (as in
+    keras-hub's blocks); where it sits in a list, a dict or at a functional model's top level,
+    the file names it by its class: load such weights before swapping. A model compiled and
+    trained before the swap needs `compile` again before `fit` (its optimizer holds the old
+    variables).
 
     Subclasses of those classes and a model's own attention classes are left as they are and
     named in the report. A model saved after the swap and loaded again is built by its own
@@ -233,6 +266,12 @@ def replace_attention(model, flash_attention=None, **layer_options):
     >>> len(report.swapped), report.left
     (1, [])
     """
+    if type(model) in _swappable():
+        raise ValueError(
+            "`model` must hold the attention layers to swap, not be one: pass the model or "
+            f"layer that holds it. Received: model={model.name!r} of type "
+            f"{type(model).__name__}"
+        )
     if not isinstance(model, keras.layers.Layer):
         raise ValueError(
             f"`model` must be a Keras layer or model. Received: model={model!r} of type "
@@ -246,22 +285,23 @@ def replace_attention(model, flash_attention=None, **layer_options):
         if id(parent) in visited:
             return
         visited.add(id(parent))
+        for name in ("train_function", "test_function", "predict_function", "generate_function"):
+            if getattr(parent, name, None) is not None:
+                setattr(parent, name, None)  # traced with the old layers
         for child in _sublayers(parent):
             where = f"{path}/{child.name}"
-            if type(child) in swappable:
+            why = _why_left(child, swappable)
+            if type(child) in swappable and why is None:
                 if id(child) not in done:
                     done[id(child)] = _swap(child, extra)
                     report.swapped.append((where, type(child).__name__))
                 _replace_references(parent, child, done[id(child)])
-            elif _is_attention(child) and not _sublayers_hold_attention(child):
-                report.left.append((where, type(child).__name__, _why_left(child, swappable)))
+            elif why is not None and not _sublayers_hold_attention(child):
+                report.left.append((where, type(child).__name__, why))
             else:
                 visit(child, where)
 
     visit(model, model.name)
-    for name in ("train_function", "test_function", "predict_function", "generate_function"):
-        if getattr(model, name, None) is not None:
-            setattr(model, name, None)  # traced with the old layers
     return report
 
 
@@ -301,7 +341,6 @@ def sdpa_scope(flash_attention=None, **layer_options):
     _check_options(flash_attention, layer_options)
     extra = _overrides(flash_attention, layer_options)
     replacements = {cls: _constructor(cls, extra) for cls in _swappable()}
-    patched = []
     try:
         for module in list(sys.modules.values()):
             name = getattr(module, "__name__", "") or ""
@@ -309,12 +348,15 @@ def sdpa_scope(flash_attention=None, **layer_options):
                 continue
             for attribute, value in list(vars(module).items()):
                 if isinstance(value, type) and value in replacements and value.__module__ != name:
-                    patched.append((module, attribute, value))
                     setattr(module, attribute, replacements[value])
         yield
     finally:
-        for module, attribute, value in reversed(patched):
-            setattr(module, attribute, value)
+        # Every module, also one imported inside the scope that took a replacement by name.
+        originals = {constructor: cls for cls, constructor in replacements.items()}
+        for module in list(sys.modules.values()):
+            for attribute, value in list(getattr(module, "__dict__", {}).items()):
+                if isinstance(value, type) and value in originals:
+                    setattr(module, attribute, originals[value])
 
 
 def _constructor(layer_class, extra):
@@ -326,6 +368,13 @@ def _constructor(layer_class, extra):
         def __init__(self, *args, **kwargs):
             super().__init__(**{**_options(layer_class, args, kwargs), **extra})
             self.__class__ = ScaledDotProductAttention
+
+        def __init_subclass__(cls, **kwargs):
+            # A class defined inside the scope on a patched name (a module imported there)
+            # subclasses the real `layer_class`, as it would outside the scope.
+            super().__init_subclass__(**kwargs)
+            cls.__bases__ = tuple(layer_class if base is Constructed else base
+                                  for base in cls.__bases__)  # fmt: skip
 
     Constructed.__name__ = Constructed.__qualname__ = f"SDPA{layer_class.__name__}"
     return Constructed

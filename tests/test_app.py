@@ -128,6 +128,13 @@ def test_metrics_are_what_the_model_measures(run, trained, splits):
     history = metrics["history"]
     with open(os.path.join(output, "history.csv")) as f:
         assert len(f.readlines()) == 1 + len(history)
+    # The machine that trained, named by its CPU where /proc/cpuinfo names it, and the card
+    # quotes it (not the machine that writes the card).
+    with open("/proc/cpuinfo") as f:
+        cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    assert metrics["machine"] == f"{cpu}, {os.cpu_count()} logical CPUs"
+    with open(os.path.join(output, "README.md")) as f:
+        assert f"minutes on {metrics['machine']}." in " ".join(f.read().split())
 
 
 def test_probabilities_are_calibrated_on_validation_as_reported(run, splits):

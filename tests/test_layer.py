@@ -74,6 +74,25 @@ def test_self_attention_matches_keras():
     np.testing.assert_allclose(got, want, atol=1e-5)
 
 
+def test_activity_regularizer_applies_to_the_projections_as_in_keras():
+    """MultiHeadAttention gives `activity_regularizer` to each projection; so does this layer
+    (once it regularized the layer's output instead: other losses, with no error)."""
+    query, value, _ = inputs(3)
+    kwargs = dict(value_dim=HV, activity_regularizer=keras.regularizers.L2(0.01))
+    mha = keras.layers.MultiHeadAttention(N, H, **kwargs)
+    ours = ScaledDotProductAttention(N, H, **kwargs)
+    mha(query, value)
+    ours(query, value)
+    ours.set_weights(mha.get_weights())
+    mha(query, value)
+    ours(query, value)
+    want = [float(loss) for loss in mha.losses]
+    assert len(want) == 4
+    np.testing.assert_allclose([float(loss) for loss in ours.losses], want, rtol=1e-5)
+    config = ScaledDotProductAttention.from_config(ours.get_config()).get_config()
+    assert config["activity_regularizer"] == ours.get_config()["activity_regularizer"] is not None
+
+
 @pytest.mark.parametrize("scale", [None, 1.0, 0.05], ids=["default", "unscaled", "scale_0.05"])
 def test_single_head_is_the_derivation(scale):
     """num_heads=1 without W_O: softmax(X W_Q (X W_K)^T / sqrt(d_k)) X W_V, in NumPy."""

@@ -676,6 +676,13 @@ def test_serving_figures_are_the_measured_ones():
     rates = re.findall(r"^\| (?:empty XLA cache|XLA cache kept[^|]*) \| [\d.]+ \| (\d+) \|",
                        benchmarks, flags=re.M)  # fmt: skip
     assert f"at {rates[0]} reviews/s with an empty XLA cache and {rates[1]} reviews/s" in text
+    rate = re.search(r"^\| 256 \| (\d+) \|", benchmarks, flags=re.M)[1]
+    p50 = re.search(r"^\| serving_default \| ([\d.]+) \|", benchmarks, flags=re.M)[1]
+    assert f"({int(rate):,} reviews/s at batch 256 and {p50} ms p50 for one review in" in text
+    seconds = re.findall(r"^\| (?:empty XLA cache|XLA cache kept[^|]*) \| ([\d.]+) \|",
+                         benchmarks, flags=re.M)  # fmt: skip
+    assert f"re-run on 2026-12-03 with the predictor's changes since, reads {seconds[0]} and " \
+        f"{seconds[1]} s" in text
 
 
 def test_mods_figures_are_the_benchmarks():

@@ -9,6 +9,7 @@ keras-hub's models are built from small random configurations.
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 from keras_hub.src.layers.modeling import transformer_decoder, transformer_encoder
 from keras_hub.src.layers.modeling.cached_multi_head_attention import CachedMultiHeadAttention
 from keras_hub.src.models.bert.bert_backbone import BertBackbone
@@ -40,12 +41,19 @@ def attention_kinds(model):
 
 
 def same_weights(stock, swapped):
-    want = [(w.path, tuple(w.shape)) for w in stock.weights]
-    got = [(w.path, tuple(w.shape)) for w in swapped.weights]
-    assert [shape for _, shape in got] == [shape for _, shape in want]
-    assert len(got) == len(want)
+    want = [tuple(w.shape) for w in stock.weights]
+    got = [tuple(w.shape) for w in swapped.weights]
+    assert got == want
     for a, b in zip(stock.weights, swapped.weights):
         np.testing.assert_array_equal(keras.ops.convert_to_numpy(a), keras.ops.convert_to_numpy(b))
+
+
+def replace(model, **options):
+    """`keras_sdpa.replace_attention`, checking that every weight keeps its path."""
+    paths = [w.path for w in model.weights]
+    report = keras_sdpa.replace_attention(model, **options)
+    assert [w.path for w in model.weights] == paths  # nothing keyed by path moves
+    return report
 
 
 def twins(build):
@@ -78,7 +86,7 @@ def bert():
 @pytest.mark.parametrize("padded", [False, True], ids=["full", "padded"])
 def test_bert_swapped_after_building_gives_the_same_outputs(padded):
     stock, ours = twins(bert)
-    report = keras_sdpa.replace_attention(ours)
+    report = replace(ours)
     assert [name for _, name in report.swapped] == ["MultiHeadAttention"] * 2
     assert report.left == []
     assert attention_kinds(ours) == ["ScaledDotProductAttention"] * 2
@@ -138,7 +146,7 @@ def gpt2_lm():
 
 def test_gpt2_swapped_after_building_generates_the_same_greedy_tokens():
     stock, ours = twins(gpt2_lm)
-    report = keras_sdpa.replace_attention(ours)
+    report = replace(ours)
     assert [name for _, name in report.swapped] == ["CachedMultiHeadAttention"] * 2
     same_weights(stock, ours)
     ids, mask = token_inputs(padded=False)
@@ -161,7 +169,7 @@ def test_vit_swapped_after_building_gives_the_same_outputs():
         )  # fmt: skip
 
     stock, ours = twins(vit)
-    report = keras_sdpa.replace_attention(ours, flash_attention=True)
+    report = replace(ours, flash_attention=True)
     assert [name for _, name in report.swapped] == ["MultiHeadAttention"] * 2
     assert all(layer.flash_attention is True for layer in _sdpa_layers(ours))
     same_weights(stock, ours)
@@ -177,7 +185,7 @@ def test_clip_text_encoder_swapped_after_building_gives_the_same_outputs():
         )  # fmt: skip
 
     stock, ours = twins(clip)
-    report = keras_sdpa.replace_attention(ours)
+    report = replace(ours)
     assert [name for _, name in report.swapped] == ["MultiHeadAttention"] * 2
     same_weights(stock, ours)
     ids, _ = token_inputs(padded=True)
@@ -192,7 +200,7 @@ def test_a_weights_file_of_the_stock_model_loads_into_the_swapped_one(tmp_path):
     stock.save_weights(path)
     keras.utils.set_random_seed(1)
     ours = bert()
-    keras_sdpa.replace_attention(ours)
+    replace(ours)
     ours.load_weights(path)  # as `from_preset` loads a preset's weights
     ids, mask = token_inputs(padded=True)
     inputs = {"token_ids": ids, "segment_ids": np.zeros_like(ids), "padding_mask": mask}
@@ -247,7 +255,7 @@ def functional(layer, value_width):
 def test_a_functional_graph_node_is_swapped_and_saves_as_this_layer(make, tmp_path, request):
     gqa = "gqa" in request.node.callspec.id
     stock, ours = twins(lambda: functional(make(), value_width=12 if gqa else 10))
-    report = keras_sdpa.replace_attention(ours)
+    report = replace(ours)
     assert len(report.swapped) == 1
     same_weights(stock, ours)
     rng = np.random.default_rng(0)
@@ -286,7 +294,7 @@ def test_attributes_lists_and_dicts_are_swapped_and_the_weights_keep_their_order
 
     stock, ours = twins(build)
     before = [id(w) for w in ours.weights]
-    report = keras_sdpa.replace_attention(ours, implementation="dense")
+    report = replace(ours, implementation="dense")
     assert sorted(path.split("/")[-1] for path, _ in report.swapped) == ["first", "kept", "listed"]
     assert type(ours.first) is type(ours.stack[0]) is ScaledDotProductAttention
     assert type(ours.by_name["cached"]) is ScaledDotProductAttention
@@ -315,7 +323,72 @@ def test_a_model_fits_after_the_swap():
     assert pooled.shape == (B, 16)
 
 
+def test_a_tf_checkpoint_saves_and_restores_the_new_layers(tmp_path):
+    """The swapped layer is the parent's checkpoint dependency, not the layer it replaced."""
+    first, second = twins(bert)
+    for model in (first, second):
+        keras_sdpa.replace_attention(model)
+    path = tf.train.Checkpoint(model=first).write(str(tmp_path / "ckpt"))
+    for variable in second.weights:
+        variable.assign(variable + 1.0)
+    tf.train.Checkpoint(model=second).read(path).assert_consumed()
+    ids, mask = token_inputs(padded=True)
+    inputs = {"token_ids": ids, "segment_ids": np.zeros_like(ids), "padding_mask": mask}
+    np.testing.assert_allclose(
+        second(inputs)["sequence_output"], first(inputs)["sequence_output"], atol=1e-6
+    )
+
+
+def test_a_shared_attention_whose_output_is_the_models_saves_and_loads(tmp_path):
+    def build():
+        x = keras.Input((T, 12))
+        attention = keras.layers.MultiHeadAttention(num_heads=2, key_dim=4)
+        first = attention(x, x)
+        return keras.Model(x, [attention(first, x), first])  # called twice; outputs are its
+
+    stock, ours = twins(build)
+    assert len(replace(ours).swapped) == 1
+    x = np.random.default_rng(0).random((B, T, 12)).astype("float32")
+    want = stock(x)
+    path = str(tmp_path / "shared.keras")
+    ours.save(path)
+    loaded = keras.saving.load_model(path)
+    assert attention_kinds(loaded) == ["ScaledDotProductAttention"]
+    for model in (ours, loaded):
+        for got, expected in zip(model(x), want):
+            np.testing.assert_allclose(got, expected, atol=1e-5)
+
+
+def test_the_scope_leaves_subclasses_and_late_imports_as_outside_it():
+    import sys
+    import types
+
+    module = types.ModuleType("keras_user_module")
+    with keras_sdpa.sdpa_scope():
+
+        class Mine(keras.layers.MultiHeadAttention):  # defined in the scope
+            pass
+
+        sys.modules[module.__name__] = module  # a module imported in the scope
+        module.MultiHeadAttention = keras.layers.MultiHeadAttention
+    try:
+        assert module.MultiHeadAttention is keras.layers.MultiHeadAttention
+        assert Mine.__mro__[1] is keras.layers.MultiHeadAttention
+        assert type(Mine(num_heads=2, key_dim=4)) is Mine
+    finally:
+        del sys.modules[module.__name__]
+
+
+def test_a_cached_attention_with_a_gate_is_left_and_says_why():
+    holder = keras.layers.Layer()
+    holder.gated = CachedMultiHeadAttention(num_heads=2, key_dim=4, use_gate=True)
+    report = keras_sdpa.replace_attention(holder)
+    assert report.swapped == [] and "ignores its `use_gate`" in report.left[0][2]
+
+
 def test_bad_arguments_name_what_was_received():
+    with pytest.raises(ValueError, match="must hold the attention layers.*MultiHeadAttention"):
+        keras_sdpa.replace_attention(keras.layers.MultiHeadAttention(num_heads=2, key_dim=4))
     with pytest.raises(ValueError, match="`model` must be a Keras layer.*Received: model='x'"):
         keras_sdpa.replace_attention("x")
     with pytest.raises(ValueError, match="flash_attention='yes'"):

@@ -1,0 +1,195 @@
+"""What `keras_sdpa.replace_attention` buys keras-hub's models: stock against swapped.
+
+Three models from keras-hub, built from small random configurations (nothing downloaded), each
+timed as shipped and after `keras_sdpa.replace_attention(model, flash_attention=True)` with the
+same weights:
+
+- a BERT encoder (2 layers, 2 heads of 64, width 128), forward plus backward (the gradient of
+  `sum(sequence_output * c)` with respect to every weight), at T=512 and T=8,192, with a
+  padding mask;
+- a ViT (the same sizes, 16-pixel patches), forward plus backward on one 1,024 x 1,024 image:
+  4,097 tokens with the class token;
+- GPT-2 (the same sizes), keras-hub's own `generate` (jit-compiled prefill and cache loop), per
+  new token: 8 prompt tokens and `--new_tokens` new ones, greedy.
+
+Times: alternating rounds in one process after one call that compiles; ratio = median of the
+per-round ratios (swapped / stock; range in brackets). Peak MiB: resident memory above the level
+before the first call, one child process per model, length and variant (compilation included).
+
+Usage:
+    python benchmarks/swap.py
+    python benchmarks/swap.py --rounds 3 --output BENCHMARKS.md
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from attention import cpu_name  # noqa: E402
+from long_sequences import time_alternating  # noqa: E402
+
+START, END = "<!-- swap:start -->", "<!-- swap:end -->"
+WIDTH, HEADS, LAYERS = 128, 2, 2
+PROMPT = 8
+
+
+def build(family, length, swapped):
+    """A keras-hub model and its one step (a callable), stock or swapped."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    import keras_sdpa
+
+    keras.utils.set_random_seed(0)
+    if family == "gpt2":
+        from keras_hub.src.models.gpt2.gpt2_backbone import GPT2Backbone
+        from keras_hub.src.models.gpt2.gpt2_causal_lm import GPT2CausalLM
+
+        backbone = GPT2Backbone(
+            vocabulary_size=1000, num_layers=LAYERS, num_heads=HEADS, hidden_dim=WIDTH,
+            intermediate_dim=4 * WIDTH, max_sequence_length=length, dropout=0.0,
+        )  # fmt: skip
+        model = GPT2CausalLM(backbone=backbone, preprocessor=None)
+        model.compile(sampler="greedy")
+        if swapped:
+            keras_sdpa.replace_attention(model)
+        ids = np.zeros((1, length), "int32")
+        ids[0, :PROMPT] = np.arange(1, PROMPT + 1)
+        prompt = {"token_ids": ids, "padding_mask": ids != 0}
+
+        def generate():
+            out = model.generate(prompt, stop_token_ids=None)["token_ids"]
+            return np.asarray(out)
+
+        return generate
+    if family == "bert":
+        from keras_hub.src.models.bert.bert_backbone import BertBackbone
+
+        model = BertBackbone(
+            vocabulary_size=1000, num_layers=LAYERS, num_heads=HEADS, hidden_dim=WIDTH,
+            intermediate_dim=4 * WIDTH, max_sequence_length=length, dropout=0.0,
+        )  # fmt: skip
+        ids = tf.constant(np.random.default_rng(0).integers(1, 1000, (1, length)), tf.int32)
+        mask = tf.range(length)[None] < length - length // 8  # the last eighth is padding
+        inputs = {"token_ids": ids, "segment_ids": tf.zeros_like(ids), "padding_mask": mask}
+        output = "sequence_output"
+    else:
+        from keras_hub.src.models.vit.vit_backbone import ViTBackbone
+
+        model = ViTBackbone(
+            image_shape=(length, length, 3), patch_size=16, num_layers=LAYERS, num_heads=HEADS,
+            hidden_dim=WIDTH, mlp_dim=4 * WIDTH,
+        )  # fmt: skip
+        inputs = tf.random.uniform((1, length, length, 3), seed=1)
+        output = None
+    if swapped:
+        keras_sdpa.replace_attention(model, flash_attention=True)
+
+    @tf.function
+    def step():
+        with tf.GradientTape() as tape:
+            out = model(inputs)
+            out = out[output] if output else out
+            c = tf.random.stateless_normal(tf.shape(out), seed=[0, 2])  # the same c each call
+            loss = tf.reduce_sum(out * c)
+        return tape.gradient(loss, model.trainable_weights)
+
+    return lambda: step()[0].numpy()
+
+
+def peak_mib(family, length, swapped, timeout=1800):
+    """In a child process: the peak resident MiB of one step above the level before it."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    script = (
+        f"import sys, json; sys.path.insert(0, {here!r}); import swap as m; "
+        "from attention import _PeakSampler, _rss_mib; base = _rss_mib(); s = _PeakSampler(); "
+        f"m.build({family!r}, {length}, {swapped})(); print(json.dumps(s.stop() - base))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout
+    )
+    if result.returncode:
+        return f"exit {result.returncode}"
+    return round(json.loads(result.stdout.strip().splitlines()[-1]))
+
+
+def measure(family, length, rounds, per):
+    print(f"{family} at {length}", file=sys.stderr)
+    seconds = time_alternating(
+        {"stock": build(family, length, False), "swapped": build(family, length, True)}, rounds
+    )
+    ratios = sorted(a / b for a, b in zip(seconds["swapped"], seconds["stock"]))
+    memory = {name: peak_mib(family, length, name == "swapped") for name in ("stock", "swapped")}
+    print(f"  {seconds} {memory}", file=sys.stderr)
+    return {
+        "stock": statistics.median(seconds["stock"]) / per,
+        "swapped": statistics.median(seconds["swapped"]) / per,
+        "ratio": (statistics.median(ratios), ratios[0], ratios[-1]),
+        "memory": memory,
+    }
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--bert_lengths", type=int, nargs="+", default=[512, 8192])
+    parser.add_argument("--image_size", type=int, default=1024)
+    parser.add_argument("--new_tokens", type=int, default=248)
+    parser.add_argument("--output", help="a Markdown file whose swap section is replaced")
+    args = parser.parse_args(argv)
+    for name in ("rounds", "image_size", "new_tokens"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be at least 1. Received: {getattr(args, name)}")
+    rows = []
+    for length in args.bert_lengths:
+        rows.append(("BERT encoder, forward + backward", f"T={length:,}", "s",
+                     measure("bert", length, args.rounds, 1)))  # fmt: skip
+    tokens = (args.image_size // 16) ** 2 + 1
+    rows.append(("ViT, forward + backward", f"{args.image_size}x{args.image_size} ({tokens:,} "
+                 "tokens)", "s", measure("vit", args.image_size, args.rounds, 1)))  # fmt: skip
+    total = PROMPT + args.new_tokens
+    rows.append(("GPT-2 `generate`, per new token", f"S={total}", "ms",
+                 measure("gpt2", total, args.rounds, args.new_tokens / 1e3)))  # fmt: skip
+    lines = [
+        "## keras-hub models with their attention swapped",
+        "",
+        "Produced by:",
+        "",
+        f"    python benchmarks/swap.py --rounds {args.rounds} --output BENCHMARKS.md",
+        "",
+        f"On {cpu_name()}. keras-hub's BERT, ViT and GPT-2 ({LAYERS} layers, {HEADS} heads of "
+        f"{WIDTH // HEADS}, width {WIDTH}, random weights), as shipped and after "
+        "`keras_sdpa.replace_attention(model, flash_attention=True)` (GPT-2: "
+        "`replace_attention(model)`, whose cached calls take the decode path) with the same "
+        f"weights; `tf.function` steps in graph mode, GPT-2 through its own `generate`. "
+        f"{args.rounds} alternating rounds in one process after a call that compiles; ratio = "
+        "median of the per-round ratios (swapped / stock; range in brackets). Peak MiB: "
+        "resident memory above the level before the first call, one child process each "
+        "(compilation included).",
+        "",
+        "| model | size | stock | swapped | time ratio | stock peak MiB | swapped peak MiB |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for label, size, unit, r in rows:
+        ratio, low, high = r["ratio"]
+        lines.append(
+            f"| {label} | {size} | {r['stock']:.3g} {unit} | {r['swapped']:.3g} {unit} | "
+            f"**{ratio:.3f}** ({low:.3f}-{high:.3f}) | {r['memory']['stock']} | "
+            f"{r['memory']['swapped']} |"
+        )
+    section = "\n".join(lines) + "\n"
+    print(section)
+    if args.output:
+        from features import replace_section
+
+        replace_section(args.output, START, END, section)
+
+
+if __name__ == "__main__":
+    main()
