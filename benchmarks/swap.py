@@ -13,8 +13,9 @@ same weights:
   new token: 8 prompt tokens and `--new_tokens` new ones, greedy.
 
 Times: alternating rounds in one process after one call that compiles; ratio = median of the
-per-round ratios (swapped / stock; range in brackets). Peak MiB: resident memory above the level
-before the first call, one child process per model, length and variant (compilation included).
+per-round ratios (swapped / stock; range in brackets). Peak MiB: resident memory during the first
+call above the level after building the model, one child process per model, length and variant
+(tracing and compilation included).
 
 Usage:
     python benchmarks/swap.py
@@ -98,18 +99,22 @@ def build(family, length, swapped):
             out = out[output] if output else out
             c = tf.random.stateless_normal(tf.shape(out), seed=[0, 2])  # the same c each call
             loss = tf.reduce_sum(out * c)
-        return tape.gradient(loss, model.trainable_weights)
+        grads = tape.gradient(loss, model.trainable_weights)
+        # One scalar that needs every gradient, so that a call waits for all of them.
+        return tf.add_n([tf.reduce_sum(tf.convert_to_tensor(g)) for g in grads if g is not None])
 
-    return lambda: step()[0].numpy()
+    return lambda: step().numpy()
 
 
 def peak_mib(family, length, swapped, timeout=1800):
-    """In a child process: the peak resident MiB of one step above the level before it."""
+    """In a child process: the peak resident MiB of the first step (tracing and compilation
+    included) above the level after the model is built."""
     here = os.path.dirname(os.path.abspath(__file__))
     script = (
         f"import sys, json; sys.path.insert(0, {here!r}); import swap as m; "
-        "from attention import _PeakSampler, _rss_mib; base = _rss_mib(); s = _PeakSampler(); "
-        f"m.build({family!r}, {length}, {swapped})(); print(json.dumps(s.stop() - base))"
+        f"from attention import _PeakSampler, _rss_mib; step = m.build({family!r}, {length}, "
+        f"{swapped}); base = _rss_mib(); s = _PeakSampler(); step(); "
+        "print(json.dumps(s.stop() - base))"
     )
     result = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout
@@ -170,8 +175,8 @@ def main(argv=None):
         f"weights; `tf.function` steps in graph mode, GPT-2 through its own `generate`. "
         f"{args.rounds} alternating rounds in one process after a call that compiles; ratio = "
         "median of the per-round ratios (swapped / stock; range in brackets). Peak MiB: "
-        "resident memory above the level before the first call, one child process each "
-        "(compilation included).",
+        "resident memory during the first call above the level after building the model, one "
+        "child process each (tracing and compilation included).",
         "",
         "| model | size | stock | swapped | time ratio | stock peak MiB | swapped peak MiB |",
         "|---|---|---|---|---|---|---|",
