@@ -160,7 +160,15 @@ def _swap(old, extra):
 
 # Attributes that record layers for Keras's graph and TensorFlow's checkpoints; the setters
 # and `_replace_in_graph` update them.
-_BOOKKEEPING = ("_nodes_by_depth", "_operations_by_depth", "_inbound_nodes", "_outbound_nodes")
+_BOOKKEEPING = frozenset(
+    [
+        "_nodes_by_depth", "_operations_by_depth", "_inbound_nodes", "_outbound_nodes",
+        # TensorFlow's Trackable (`setattr` updates them, with the checkpoint's dependencies):
+        "_self_unconditional_checkpoint_dependencies", "_self_unconditional_dependency_names",
+        "_self_unconditional_deferred_dependencies", "_self_name_based_restores",
+        "_self_saveable_object_factories",
+    ]
+)  # fmt: skip
 
 
 def _replace_references(parent, old, new):
@@ -171,7 +179,7 @@ def _replace_references(parent, old, new):
     if tracker is not None and tracker.is_in_store("layers", old):
         tracker.replace_tracked_value("layers", old, new)
     for name, value in list(vars(parent).items()):
-        if name.startswith("_self_") or name in _BOOKKEEPING:
+        if name in _BOOKKEEPING:
             continue  # TensorFlow's and Keras's own records, which their setters keep
         if value is old:
             setattr(parent, name, new)  # the TF backend's checkpoint dependency follows

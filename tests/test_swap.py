@@ -49,10 +49,18 @@ def same_weights(stock, swapped):
 
 
 def replace(model, **options):
-    """`keras_sdpa.replace_attention`, checking that every weight keeps its path."""
+    """`keras_sdpa.replace_attention`, checking that every weight keeps its path. The layers
+    it replaced then get other weights: a model that still called one of them would give
+    other outputs than the stock model's (the twins start with equal weights)."""
+    swappable = (keras.layers.MultiHeadAttention, keras.layers.GroupQueryAttention,
+                 CachedMultiHeadAttention)  # fmt: skip
+    replaced = [x for x in model._flatten_layers() if type(x) in swappable]
     paths = [w.path for w in model.weights]
     report = keras_sdpa.replace_attention(model, **options)
     assert [w.path for w in model.weights] == paths  # nothing keyed by path moves
+    for layer in replaced:
+        for variable in layer.weights:
+            variable.assign(variable + 0.5)
     return report
 
 
@@ -91,6 +99,8 @@ def test_bert_swapped_after_building_gives_the_same_outputs(padded):
     assert report.left == []
     assert attention_kinds(ours) == ["ScaledDotProductAttention"] * 2
     assert attention_kinds(stock) == ["MultiHeadAttention"] * 2
+    assert all(type(block._self_attention_layer) is ScaledDotProductAttention
+               for block in ours.transformer_layers)  # fmt: skip
     same_weights(stock, ours)
     ids, mask = token_inputs(padded)
     inputs = {"token_ids": ids, "segment_ids": np.zeros_like(ids), "padding_mask": mask}
@@ -307,7 +317,7 @@ def test_attributes_lists_and_dicts_are_swapped_and_the_weights_keep_their_order
 def test_a_model_fits_after_the_swap():
     keras.utils.set_random_seed(0)
     backbone = bert()
-    keras_sdpa.replace_attention(backbone)
+    replace(backbone)
     ids, mask = token_inputs(padded=True)
     inputs = {"token_ids": ids, "segment_ids": np.zeros_like(ids), "padding_mask": mask}
     pooled = backbone(inputs)["pooled_output"]
@@ -327,7 +337,7 @@ def test_a_tf_checkpoint_saves_and_restores_the_new_layers(tmp_path):
     """The swapped layer is the parent's checkpoint dependency, not the layer it replaced."""
     first, second = twins(bert)
     for model in (first, second):
-        keras_sdpa.replace_attention(model)
+        replace(model)
     path = tf.train.Checkpoint(model=first).write(str(tmp_path / "ckpt"))
     for variable in second.weights:
         variable.assign(variable + 1.0)
