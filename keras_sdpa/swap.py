@@ -329,9 +329,12 @@ def sdpa_scope(flash_attention=None, **layer_options):
     `ScaledDotProductAttention` with the same arguments (and `layer_options`).
 
     For code that builds models: a keras-hub backbone built inside the scope holds this layer
-    in every block that constructs one of those classes by name. The names are restored on
-    exit, also on an error. Subclasses defined before the scope (Whisper's attention) are not
-    affected.
+    in every block that constructs one of those classes by name. What counts is when the
+    attention layer is constructed: keras-hub's blocks construct it in `build`, which a
+    backbone runs while it is constructed, but a lone block first called after the scope gets
+    Keras's layer (use `replace_attention` then). The names are restored on exit, also on an
+    error. Subclasses defined before the scope (Whisper's attention) are not affected; one
+    defined inside it subclasses the real class.
 
     Args:
         flash_attention: `True`, `False` or `None` (each layer's own), as in

@@ -219,3 +219,30 @@ def test_layer_in_a_keras_model_trains_with_chunked_attention():
     data = np.random.default_rng(0).normal(size=(8, 10, 8)).astype("float32")
     history = model.fit(data, data.mean(1), epochs=3, verbose=0)
     assert history.history["loss"][-1] < history.history["loss"][0]
+
+
+
+def test_default_blocks_are_evened_out_over_the_length(monkeypatch):
+    """Without a `chunk_size`, the blocks cover the length evenly in multiples of 128 (4,097
+    tokens in 3 blocks of 1408, not 2048 + 2048 + a block of padding); a given one is kept."""
+    assert ops._balanced_chunk_size(4097, 2048) == 1408
+    assert ops._balanced_chunk_size(8192, 2048) == 2048
+    assert ops._balanced_chunk_size(3000, 2048) == 1536
+    assert ops._balanced_chunk_size(129, 128) == 128
+    seen = []
+    real = ops._attention_xla
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["chunk_size"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ops, "_attention_xla", spy)
+    monkeypatch.setattr(ops, "_default_chunk_size", lambda *args, **kwargs: 512)
+    rng = np.random.default_rng(0)
+    q, k, v = (tf.constant(rng.standard_normal((1, 520, 1, 8)), tf.float32) for _ in range(3))
+    got = scaled_dot_product_attention(q, k, v, implementation="chunked")
+    given = scaled_dot_product_attention(q, k, v, implementation="chunked", chunk_size=512)
+    assert seen == [384, 512]  # 520 tokens: 2 blocks of 384, not 512 + 8; a given size kept
+    want = scaled_dot_product_attention(q, k, v, implementation="dense")
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    np.testing.assert_allclose(given, want, atol=1e-5)
