@@ -738,6 +738,37 @@ def test_decode_figures_are_the_benchmarks():
     assert f"peak {peaks['2']} MiB against {peaks['8']}" in text
 
 
+def test_swap_figures_are_the_benchmarks():
+    """The README's and docs/keras-hub.md's swap figures are `benchmarks/swap.py`'s table."""
+    benchmarks = (ROOT / "BENCHMARKS.md").read_text()
+    section = benchmarks[benchmarks.index("<!-- swap:start -->") :
+                         benchmarks.index("<!-- swap:end -->")]  # fmt: skip
+    assert "AMD EPYC" in section.split("\n|")[0]
+    rows = {
+        (model, size): (ratio, stock, swapped)
+        for model, size, ratio, stock, swapped in re.findall(
+            r"^\| (BERT|ViT|GPT-2)[^|]* \| ([^|]+) \|[^|]*\|[^|]*\| \*\*([\d.]+)\*\* [^|]* \| "
+            r"(\d+) \| (\d+) \|", section, re.M,
+        )
+    }  # fmt: skip
+    bert = rows["BERT", "T=8,192"]
+    vit = rows["ViT", "1024x1024 (4,097 tokens)"]
+    gpt2 = rows["GPT-2", "S=256"]
+    readme = " ".join(README.read_text().split())
+    assert (
+        f"peak **{bert[2]} MiB** against {bert[1]} ({bert[0]}x the time); GPT-2's `generate` "
+        f"**{gpt2[0]}x** per token"
+    ) in readme
+    page = " ".join((DOCS / "keras-hub.md").read_text().split())
+    assert f"peaks at **{bert[2]} MiB** against the stock model's {bert[1]}, in {bert[0]}x" in page
+    assert f"peaks at {vit[2]} MiB against {vit[1]}, in {vit[0]}x the time" in page
+    assert f"`generate` takes **{gpt2[0]}x** the stock model's time per token" in page
+    notes = " ".join(benchmarks.split("<!-- swap:end -->")[1].split("<!--")[0].split())
+    assert f"({bert[2]} against {bert[1]} MiB" in notes and f"({bert[0]}x)" in notes
+    assert f"({vit[2]} against {vit[1]} MiB, {vit[0]}x)" in notes
+    assert f"`generate` takes {gpt2[0]}x the time per token" in notes
+
+
 def test_app_page_quotes_the_shipped_calibration_and_short_reviews():
     """docs/app.md's calibration and short-review figures are the shipped metrics.json's."""
     metrics = json.loads((ROOT / "saved_models/imdb_sdpa/metrics.json").read_text())
