@@ -81,7 +81,8 @@ class ScaledDotProductAttention(keras.layers.Layer):
             `return_attention_scores` always runs dense.
         chunk_size: block size of the chunked path (default 2048; with a
             `sliding_window` of `W`, the power of two at or above `W / 2`; 512 with
-            `use_causal_mask` or a `mask_mod`).
+            `use_causal_mask` or a `mask_mod`; without a window or a `mask_mod`, a
+            default size is evened out over lengths known while tracing).
         scale: multiplies the scores `Q K^T`. Defaults to `1 / sqrt(key_dim)`.
         attn_logits_soft_cap: optional positive float `cap`: the logits become
             `cap * tanh(logits / cap)` before the softmax (Gemma 2).

@@ -246,3 +246,28 @@ def test_default_blocks_are_evened_out_over_the_length(monkeypatch):
     want = scaled_dot_product_attention(q, k, v, implementation="dense")
     np.testing.assert_allclose(got, want, atol=1e-5)
     np.testing.assert_allclose(given, want, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "case", ["causal", "mask", "gqa_cross"], ids=["causal", "mask", "gqa_cross"]
+)
+def test_evened_default_blocks_give_the_dense_result_and_gradients(case):
+    """The evened-out default blocks (T=520: 2 of 384) with a causal mask, a boolean mask, and
+    grouped heads over keys of another length: outputs and gradients are the dense path's."""
+    rng = np.random.default_rng(1)
+    t, s, heads, kv_heads = (520, 700, 2, 1) if case == "gqa_cross" else (520, 520, 2, 2)
+    q = tf.constant(rng.standard_normal((1, t, heads, 8)), tf.float32)
+    k, v = (tf.constant(rng.standard_normal((1, s, kv_heads, 8)), tf.float32) for _ in range(2))
+    kwargs = {"causal": dict(is_causal=True),
+              "mask": dict(mask=tf.constant(rng.random((1, 1, t, s)) > 0.3)),
+              "gqa_cross": {}}[case]  # fmt: skip
+
+    def run(implementation):
+        with tf.GradientTape() as tape:
+            tape.watch([q, k, v])
+            out = scaled_dot_product_attention(q, k, v, implementation=implementation, **kwargs)
+            loss = tf.reduce_sum(out * tf.cos(tf.range(t, dtype=tf.float32))[None, :, None, None])
+        return [out] + tape.gradient(loss, [q, k, v])
+
+    for got, want in zip(run("chunked"), run("dense")):
+        np.testing.assert_allclose(got, want, atol=2e-5)
