@@ -118,10 +118,9 @@ def _is_attention(layer):
 def _why_left(layer, swappable):
     """Why `layer` stays as it is, or None: a swappable layer, or no attention at all."""
     if type(layer) in swappable:
+        config = layer.get_config()
         cached = type(layer) is _cached_attention_class()
-        if cached and (layer.get_config().get("use_gate") or layer.get_config().get(
-            "sliding_window"
-        )):  # fmt: skip
+        if cached and (config.get("use_gate") or config.get("sliding_window")):
             return (
                 "keras-hub's cached call ignores its `use_gate` and `sliding_window`, which "
                 "this layer would apply"
@@ -183,7 +182,7 @@ def _replace_references(parent, old, new):
             continue  # TensorFlow's and Keras's own records, which their setters keep
         if value is old:
             setattr(parent, name, new)  # the TF backend's checkpoint dependency follows
-        elif isinstance(value, list) or type(value).__name__ == "ListWrapper":
+        elif isinstance(value, list):  # TensorFlow's ListWrapper too
             for i, item in enumerate(list(value)):
                 if item is old:
                     value[i] = new
@@ -304,7 +303,7 @@ def replace_attention(model, flash_attention=None, **layer_options):
                     done[id(child)] = _swap(child, extra)
                     report.swapped.append((where, type(child).__name__))
                 _replace_references(parent, child, done[id(child)])
-            elif why is not None and not _sublayers_hold_attention(child):
+            elif why is not None and not _sublayers_hold_attention(child, swappable):
                 report.left.append((where, type(child).__name__, why))
             else:
                 visit(child, where)
@@ -313,11 +312,11 @@ def replace_attention(model, flash_attention=None, **layer_options):
     return report
 
 
-def _sublayers_hold_attention(layer):
+def _sublayers_hold_attention(layer, swappable):
     """Whether `layer` is a container (a block named "...Attention...") with attention
     layers inside it, which `replace_attention` then walks into."""
     return any(
-        type(child) in _swappable() or _sublayers_hold_attention(child)
+        type(child) in swappable or _sublayers_hold_attention(child, swappable)
         for child in _sublayers(layer)
     )
 
