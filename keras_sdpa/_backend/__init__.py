@@ -1,0 +1,34 @@
+"""What `keras.ops` lacks, one small module per backend, side by side.
+
+The attention math (`_masking.py`, `_dense.py`, `_chunked.py`, `_decode.py`) is written once,
+on `keras.ops`. What `keras.ops` cannot say the same way on both backends lives here, with the
+same names in `tensorflow.py` and `jax.py`, so that a reader compares them line for line (as
+Keras's own `keras/src/backend/<name>/nn.py` do): the compiled entry, the custom gradient, the
+half-precision product with float32 accumulation, the stateless dropout draw, the gradient of a
+`score_mod`, and whether a trace runs inside a caller's compiled step.
+
+`import keras_sdpa` never imports TensorFlow on the JAX backend: the module for the backend
+Keras runs is imported on first use.
+"""
+
+import importlib
+
+import keras
+
+SUPPORTED = ("tensorflow", "jax")
+
+
+def check():
+    """The backend's name; a `ValueError` naming it and the supported ones otherwise."""
+    name = keras.backend.backend()
+    if name not in SUPPORTED:
+        raise ValueError(
+            "keras_sdpa runs on Keras's TensorFlow and JAX backends. Set KERAS_BACKEND to "
+            f"'tensorflow' or 'jax' before importing keras. Received: KERAS_BACKEND={name!r}"
+        )
+    return name
+
+
+def get():
+    """The shim module of the running backend (`tensorflow.py` or `jax.py`)."""
+    return importlib.import_module(f"keras_sdpa._backend.{check()}")
