@@ -11,7 +11,7 @@ multiply-and-reduce fusions that read the cache where it lies:
 
 and only the `(S, K, G, T)` logits, `1/H` of the cache, change layout. The softmax, masks,
 bias, soft cap and mods are the dense path's (`_masking.py`), at the same positions. The
-gradient is TensorFlow's autodiff of this program: the path serves decoding, where
+gradient is the backend's autodiff of this program: the path serves decoding, where
 training's `(T, S)` products belong to the dense and chunked paths.
 
 This layout was chosen over two einsums, and one reduction over the keys over splitting them
@@ -21,7 +21,8 @@ cores. What it costs per token against keras-hub's layer is `benchmarks/decode.p
 BENCHMARKS.md.
 """
 
-import tensorflow as tf
+import keras
+from keras import ops
 
 from keras_sdpa import _dense
 from keras_sdpa import _masking as M
@@ -48,26 +49,28 @@ def attend(
     `(B|1, K|1, G|1, T|1, S|1)` booleans or None, and `bias` the grouped bias or None.
     Returns the output `(B, K, G, T, Hv)` and the weights `(B, K, G, T, S)` or None.
     """
-    compute = q.dtype if q.dtype == tf.float64 else tf.float32
-    q = tf.cast(q, compute)
-    t, s = tf.shape(q)[3], tf.shape(key)[1]
+    dtype = keras.backend.standardize_dtype(q.dtype)
+    compute = dtype if dtype == "float64" else "float32"
+    q = ops.cast(q, compute)
+    t, s = ops.shape(q)[3], ops.shape(key)[1]
     # (B, 1, K, G, T, H) * (B, S, K, 1, 1, H), summed over H: (B, S, K, G, T).
-    raw = tf.reduce_sum(q[:, None] * tf.cast(key, compute)[:, :, :, None, None, :], axis=-1)
-    raw = M.scaled(tf.transpose(raw, [0, 2, 3, 4, 1]), logit_scale)  # (B, K, G, T, S)
+    raw = ops.sum(q[:, None] * ops.cast(key, compute)[:, :, :, None, None, :], axis=-1)
+    raw = M.scaled(ops.transpose(raw, (0, 2, 3, 4, 1)), logit_scale)  # (B, K, G, T, S)
     if score_mod is not None:
         raw = M.apply_score_mod(
-            score_mod, raw, M.batch_index(tf.shape(q)[0]), num_heads, tf.range(t), tf.range(s)
+            score_mod, raw, M.batch_index(ops.shape(q)[0]), num_heads, ops.arange(t),
+            ops.arange(s),
         )
     scores = M.logits(raw, bias, cap)
     penalty, any_allowed = None, None
     if allowed is not None:
-        penalty = tf.where(allowed, tf.constant(0.0, compute), M.MASK_PENALTY)
-        any_allowed = tf.reduce_any(allowed, axis=-1, keepdims=True)  # (…, T|1, 1)
+        penalty = ops.cast(ops.where(allowed, 0.0, M.MASK_PENALTY), compute)
+        any_allowed = ops.any(allowed, axis=-1, keepdims=True)  # (…, T|1, 1)
     exp, inv_total, _ = _dense.softmax_parts(scores, penalty, any_allowed)
     weights = exp * inv_total  # (B, K, G, T, S)
-    weights_s = tf.transpose(weights, [0, 4, 1, 2, 3])  # (B, S, K, G, T)
+    weights_s = ops.transpose(weights, (0, 4, 1, 2, 3))  # (B, S, K, G, T)
     # (B, S, K, G, T, 1) * (B, S, K, 1, 1, Hv), summed over S: (B, K, G, T, Hv).
-    out = tf.reduce_sum(
-        weights_s[..., None] * tf.cast(value, compute)[:, :, :, None, None, :], axis=1
+    out = ops.sum(
+        weights_s[..., None] * ops.cast(value, compute)[:, :, :, None, None, :], axis=1
     )
     return out, weights if return_weights else None

@@ -4,8 +4,10 @@ Tensors are in the grouped layout of `keras_sdpa._masking`: `q (B, K, G, T, H)`,
 `k (B, K, S, H)`, `v (B, K, S, Hv)`.
 """
 
-import tensorflow as tf
+import keras
+from keras import ops
 
+from keras_sdpa import _backend
 from keras_sdpa import _masking as M
 
 
@@ -22,15 +24,15 @@ def softmax_parts(scores, penalty, any_allowed):
     """
     if penalty is not None:
         scores = scores + penalty  # masked logits underflow to exp == 0
-    row_max = tf.reduce_max(scores, axis=-1, keepdims=True)  # (…, T, 1)
-    exp = tf.exp(scores - row_max)  # (…, T, S)
-    total = tf.reduce_sum(exp, axis=-1, keepdims=True)  # (…, T, 1)
-    total = tf.where(total > 0.0, total, 1.0)  # no keys at all (S = 0): 0 / 1 = 0
-    lse = row_max + tf.math.log(total)
+    row_max = ops.max(scores, axis=-1, keepdims=True)  # (…, T, 1)
+    exp = ops.exp(scores - row_max)  # (…, T, S)
+    total = ops.sum(exp, axis=-1, keepdims=True)  # (…, T, 1)
+    total = ops.where(total > 0.0, total, 1.0)  # no keys at all (S = 0): 0 / 1 = 0
+    lse = row_max + ops.log(total)
     inv_total = 1.0 / total
     if any_allowed is not None:
-        inv_total = tf.where(any_allowed, inv_total, 0.0)
-        lse = tf.where(any_allowed, lse, -M.MASK_PENALTY)
+        inv_total = ops.where(any_allowed, inv_total, 0.0)
+        lse = ops.where(any_allowed, lse, -M.MASK_PENALTY)
     return exp, inv_total, lse
 
 
@@ -81,13 +83,13 @@ def attend(
     Returns the output `(B, K, G, T, Hv)` and the weights `(B, K, G, T, S)` or None.
     """
     groups = q.shape[2]
-    compute = q.dtype if operand is None else tf.float32
-    t, s = tf.shape(q)[3], tf.shape(k)[2]
+    compute = keras.backend.standardize_dtype(q.dtype) if operand is None else "float32"
+    t, s = ops.shape(q)[3], ops.shape(k)[2]
 
     def matmul(a, b, transpose_b=False, transpose_a=False):
         return M.matmul(a, b, operand, transpose_b, transpose_a)
 
-    constraint = M.band(tf.range(t), tf.range(s), is_causal, window)  # (T, S) or None
+    constraint = M.band(ops.arange(t), ops.arange(s), is_causal, window)  # (T, S) or None
     if constraint is not None:
         constraint = constraint[None, None, None]  # (1, 1, 1, T, S)
     allowed = M.combine(mask, constraint)  # broadcasts to (B, K, G, T, S)
@@ -96,15 +98,15 @@ def attend(
     # T=S=192, H=32: 69 against 51 ms).
     penalty, any_allowed = None, None
     if allowed is not None:
-        penalty = tf.where(allowed, tf.constant(0.0, compute), M.MASK_PENALTY)
-        any_allowed = tf.reduce_any(allowed, axis=-1, keepdims=True)  # (…, T|1, 1)
+        penalty = ops.cast(ops.where(allowed, 0.0, M.MASK_PENALTY), compute)
+        any_allowed = ops.any(allowed, axis=-1, keepdims=True)  # (…, T|1, 1)
     penalty_t = M.keys_first(penalty)  # (…, S, G, T)
     keep_t = M.keys_first(keep)
     bias_t = M.keys_first(bias)
     scale_keep = None if keep is None else 1.0 / (1.0 - dropout_rate)
 
-    b_index = M.batch_index(tf.shape(q)[0])
-    positions = (tf.range(t), tf.range(s))
+    b_index = M.batch_index(ops.shape(q)[0])
+    positions = (ops.arange(t), ops.arange(s))
 
     def raw_logits(q, k):
         raw = M.from_rows(matmul(M.to_rows(q), k, transpose_b=True), groups)  # (B, K, G, T, S)
@@ -116,21 +118,21 @@ def attend(
             raw = M.apply_score_mod(score_mod, raw, b_index, num_heads, *positions)
         scores = M.logits(raw, bias, cap)
         exp, inv_total, lse = softmax_parts(scores, penalty, any_allowed)
-        applied = exp if keep is None else tf.where(keep, exp * scale_keep, 0.0)
+        applied = exp if keep is None else ops.where(keep, exp * scale_keep, 0.0)
         out = M.from_rows(matmul(M.to_rows(applied), v), groups) * inv_total  # (B, K, G, T, Hv)
         weights = exp * inv_total if return_weights else None  # (B, K, G, T, S)
 
         def grad(d_out, d_weights=None, variables=()):
             # rowsum(P * dP) == rowsum(dO * O), a (T, Hv) product, not a (T, S) one.
-            row_dot = tf.reduce_sum(d_out * out, axis=-1, keepdims=True)  # (B, K, G, T, 1)
+            row_dot = ops.sum(d_out * out, axis=-1, keepdims=True)  # (B, K, G, T, 1)
             rows_d_out = M.to_rows(d_out)  # (B, K, G * T, Hv)
             d_probs = M.from_rows(matmul(rows_d_out, v, transpose_b=True), groups)
             if keep is not None:
-                d_probs = tf.where(keep, d_probs * scale_keep, 0.0)
+                d_probs = ops.where(keep, d_probs * scale_keep, 0.0)
             probs = exp * inv_total  # (B, K, G, T, S)
             if d_weights is not None:
                 d_probs = d_probs + d_weights
-                row_dot = row_dot + tf.reduce_sum(d_weights * probs, axis=-1, keepdims=True)
+                row_dot = row_dot + ops.sum(d_weights * probs, axis=-1, keepdims=True)
             d_scores = probs * (d_probs - row_dot)  # (B, K, G, T, S)
             if cap is not None:
                 d_scores = d_scores * M.cap_derivative(scores, cap)
@@ -141,26 +143,27 @@ def attend(
 
             # The same in the (S, G, T) layout, for d_k and d_v.
             raw_t = M.scaled(matmul(k, M.to_rows(q), transpose_b=True), logit_scale)
-            raw_t = tf.reshape(raw_t, tf.stack([tf.shape(k)[0], tf.shape(k)[1], s, groups, t]))
+            k_shape = ops.shape(k)
+            raw_t = ops.reshape(raw_t, (k_shape[0], k_shape[1], s, groups, t))
             scores_t = M.logits(raw_t, bias_t, cap)  # (B, K, S, G, T)
             masked_t = scores_t if penalty_t is None else scores_t + penalty_t
-            probs_t = tf.exp(masked_t - M.keys_first(lse))
-            applied_t = probs_t if keep_t is None else tf.where(keep_t, probs_t * scale_keep, 0.0)
+            probs_t = ops.exp(masked_t - M.keys_first(lse))
+            applied_t = probs_t if keep_t is None else ops.where(keep_t, probs_t * scale_keep, 0.0)
             d_v = matmul(_keys_rows(applied_t), rows_d_out)  # (B, K, S, Hv)
-            d_probs_t = tf.reshape(
-                matmul(v, rows_d_out, transpose_b=True), tf.shape(probs_t)
+            d_probs_t = ops.reshape(
+                matmul(v, rows_d_out, transpose_b=True), ops.shape(probs_t)
             )  # (B, K, S, G, T)
             if keep_t is not None:
-                d_probs_t = tf.where(keep_t, d_probs_t * scale_keep, 0.0)
+                d_probs_t = ops.where(keep_t, d_probs_t * scale_keep, 0.0)
             if d_weights is not None:
                 d_probs_t = d_probs_t + M.keys_first(d_weights)
             d_scores_t = probs_t * (d_probs_t - M.keys_first(row_dot))
             if cap is not None:
                 d_scores_t = d_scores_t * M.cap_derivative(scores_t, cap)
             d_k = M.scaled(matmul(_keys_rows(d_scores_t), M.to_rows(q)), logit_scale)
-            grads = [tf.cast(d_q, q.dtype), tf.cast(d_k, k.dtype), tf.cast(d_v, v.dtype)]
+            grads = [ops.cast(d_q, q.dtype), ops.cast(d_k, k.dtype), ops.cast(d_v, v.dtype)]
             if bias is not None:
-                grads.append(M.sum_to_bias(d_scores, tf.shape(bias), bias_pattern))
+                grads.append(M.sum_to_bias(d_scores, ops.shape(bias), bias_pattern))
             return grads
 
         def grad_through_mod(d_scores, rows_d_out, variables):
@@ -172,13 +175,13 @@ def attend(
             d_q = M.scaled(M.from_rows(matmul(M.to_rows(d_raw), k), groups), logit_scale)
             d_k = M.scaled(matmul(M.to_rows(d_raw), M.to_rows(q), transpose_a=True), logit_scale)
             probs = exp * inv_total
-            applied = probs if keep is None else tf.where(keep, probs * scale_keep, 0.0)
+            applied = probs if keep is None else ops.where(keep, probs * scale_keep, 0.0)
             d_v = matmul(M.to_rows(applied), rows_d_out, transpose_a=True)  # (B, K, S, Hv)
-            grads = [tf.cast(d_q, q.dtype), tf.cast(d_k, k.dtype), tf.cast(d_v, v.dtype)]
+            grads = [ops.cast(d_q, q.dtype), ops.cast(d_k, k.dtype), ops.cast(d_v, v.dtype)]
             if bias is not None:
-                grads.append(M.sum_to_bias(d_scores, tf.shape(bias), bias_pattern))
-            grads += [tf.cast(g, p.dtype) for g, p in zip(d_params, params)]
-            return grads, [tf.convert_to_tensor(g) for g in d_variables]
+                grads.append(M.sum_to_bias(d_scores, ops.shape(bias), bias_pattern))
+            grads += [ops.cast(g, p.dtype) for g, p in zip(d_params, params)]
+            return grads, [ops.convert_to_tensor(g) for g in d_variables]
 
         if return_weights:
             return (out, weights), grad
@@ -186,7 +189,7 @@ def attend(
 
     has_bias = bias is not None
 
-    @tf.custom_gradient
+    @_backend.get().custom_gradient
     def attend_inputs(*inputs):
         q, k, v = inputs[:3]
         result, grad = forward(q, k, v, inputs[3] if has_bias else None, inputs[3 + has_bias :])
@@ -206,5 +209,5 @@ def attend(
 
 def _keys_rows(x):
     """`(B, K, S, G, T)` as `(B, K, S, G * T)`."""
-    shape = tf.shape(x)
-    return tf.reshape(x, tf.stack([shape[0], shape[1], shape[2], shape[3] * shape[4]]))
+    shape = ops.shape(x)
+    return ops.reshape(x, (shape[0], shape[1], shape[2], shape[3] * shape[4]))

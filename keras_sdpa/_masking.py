@@ -20,21 +20,23 @@ The logits of a row are, in this order:
     3. masked: boolean mask, causal, window       (a masked key gets weight 0)
 
 The products (`q k^T`, `p v` and the gradient's) go through `matmul`: for float32 and
-float64 inputs it is `tf.matmul`; for bfloat16 and float16 inputs it multiplies in that
+float64 inputs a plain product; for bfloat16 and float16 inputs it multiplies in that
 precision and accumulates in float32, and everything between the products (the scale, the
 bias, the cap, the masks, the softmax) stays float32.
+
+Everything here is `keras.ops`, the same on both backends; what differs lives in
+`keras_sdpa/_backend/`.
 """
 
-import tensorflow as tf
-from tensorflow.compiler.tf2xla.python import xla
+import copy
 
-try:
-    from tensorflow.compiler.xla import xla_data_pb2
-except ImportError:  # TensorFlow releases that ship XLA as `local_xla`
-    from local_xla.xla import xla_data_pb2
+import keras
+from keras import ops
+
+from keras_sdpa import _backend, mods
 
 # Inputs in these dtypes are multiplied in their own precision, with float32 accumulation.
-HALF_DTYPES = (tf.bfloat16, tf.float16)
+HALF_DTYPES = ("bfloat16", "float16")
 
 # Stands in for -inf on masked logits: finite, so `logits - max` never makes a NaN.
 MASKED_SCORE = -3.0e38
@@ -52,8 +54,8 @@ def grouped(x, pattern, num_kv_heads, groups):
         return None
     if not pattern[1]:
         return x[:, :, None]  # (B|1, 1, 1, T|1, S|1)
-    shape = tf.shape(x)
-    return tf.reshape(x, tf.stack([shape[0], num_kv_heads, groups, shape[2], shape[3]]))
+    shape = ops.shape(x)
+    return ops.reshape(x, (shape[0], num_kv_heads, groups, shape[2], shape[3]))
 
 
 def sum_over_broadcast(d_logits, pattern):
@@ -62,12 +64,12 @@ def sum_over_broadcast(d_logits, pattern):
     axes += [1, 2] if not pattern[1] else []
     axes += [3] if not pattern[2] else []
     axes += [4] if not pattern[3] else []
-    return tf.reduce_sum(d_logits, axis=axes, keepdims=True) if axes else d_logits
+    return ops.sum(d_logits, axis=tuple(axes), keepdims=True) if axes else d_logits
 
 
 def sum_to_bias(d_logits, bias_shape, pattern):
     """`d_logits` summed to the bias's own shape."""
-    return tf.reshape(sum_over_broadcast(d_logits, pattern), bias_shape)
+    return ops.reshape(sum_over_broadcast(d_logits, pattern), bias_shape)
 
 
 def band(queries, keys, is_causal, window):
@@ -85,8 +87,8 @@ def band(queries, keys, is_causal, window):
     if is_causal:
         allowed = offset >= 0
     if window is not None:
-        near = tf.abs(offset) < window
-        allowed = near if allowed is None else tf.logical_and(allowed, near)
+        near = ops.abs(offset) < window
+        allowed = near if allowed is None else ops.logical_and(allowed, near)
     return allowed
 
 
@@ -95,7 +97,7 @@ def combine(a, b):
         return b
     if b is None:
         return a
-    return tf.logical_and(a, b)
+    return ops.logical_and(a, b)
 
 
 def logits(raw, bias, cap):
@@ -103,7 +105,7 @@ def logits(raw, bias, cap):
     if bias is not None:
         raw = raw + bias
     if cap is not None:
-        raw = cap * tf.tanh(raw / cap)
+        raw = cap * ops.tanh(raw / cap)
     return raw
 
 
@@ -116,23 +118,15 @@ def cap_derivative(capped, cap):
 def matmul(a, b, operand=None, transpose_b=False, transpose_a=False):
     """`a @ b`, or `a @ b^T` with `transpose_b`, over the leading (batch) axes.
 
-    With `operand=None` this is `tf.matmul`. With `operand` bfloat16 or float16, both sides
-    are rounded to it and XLA's dot returns float32 (`preferred_element_type`): the products
+    With `operand=None` a plain product. With `operand` bfloat16 or float16, both sides are
+    rounded to it and XLA's dot returns float32 (`preferred_element_type`): the products
     take half-precision operands and accumulate in float32, as FlashAttention, cuDNN and
     torch's SDPA multiply, and an accelerator's bfloat16/float16 units do the work. The
     float32 operands of a product (the softmax weights, the output's gradient) are rounded
-    to `operand` only there.
+    to `operand` only there. (`keras.ops.matmul` has neither the transposed operands nor
+    the accumulation type: `_backend` says it for each backend.)
     """
-    if operand is None:
-        return tf.matmul(a, b, transpose_a=transpose_a, transpose_b=transpose_b)
-    rank = a.shape.rank
-    dims = xla_data_pb2.DotDimensionNumbers()
-    dims.lhs_contracting_dimensions.append(rank - 2 if transpose_a else rank - 1)
-    dims.rhs_contracting_dimensions.append(rank - 1 if transpose_b else rank - 2)
-    dims.lhs_batch_dimensions.extend(range(rank - 2))
-    dims.rhs_batch_dimensions.extend(range(rank - 2))
-    a, b = tf.cast(a, operand), tf.cast(b, operand)
-    return xla.dot_general(a, b, dims, preferred_element_type=tf.float32)
+    return _backend.get().matmul(a, b, operand, transpose_a, transpose_b)
 
 
 def scaled(x, scale):
@@ -142,19 +136,19 @@ def scaled(x, scale):
 
 def to_rows(x):
     """`(B, K, G, T, D)` as `(B, K, G * T, D)`: a group's heads become rows of one product."""
-    shape = tf.shape(x)
-    return tf.reshape(x, tf.stack([shape[0], shape[1], shape[2] * shape[3], shape[4]]))
+    shape = ops.shape(x)
+    return ops.reshape(x, (shape[0], shape[1], shape[2] * shape[3], shape[4]))
 
 
 def from_rows(x, groups):
     """`(B, K, G * T, D)` back to `(B, K, G, T, D)`."""
-    shape = tf.shape(x)
-    return tf.reshape(x, tf.stack([shape[0], shape[1], groups, shape[2] // groups, shape[3]]))
+    shape = ops.shape(x)
+    return ops.reshape(x, (shape[0], shape[1], groups, shape[2] // groups, shape[3]))
 
 
 def keys_first(x):
     """`(…, G, T, S)` as `(…, S, G, T)`: the layout of the key-side gradient products."""
-    return None if x is None else tf.transpose(x, [0, 1, 4, 2, 3])
+    return None if x is None else ops.transpose(x, (0, 1, 4, 2, 3))
 
 
 # ------------------------------------------------------------------ score_mod and mask_mod
@@ -163,16 +157,16 @@ def keys_first(x):
 def batch_index(batch):
     """`b`, `(B, 1, 1, 1)` int32. Made once, outside the chunked path's loops: inside an
     XLA conditional a range over a size from outside it would not be a constant."""
-    return tf.reshape(tf.range(batch, dtype=tf.int32), [-1, 1, 1, 1])
+    return ops.reshape(ops.arange(batch, dtype="int32"), (-1, 1, 1, 1))
 
 
 def mod_indices(b, num_heads, q_pos, kv_pos):
     """FlexAttention's index tensors, int32 in the `(B, N, t, s)` layout of the logits:
     `b (B, 1, 1, 1)` (from `batch_index`), `h (1, N, 1, 1)`, `q_idx (1, 1, t, 1)`,
     `kv_idx (1, 1, 1, s)`."""
-    h = tf.reshape(tf.range(num_heads, dtype=tf.int32), [1, -1, 1, 1])
-    q = tf.reshape(tf.cast(q_pos, tf.int32), [1, 1, -1, 1])
-    kv = tf.reshape(tf.cast(kv_pos, tf.int32), [1, 1, 1, -1])
+    h = ops.reshape(ops.arange(num_heads, dtype="int32"), (1, -1, 1, 1))
+    q = ops.reshape(ops.cast(q_pos, "int32"), (1, 1, -1, 1))
+    kv = ops.reshape(ops.cast(kv_pos, "int32"), (1, 1, 1, -1))
     return b, h, q, kv
 
 
@@ -181,51 +175,88 @@ def apply_score_mod(score_mod, raw, b, num_heads, q_pos, kv_pos):
 
     Query head `h` is row `h // G, h % G` of the grouped layout: the reshape is free.
     """
-    shape = tf.shape(raw)
-    flat = tf.reshape(raw, tf.stack([shape[0], num_heads, shape[3], shape[4]]))  # (B, N, t, s)
+    shape = ops.shape(raw)
+    flat = ops.reshape(raw, (shape[0], num_heads, shape[3], shape[4]))  # (B, N, t, s)
     modded = score_mod(flat, *mod_indices(b, num_heads, q_pos, kv_pos))
-    modded = tf.broadcast_to(tf.cast(modded, raw.dtype), tf.shape(flat))
-    return tf.reshape(modded, shape)
+    modded = ops.broadcast_to(ops.cast(modded, raw.dtype), ops.shape(flat))
+    return ops.reshape(modded, shape)
 
 
 def mod_mask(mask_mod, b, num_heads, num_kv_heads, q_pos, kv_pos):
     """`mask_mod` at the given positions, grouped: `(B|1, K|1, G|1, t|1, s|1)` booleans."""
-    allowed = tf.convert_to_tensor(mask_mod(*mod_indices(b, num_heads, q_pos, kv_pos)))
-    if allowed.dtype != tf.bool:
+    allowed = ops.convert_to_tensor(mask_mod(*mod_indices(b, num_heads, q_pos, kv_pos)))
+    dtype = keras.backend.standardize_dtype(allowed.dtype)
+    if dtype != "bool":
         raise ValueError(
-            "`mask_mod` must return booleans (True: may attend). "
-            f"Received: a {allowed.dtype.name} tensor"
+            f"`mask_mod` must return booleans (True: may attend). Received: a {dtype} tensor"
         )
-    while allowed.shape.rank < 4:
+    while len(allowed.shape) < 4:
         allowed = allowed[None]
-    if allowed.shape.rank != 4:
+    if len(allowed.shape) != 4:
         raise ValueError(
             "`mask_mod` must return a tensor that broadcasts to (B, N, t, s). "
             f"Received: shape {tuple(allowed.shape)}"
         )
     pattern = (True, allowed.shape[1] != 1, True, True)
     if allowed.shape[1] is None:
-        allowed = tf.broadcast_to(allowed, tf.concat([tf.shape(allowed)[:1], [num_heads],
-                                                      tf.shape(allowed)[2:]], 0))
+        shape = ops.shape(allowed)
+        allowed = ops.broadcast_to(allowed, (shape[0], num_heads, shape[2], shape[3]))
     return grouped(allowed, pattern, num_kv_heads, num_heads // num_kv_heads)
+
+
+class ScoreMod:
+    """The score_mod of one call, and how to rebuild it around new values of what it reads.
+
+    `params` are what its gradient reaches: its float tensors (`mods.with_tensors`, a
+    `mods.Mod`'s) and, on JAX, the values of the trainable variables of a Keras layer mod
+    (`layer_values`), which the mod then reads through a `keras.StatelessScope`. `fn` is
+    None when there is no mod.
+    """
+
+    def __init__(self, template, tensors, layer_values=()):
+        self.template, self.tensors = template, tuple(tensors)
+        floats = tuple(x for x in self.tensors if _is_float(x))
+        self.params = floats + tuple(layer_values)
+        self.fn = None if template is None else self._build(self.params)
+
+    def _build(self, params):
+        params = list(params)
+        tensors = [params.pop(0) if _is_float(x) else x for x in self.tensors]
+        fn = mods.as_function(mods.join(self.template, tensors))
+        if not params:
+            return fn
+        mapping = list(zip(self.template.trainable_variables, params))
+
+        def call(*args):
+            with keras.StatelessScope(state_mapping=mapping):
+                return fn(*args)
+
+        return call
+
+    def with_params(self, params):
+        new = copy.copy(self)
+        new.params, new.fn = tuple(params), self._build(params)
+        return new
+
+    def __call__(self, *args):
+        return self.fn(*args)
+
+
+def _is_float(x):
+    dtype = keras.backend.standardize_dtype(x.dtype)
+    return dtype.startswith("float") or dtype == "bfloat16"
 
 
 def mod_vjp(score_mod, raw, b, num_heads, q_pos, kv_pos, d_modded, params, variables):
     """The gradient of `score_mod`'s logits, back to `raw`, its tensors and its variables.
 
-    Taken block by block with a tape, summed densely by the caller: no scatter with atomics,
-    so the gradients are the same from run to run.
+    Taken block by block (a tape on TensorFlow, `jax.vjp` on JAX), summed densely by the
+    caller: no scatter with atomics, so the gradients are the same from run to run.
     """
-    params, variables = list(params), list(variables)
-    with tf.GradientTape(watch_accessed_variables=False) as tape:
-        tape.watch(raw)
-        tape.watch(params)
-        tape.watch(variables)
-        modded = apply_score_mod(score_mod, raw, b, num_heads, q_pos, kv_pos)
-    d_raw, d_params, d_variables = tape.gradient(
-        modded,
-        [raw, params, variables],
-        output_gradients=d_modded,
-        unconnected_gradients=tf.UnconnectedGradients.ZERO,
-    )
-    return d_raw, d_params, d_variables
+
+    def modded(raw, params):
+        rebuild = params and isinstance(score_mod, ScoreMod)  # () when only d_raw is needed
+        mod = score_mod.with_params(params) if rebuild else score_mod
+        return apply_score_mod(mod, raw, b, num_heads, q_pos, kv_pos)
+
+    return _backend.get().vjp(modded, raw, list(params), list(variables), d_modded)

@@ -14,7 +14,8 @@ broadcastable int32 index tensors in the `(B, N, T, S)` layout of the logits:
 
 On the dense path `t = T` and `s = S`; on the chunked path `t` and `s` are one block's, and
 the indices are the block's absolute positions. So a function written with elementwise ops,
-`tf.where`, `tf.gather` / `tf.gather_nd` on the indices, or `keras.ops`, works on both paths.
+`keras.ops` (`where`, `take` on the indices), works on both paths and both backends (on
+TensorFlow, `tf` ops too).
 A mod must not reduce across positions (a sum or a max over `q_idx` or `kv_idx`): on the
 chunked path it sees one block at a time. Positions past the end of a sequence (the padding
 of the last block) are clamped to the last position; the core masks them anyway.
@@ -30,13 +31,13 @@ tracks the table as one of its weights.
 Example:
 
 >>> from keras_sdpa import mods
->>> q = tf.random.normal((2, 6, 4, 8))  # (B, T, N, H)
+>>> q = keras.random.normal((2, 6, 4, 8))  # (B, T, N, H)
 >>> out = scaled_dot_product_attention(
 ...     q, q, q, score_mod=mods.alibi(4),
 ...     mask_mod=mods.and_masks(mods.causal(), mods.sliding_window(3)),
 ... )
->>> out.shape
-TensorShape([2, 6, 4, 8])
+>>> tuple(out.shape)
+(2, 6, 4, 8)
 """
 
 import copy
@@ -45,7 +46,7 @@ import numbers
 
 import keras
 import numpy as np
-import tensorflow as tf
+from keras import ops
 
 _PACKAGE = "keras_sdpa"
 
@@ -118,7 +119,7 @@ class SlidingWindow(Mod):
         self.window = _check_positive_int("window", window)
 
     def __call__(self, b, h, q_idx, kv_idx):
-        return tf.abs(q_idx - kv_idx) < self.window
+        return ops.abs(q_idx - kv_idx) < self.window
 
     def get_config(self):
         return {"window": self.window}
@@ -157,20 +158,21 @@ class PrefixLM(Mod):
             self.prefix_length = int(prefix_length)
             return
         if prefix_length is not None:
-            prefix_length = tf.convert_to_tensor(prefix_length)
-            if prefix_length.shape.rank != 1 or not prefix_length.dtype.is_integer:
+            prefix_length = ops.convert_to_tensor(prefix_length)
+            dtype = keras.backend.standardize_dtype(prefix_length.dtype)
+            if len(prefix_length.shape) != 1 or "int" not in dtype:
                 raise ValueError(
                     "`prefix_length` must be a non-negative int or a (B,) integer tensor. "
                     f"Received: prefix_length with shape {tuple(prefix_length.shape)} and "
-                    f"dtype {prefix_length.dtype.name}"
+                    f"dtype {dtype}"
                 )
         self.prefix_length = prefix_length
 
     def __call__(self, b, h, q_idx, kv_idx):
         prefix = self.prefix_length
         if not isinstance(prefix, int):
-            prefix = tf.gather(tf.cast(prefix, tf.int32), b)  # (B, 1, 1, 1)
-        return tf.logical_or(kv_idx <= q_idx, kv_idx < prefix)
+            prefix = ops.take(ops.cast(prefix, "int32"), b, axis=0)  # (B, 1, 1, 1)
+        return ops.logical_or(kv_idx <= q_idx, kv_idx < prefix)
 
     def get_config(self):
         if not isinstance(self.prefix_length, int):
@@ -219,11 +221,11 @@ class Document(Mod):
                 "The `document` mask needs segment ids: build it as `document(segment_ids)`, "
                 "or pass `segment_ids=` to the layer's call. Received: segment_ids=None"
             )
-        ids = tf.cast(self.segment_ids, tf.int32)
-        kv_ids = ids if self.kv_segment_ids is None else tf.cast(self.kv_segment_ids, tf.int32)
+        ids = ops.cast(self.segment_ids, "int32")
+        kv_ids = ids if self.kv_segment_ids is None else ops.cast(self.kv_segment_ids, "int32")
         q_seg = _gather_rows(ids, b, q_idx)  # (B, 1, t, 1)
         kv_seg = _gather_rows(kv_ids, b, kv_idx)  # (B, 1, 1, s)
-        return tf.equal(q_seg, kv_seg)
+        return ops.equal(q_seg, kv_seg)
 
     def bind(self, segment_ids, kv_segment_ids=None):
         """This mask with the ids of one call."""
@@ -246,20 +248,20 @@ class Document(Mod):
 def _check_ids(name, ids):
     if ids is None:
         return None
-    ids = tf.convert_to_tensor(ids)
-    if ids.shape.rank != 2 or not ids.dtype.is_integer:
+    ids = ops.convert_to_tensor(ids)
+    dtype = keras.backend.standardize_dtype(ids.dtype)
+    if len(ids.shape) != 2 or "int" not in dtype:
         raise ValueError(
             f"`{name}` must be a (B, length) integer tensor. Received: {name} with shape "
-            f"{tuple(ids.shape)} and dtype {ids.dtype.name}"
+            f"{tuple(ids.shape)} and dtype {dtype}"
         )
     return ids
 
 
 def _gather_rows(ids, b, positions):
     """`ids[b, positions]` for broadcastable `b` and `positions`."""
-    shape = tf.broadcast_dynamic_shape(tf.shape(b), tf.shape(positions))
-    index = tf.stack([tf.broadcast_to(b, shape), tf.broadcast_to(positions, shape)], axis=-1)
-    return tf.gather_nd(ids, index)
+    length = ops.shape(ids)[1]
+    return ops.take(ops.reshape(ids, (-1,)), b * length + positions)  # row-major flat index
 
 
 class _Combined(Mod):
@@ -279,7 +281,7 @@ class _Combined(Mod):
     def __call__(self, b, h, q_idx, kv_idx):
         result = None
         for mod in self.mask_mods:
-            allowed = tf.convert_to_tensor(mod(b, h, q_idx, kv_idx))
+            allowed = ops.convert_to_tensor(mod(b, h, q_idx, kv_idx))
             result = allowed if result is None else self._op(result, allowed)
         return result
 
@@ -315,14 +317,14 @@ class _Combined(Mod):
 class AndMasks(_Combined):
     """A key is allowed when every mask mod allows it."""
 
-    _op = staticmethod(tf.logical_and)
+    _op = staticmethod(ops.logical_and)
 
 
 @keras.saving.register_keras_serializable(package=_PACKAGE)
 class OrMasks(_Combined):
     """A key is allowed when any mask mod allows it."""
 
-    _op = staticmethod(tf.logical_or)
+    _op = staticmethod(ops.logical_or)
 
 
 # ---------------------------------------------------------------------------- score mods
@@ -338,7 +340,7 @@ class SoftCap(Mod):
         self.cap = float(cap)
 
     def __call__(self, score, b, h, q_idx, kv_idx):
-        return self.cap * tf.tanh(score / self.cap)
+        return self.cap * ops.tanh(score / self.cap)
 
     def get_config(self):
         return {"cap": self.cap}
@@ -358,9 +360,9 @@ class Alibi(Mod):
         self.num_heads = _check_positive_int("num_heads", num_heads)
 
     def __call__(self, score, b, h, q_idx, kv_idx):
-        slopes = tf.constant(alibi_slopes(self.num_heads), score.dtype)
-        distance = tf.cast(tf.abs(q_idx - kv_idx), score.dtype)
-        return score - tf.gather(slopes, h) * distance
+        slopes = ops.convert_to_tensor(alibi_slopes(self.num_heads), score.dtype)
+        distance = ops.cast(ops.abs(q_idx - kv_idx), score.dtype)
+        return score - ops.take(slopes, h, axis=0) * distance
 
     def get_config(self):
         return {"num_heads": self.num_heads}
@@ -436,10 +438,9 @@ class RelativePositionBias(keras.layers.Layer):
         bucket = relative_position_bucket(
             kv_idx - q_idx, self.bidirectional, self.num_buckets, self.max_distance
         )  # (1, 1, t, s)
-        table = tf.cast(tf.convert_to_tensor(self.table), score.dtype)  # (buckets, N)
-        heads = tf.broadcast_to(h, tf.broadcast_dynamic_shape(tf.shape(bucket), tf.shape(h)))
-        buckets = tf.broadcast_to(bucket, tf.shape(heads))
-        return score + tf.gather_nd(table, tf.stack([buckets, heads], axis=-1))  # (1, N, t, s)
+        table = ops.cast(ops.convert_to_tensor(self.table), score.dtype)  # (buckets, N)
+        # table[bucket, h], by the row-major flat index: (1, N, t, s)
+        return score + ops.take(ops.reshape(table, (-1,)), bucket * self.num_heads + h)
 
     def get_config(self):
         config = super().get_config()
@@ -459,22 +460,22 @@ class RelativePositionBias(keras.layers.Layer):
 
 def relative_position_bucket(relative_position, bidirectional, num_buckets, max_distance):
     """T5's bucket of each `kv_idx - q_idx`, an int32 tensor of the same shape."""
-    position = tf.cast(relative_position, tf.int32)
-    buckets = tf.zeros_like(position)
+    position = ops.cast(relative_position, "int32")
+    buckets = ops.zeros_like(position)
     if bidirectional:
         num_buckets //= 2
-        buckets += tf.cast(position > 0, tf.int32) * num_buckets
-        position = tf.abs(position)
+        buckets += ops.cast(position > 0, "int32") * num_buckets
+        position = ops.abs(position)
     else:
-        position = -tf.minimum(position, 0)
+        position = -ops.minimum(position, 0)
     max_exact = num_buckets // 2
     is_small = position < max_exact
-    ratio = tf.math.log(tf.cast(tf.maximum(position, 1), tf.float32) / max_exact)
-    large = max_exact + tf.cast(
-        ratio / math.log(max_distance / max_exact) * (num_buckets - max_exact), tf.int32
+    ratio = ops.log(ops.cast(ops.maximum(position, 1), "float32") / max_exact)
+    large = max_exact + ops.cast(
+        ratio / math.log(max_distance / max_exact) * (num_buckets - max_exact), "int32"
     )
-    large = tf.minimum(large, num_buckets - 1)
-    return buckets + tf.where(is_small, position, large)
+    large = ops.minimum(large, num_buckets - 1)
+    return buckets + ops.where(is_small, position, large)
 
 
 class WithTensors(Mod):
@@ -592,7 +593,7 @@ def split(mod):
         if not tensors:
             return mod, ()
         return mod._with_tensors((_SLOT,) * len(tensors)), tuple(
-            tf.convert_to_tensor(t) for t in tensors
+            ops.convert_to_tensor(t) for t in tensors
         )
     return mod, ()
 

@@ -13,7 +13,8 @@ Queries are `(B, T, N, H)`, keys `(B, S, K, H)` and values `(B, S, K, Hv)`, the
 layout of `keras.ops.dot_product_attention`. Attention weights are `(B, N, T, S)`.
 
 The public entry point, `scaled_dot_product_attention`, checks its arguments in
-Python and then calls `_attention_xla`, a `tf.function(jit_compile=True)`: the
+Python and then calls `_attention_xla`, a `tf.function(jit_compile=True)` on
+TensorFlow and a `jax.jit` on JAX (`keras_sdpa/_backend/`): the
 scores, the bias, the cap, the masks, the softmax and the weighted sum of values
 all run as one XLA program, and so does their gradient. The two algorithms live
 next door: `_dense.py` (the whole `(T, S)` matrix) and `_chunked.py` (the online
@@ -27,9 +28,9 @@ import math
 import numbers
 
 import keras
-import tensorflow as tf
+from keras import ops as kops
 
-from keras_sdpa import _chunked, _decode, _dense, mods
+from keras_sdpa import _backend, _chunked, _decode, _dense, mods
 from keras_sdpa import _masking as M
 
 # implementation="auto" goes chunked above this many bytes of float32 scores (B * N * T * S * 4).
@@ -51,7 +52,7 @@ _MASKED_CHUNK_SIZE = 512
 # benchmarks/tracing.py measures the first call).
 
 
-@tf.autograph.experimental.do_not_convert
+@_backend.do_not_convert
 def scaled_dot_product_attention(
     query,
     key,
@@ -180,20 +181,20 @@ def scaled_dot_product_attention(
 
     Example:
 
-    >>> q = tf.random.normal((2, 3, 4, 8))   # (B, T, N, H)
-    >>> kv = tf.random.normal((2, 5, 2, 8))  # (B, S, K, H): 2 key heads for 4 query heads
+    >>> q = keras.random.normal((2, 3, 4, 8))   # (B, T, N, H)
+    >>> kv = keras.random.normal((2, 5, 2, 8))  # (B, S, K, H): 2 key heads for 4 query heads
     >>> out, weights = scaled_dot_product_attention(q, kv, kv, return_weights=True)
-    >>> out.shape, weights.shape
-    (TensorShape([2, 3, 4, 8]), TensorShape([2, 4, 3, 5]))
+    >>> tuple(out.shape), tuple(weights.shape)
+    ((2, 3, 4, 8), (2, 4, 3, 5))
     """
-    _check_backend()
-    query = tf.convert_to_tensor(query)
-    key = tf.convert_to_tensor(key)
-    value = tf.convert_to_tensor(value)
+    _backend.check()
+    query = kops.convert_to_tensor(query)
+    key = kops.convert_to_tensor(key)
+    value = kops.convert_to_tensor(value)
     _check_inputs(query, key, value)
     mask_pattern = bias_pattern = None
     if mask is not None:
-        mask, mask_pattern = _check_mask(tf.convert_to_tensor(mask), query, key)
+        mask, mask_pattern = _check_mask(kops.convert_to_tensor(mask), query, key)
     if bias is not None:
         bias, bias_pattern = _check_bias(bias, query, key)
     if not 0.0 <= dropout_rate < 1.0:
@@ -289,26 +290,39 @@ def scaled_dot_product_attention(
         score_mod=_trace_key(score_template),
         mask_mod=_trace_key(mask_template),
     )
-    inputs = (query, key, value, mask, bias, seed, score_tensors, mask_tensors, block_kinds)
+    # On JAX a Keras variable's value enters a program as an input, so a layer mod's
+    # trainable values (a learned bias table) do too, and its gradient reaches them there.
+    layer_params = ()
+    if keras.backend.backend() == "jax" and isinstance(score_template, keras.layers.Layer):
+        layer_params = tuple(v.value for v in score_template.trainable_variables)
+    inputs = (
+        query, key, value, mask, bias, seed, score_tensors, mask_tensors, block_kinds,
+        layer_params,
+    )
     if path == "auto":
-        # Lengths unknown while tracing (a Keras model's `Input((None, E))`): the
-        # actual sizes choose between the two compiled programs, at run time.
-        b, t, s = tf.shape(query)[0], tf.shape(query)[1], tf.shape(key)[1]
-        size = tf.cast(b, tf.int64) * query.shape[2] * tf.cast(t, tf.int64) * tf.cast(s, tf.int64)
-        out = tf.cond(
-            tf.logical_and(size * 4 > _AUTO_CHUNKED_BYTES, tf.maximum(t, s) > chunk_size),
-            lambda: _attention_xla(*inputs, path="chunked", **static)[0],
-            lambda: _attention_xla(*inputs, path="dense", **static)[0],
+        # Lengths unknown while tracing (a Keras model's `Input((None, E))`, TensorFlow
+        # only: JAX knows every shape): the actual sizes choose between the two compiled
+        # programs, at run time.
+        shape = kops.shape(query)
+        b, t, s = shape[0], shape[1], kops.shape(key)[1]
+        size = (
+            kops.cast(b, "int64") * query.shape[2] * kops.cast(t, "int64") * kops.cast(s, "int64")
+        )
+        out = kops.cond(
+            kops.logical_and(size * 4 > _AUTO_CHUNKED_BYTES, kops.maximum(t, s) > chunk_size),
+            lambda: _compiled("_attention_xla")(*inputs, path="chunked", **static)[0],
+            lambda: _compiled("_attention_xla")(*inputs, path="dense", **static)[0],
         )
         outputs = (out, None)  # "auto" never returns weights: they force dense
     else:
-        outputs = _attention_xla(*inputs, path=path, **static)
+        outputs = _compiled("_attention_xla")(*inputs, path=path, **static)
     out, weights = outputs
     # What the reshapes inside the program hide from the static shape, it states again.
-    out.set_shape(query.shape[:3].concatenate(value.shape[-1:]))  # (B, T, N, Hv)
+    shim = _backend.get()
+    shim.set_shape(out, (*query.shape[:3], value.shape[-1]))  # (B, T, N, Hv)
     if not return_weights:
         return out
-    weights.set_shape([query.shape[0], query.shape[2], query.shape[1], key.shape[1]])
+    shim.set_shape(weights, (query.shape[0], query.shape[2], query.shape[1], key.shape[1]))
     return out, weights
 
 
@@ -422,8 +436,8 @@ def _empty_result(query, key, value, return_weights):
         return None
     if None in (b, t, n, s) or None in value.shape:
         return None  # the compiled program handles the sizes it sees at run time
-    out = tf.zeros((b, t, n, value.shape[-1]), query.dtype)
-    return out, tf.zeros((b, n, t, s), query.dtype)
+    out = kops.zeros((b, t, n, value.shape[-1]), query.dtype)
+    return out, kops.zeros((b, n, t, s), query.dtype)
 
 
 def _attention(
@@ -436,6 +450,7 @@ def _attention(
     score_tensors=(),
     mask_tensors=(),
     block_kinds=None,
+    layer_params=(),
     *,
     num_heads,
     num_kv_heads,
@@ -458,46 +473,48 @@ def _attention(
     are the mods' templates, `score_tensors` and `mask_tensors` their tensors of this call
     (`mods.split`).
     """
-    score_mod = mods.as_function(mods.join(_TEMPLATES.get(score_mod, score_mod), score_tensors))
+    score_mod = M.ScoreMod(_TEMPLATES.get(score_mod, score_mod), score_tensors, layer_params)
     mask_mod = mods.as_function(mods.join(_TEMPLATES.get(mask_mod, mask_mod), mask_tensors))
-    # The score_mod's float tensors get gradients; the variables it reads do, through
-    # tf.custom_gradient's own tracking. (A tensor a plain function captures is a constant
-    # to the paths' custom gradients: `mods.with_tensors` passes it as a tensor of its own.)
-    params = tuple(x for x in score_tensors if x.dtype.is_floating)
-    dtype = query.dtype
-    compute = tf.float64 if dtype == tf.float64 else tf.float32  # never below float32
+    # The score_mod's float tensors get gradients, and so do the variables it reads: on
+    # TensorFlow through tf.custom_gradient's own tracking, on JAX as the layer's values
+    # (`layer_params`). (A tensor a plain function captures is a constant to the paths'
+    # custom gradients: `mods.with_tensors` passes it as a tensor of its own.)
+    params = score_mod.params if score_mod.fn is not None else ()
+    score_mod = score_mod if score_mod.fn is not None else None
+    dtype = keras.backend.standardize_dtype(query.dtype)
+    compute = "float64" if dtype == "float64" else "float32"  # never below float32
     groups = num_heads // num_kv_heads
     if dtype in M.HALF_DTYPES:
         # The products take the half-precision operands and accumulate in float32; the
         # scale multiplies their float32 result, so it never rounds to the input's precision.
         operand, logit_scale = dtype, scale
-        q = tf.transpose(query, [0, 2, 1, 3])  # (B, N, T, H)
+        q = kops.transpose(query, (0, 2, 1, 3))  # (B, N, T, H)
     else:
         # (Q K^T) * scale == (Q * scale) K^T: scaling the (T, H) queries is cheaper
         # than scaling the (T, S) logits, and is the same number.
         operand, logit_scale = None, None
-        q = tf.transpose(tf.cast(query, compute), [0, 2, 1, 3]) * scale  # (B, N, T, H)
-    shape = tf.shape(q)
-    q = tf.reshape(q, tf.stack([shape[0], num_kv_heads, groups, shape[2], shape[3]]))
-    k = tf.transpose(tf.cast(key, operand or compute), [0, 2, 1, 3])  # (B, K, S, H)
-    v = tf.transpose(tf.cast(value, operand or compute), [0, 2, 1, 3])  # (B, K, S, Hv)
+        q = kops.transpose(kops.cast(query, compute), (0, 2, 1, 3)) * scale  # (B, N, T, H)
+    shape = kops.shape(q)
+    q = kops.reshape(q, (shape[0], num_kv_heads, groups, shape[2], shape[3]))
+    k = kops.transpose(kops.cast(key, operand or compute), (0, 2, 1, 3))  # (B, K, S, H)
+    v = kops.transpose(kops.cast(value, operand or compute), (0, 2, 1, 3))  # (B, K, S, Hv)
     mask = M.grouped(mask, mask_pattern, num_kv_heads, groups)  # (B|1, K|1, G|1, T|1, S|1)
     if bias is not None:
-        bias = M.grouped(tf.cast(bias, compute), bias_pattern, num_kv_heads, groups)
+        bias = M.grouped(kops.cast(bias, compute), bias_pattern, num_kv_heads, groups)
 
     def with_mask_mod(mask):
         if mask_mod is None:
             return mask
-        t, s = tf.shape(q)[3], tf.shape(key)[1]
+        t, s = kops.shape(q)[3], kops.shape(key)[1]
         mod = M.mod_mask(
-            mask_mod, M.batch_index(tf.shape(q)[0]), num_heads, num_kv_heads,
-            tf.range(t), tf.range(s),
+            mask_mod, M.batch_index(kops.shape(q)[0]), num_heads, num_kv_heads,
+            kops.arange(t), kops.arange(s),
         )  # (B|1, K|1, G|1, T, S)
-        return mod if mask is None else tf.logical_and(mask, mod)
+        return mod if mask is None else kops.logical_and(mask, mod)
 
     def decode():
-        t, s = tf.shape(q)[3], tf.shape(key)[1]
-        constraint = M.band(tf.range(t), tf.range(s), is_causal, window)  # (T, S) or None
+        t, s = kops.shape(q)[3], kops.shape(key)[1]
+        constraint = M.band(kops.arange(t), kops.arange(s), is_causal, window)  # (T, S) or None
         allowed = M.combine(with_mask_mod(mask), constraint)
         return _decode.attend(
             q,
@@ -517,11 +534,8 @@ def _attention(
         mask = with_mask_mod(mask)
         keep = None
         if dropout_rate > 0.0:
-            b, t, s = tf.shape(q)[0], tf.shape(q)[3], tf.shape(k)[2]
-            # Philox explicitly: XLA's CPU default (ThreeFry) is about 100x slower here.
-            uniform = tf.random.stateless_uniform(
-                tf.stack([b, num_heads, t, s]), seed, dtype=compute, alg="philox"
-            )  # (B, N, T, S)
+            b, t, s = kops.shape(q)[0], kops.shape(q)[3], kops.shape(k)[2]
+            uniform = _backend.get().uniform((b, num_heads, t, s), seed, compute)  # (B, N, T, S)
             keep = M.grouped(uniform >= dropout_rate, (True,) * 4, num_kv_heads, groups)
         return _dense.attend(
             q,
@@ -569,31 +583,47 @@ def _attention(
         return out, None
 
     out, weights = {"dense": dense, "chunked": chunked, "decode": decode}[path]()
-    shape = tf.shape(out)  # (B, K, G, T, Hv)
-    out = tf.reshape(out, tf.stack([shape[0], num_heads, shape[3], shape[4]]))  # (B, N, T, Hv)
-    out = tf.cast(tf.transpose(out, [0, 2, 1, 3]), dtype)  # (B, T, N, Hv)
+    shape = kops.shape(out)  # (B, K, G, T, Hv)
+    out = kops.reshape(out, (shape[0], num_heads, shape[3], shape[4]))  # (B, N, T, Hv)
+    out = kops.cast(kops.transpose(out, (0, 2, 1, 3)), dtype)  # (B, T, N, Hv)
     if weights is not None:
-        shape = tf.shape(weights)
-        weights = tf.reshape(weights, tf.stack([shape[0], num_heads, shape[3], shape[4]]))
-        weights = tf.cast(weights, dtype)  # (B, N, T, S)
+        shape = kops.shape(weights)
+        weights = kops.reshape(weights, (shape[0], num_heads, shape[3], shape[4]))
+        weights = kops.cast(weights, dtype)  # (B, N, T, S)
     return out, weights
 
 
-# Without AutoGraph: the core's loops are `tf.while_loop`s and its branches are on static
-# values, so converting its Python source would change nothing but the time each trace takes.
-_attention_xla = tf.function(
-    _attention, jit_compile=True, reduce_retracing=True, autograph=False
-)
-
-
 def _inside_xla():
-    """Whether we are tracing inside a caller's `jit_compile=True` function."""
-    try:
-        from tensorflow.python.framework import ops as tf_ops
-        from tensorflow.python.ops import control_flow_util
-    except ImportError:  # TensorFlow moved its internals: assume not
-        return False
-    return control_flow_util.GraphOrParentsInXlaContext(tf_ops.get_default_graph())
+    """Whether we are tracing inside a caller's compiled step (always, on JAX)."""
+    return _backend.get().inside_compiled()
+
+
+# The compiled programs, built for the running backend on first use (`__getattr__`): a
+# `tf.function(jit_compile=True)` without AutoGraph, or a `jax.jit`, keyed by the keyword
+# arguments. The core's loops and branches are on static values.
+_COMPILED = {
+    "_attention_xla": (
+        "_attention",
+        ("num_heads", "num_kv_heads", "mask_pattern", "bias_pattern", "is_causal", "window",
+         "cap", "scale", "dropout_rate", "return_weights", "path", "chunk_size", "score_mod",
+         "mask_mod"),
+    ),
+    "_block_kinds_xla": ("_block_kinds", ("template", "B", "N", "K", "T", "S", "C")),
+}
+
+
+def __getattr__(name):
+    if name not in _COMPILED:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    function, static = _COMPILED[name]
+    compiled = _backend.get().compile(globals()[function], static_argnames=static)
+    globals()[name] = compiled
+    return compiled
+
+
+def _compiled(name):
+    """`_attention_xla` or `_block_kinds_xla` (as a test may have replaced it)."""
+    return globals()[name] if name in globals() else __getattr__(name)
 
 
 def check_sliding_window(sliding_window):
@@ -653,7 +683,7 @@ class BlockMask:
         )
 
 
-@tf.autograph.experimental.do_not_convert
+@_backend.do_not_convert
 def create_block_mask(mask_mod, B, N, T, S, block_size=None, num_kv_heads=None):
     """Precomputes the block kinds of `mask_mod` for the chunked path.
 
@@ -686,7 +716,7 @@ def create_block_mask(mask_mod, B, N, T, S, block_size=None, num_kv_heads=None):
             raise ValueError(f"`{name}` must be a positive int. Received: {name}={value!r}")
     num_kv_heads = N if num_kv_heads is None else num_kv_heads
     template, tensors = mods.split(mask_mod)
-    kinds = _block_kinds_xla(
+    kinds = _compiled("_block_kinds_xla")(
         tensors, template=template, B=B, N=N, K=num_kv_heads, T=T, S=S, C=block_size
     )
     sizes = dict(B=B, N=N, T=T, S=S)
@@ -696,10 +726,9 @@ def create_block_mask(mask_mod, B, N, T, S, block_size=None, num_kv_heads=None):
 def _block_kinds(tensors, *, template, B, N, K, T, S, C):
     mask_mod = mods.as_function(mods.join(template, tensors))
     b_index = M.batch_index(B)
-    return _chunked.kinds_of_blocks(mask_mod, b_index, N, K, tf.constant(T), tf.constant(S), C)
-
-
-_block_kinds_xla = tf.function(_block_kinds, jit_compile=True, autograph=False)
+    return _chunked.kinds_of_blocks(
+        mask_mod, b_index, N, K, kops.convert_to_tensor(T), kops.convert_to_tensor(S), C
+    )
 
 
 def _check_block_mask(block_mask, mask_mod, chunk_size, query, key):
@@ -735,16 +764,6 @@ def _check_block_mask(block_mask, mask_mod, chunk_size, query, key):
     return block_mask.kinds, block_mask.block_size
 
 
-def _check_backend():
-    backend = keras.backend.backend()
-    if backend != "tensorflow":
-        raise ValueError(
-            "keras_sdpa's attention is a TensorFlow program compiled by XLA and needs "
-            "Keras's TensorFlow backend. Set the environment variable KERAS_BACKEND=tensorflow "
-            f"before importing keras. Received: KERAS_BACKEND={backend!r}"
-        )
-
-
 def _check_scale(scale):
     if (
         isinstance(scale, bool)
@@ -763,14 +782,13 @@ def _check_inputs(query, key, value):
         ("key", key, "(B, S, K, H)"),
         ("value", value, "(B, S, K, Hv)"),
     ):
-        if tensor.shape.rank != 4:
+        if len(tensor.shape) != 4:
             raise ValueError(
                 f"`{name}` must have rank 4, {layout}. Received: {name}.shape={tuple(tensor.shape)}"
             )
-        if not tensor.dtype.is_floating:
-            raise ValueError(
-                f"`{name}` must be a floating tensor. Received: {name}.dtype={tensor.dtype.name}"
-            )
+        dtype = keras.backend.standardize_dtype(tensor.dtype)
+        if not _is_float(dtype):
+            raise ValueError(f"`{name}` must be a floating tensor. Received: {name}.dtype={dtype}")
         if tensor.shape[2] is None:
             raise ValueError(
                 f"The number of heads of `{name}` (axis 2) must be known when the program is "
@@ -808,18 +826,21 @@ def _check_inputs(query, key, value):
 
 def _check_mask(mask, query, key):
     mask, pattern = _broadcastable("mask", mask, query, key)
-    if mask.dtype != tf.bool:
-        mask = tf.not_equal(mask, tf.zeros((), mask.dtype))
+    if keras.backend.standardize_dtype(mask.dtype) != "bool":
+        mask = kops.not_equal(mask, kops.zeros((), mask.dtype))
     return mask, pattern
 
 
 def _check_bias(bias, query, key):
-    bias = tf.convert_to_tensor(bias)
-    if not bias.dtype.is_floating:
-        raise ValueError(
-            f"`bias` must be a floating tensor. Received: bias.dtype={bias.dtype.name}"
-        )
+    bias = kops.convert_to_tensor(bias)
+    dtype = keras.backend.standardize_dtype(bias.dtype)
+    if not _is_float(dtype):
+        raise ValueError(f"`bias` must be a floating tensor. Received: bias.dtype={dtype}")
     return _broadcastable("bias", bias, query, key)
+
+
+def _is_float(dtype):
+    return dtype.startswith("float") or dtype == "bfloat16"
 
 
 def _broadcastable(name, x, query, key):
@@ -829,8 +850,8 @@ def _broadcastable(name, x, query, key):
     (True) or broadcasts from size 1 (False). An axis of unknown size is made full.
     """
     target = (query.shape[0], query.shape[2], query.shape[1], key.shape[1])  # (B, N, T, S)
-    rank = x.shape.rank
-    ok = rank is not None and rank <= 4
+    rank = len(x.shape)
+    ok = rank <= 4
     if ok:
         for size, want in zip(reversed(x.shape), reversed(target)):
             if size not in (None, 1) and want is not None and size != want:
@@ -844,8 +865,8 @@ def _broadcastable(name, x, query, key):
         x = x[None]
     pattern = tuple(size != 1 for size in x.shape)
     if None in x.shape:  # unknown sizes: broadcast explicitly, so the pattern holds
-        sizes = tf.stack([tf.shape(query)[0], target[1], tf.shape(query)[1], tf.shape(key)[1]])
-        x = tf.broadcast_to(x, tf.where(tf.constant(pattern), sizes, 1))
+        sizes = (kops.shape(query)[0], target[1], kops.shape(query)[1], kops.shape(key)[1])
+        x = kops.broadcast_to(x, tuple(size if full else 1 for size, full in zip(sizes, pattern)))
     return x, pattern
 
 
@@ -856,12 +877,16 @@ def _compatible(a, b):
 def _as_seed(seed):
     """A `(2,)` int32 seed for the stateless dropout inside the XLA program."""
     if seed is None:
-        return tf.random.uniform((2,), maxval=2**31 - 1, dtype=tf.int32)
+        return _backend.get().new_seed()
     if isinstance(seed, int):
-        return tf.constant([seed, 0], dtype=tf.int32)
-    seed = tf.convert_to_tensor(seed)
-    if seed.shape.rank != 1 or seed.shape[0] != 2 or not seed.dtype.is_integer:
+        return kops.convert_to_tensor([seed, 0], dtype="int32")
+    seed = kops.convert_to_tensor(seed)
+    dtype = keras.backend.standardize_dtype(seed.dtype)
+    if len(seed.shape) != 1 or seed.shape[0] != 2 or "int" not in dtype:
         raise ValueError(
             f"`seed` must be an int, None, or a (2,) integer tensor. Received: seed={seed!r}"
         )
-    return tf.cast(seed, tf.int32)
+    return kops.cast(seed, "int32")
+
+
+_check_backend = _backend.check  # the layer's constructor calls it

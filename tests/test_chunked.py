@@ -125,11 +125,11 @@ def test_chunked_path_is_one_xla_program_with_loops():
     q, k, v = inputs(11, 11)
     kwargs = core_kwargs(num_heads=N, num_kv_heads=N, is_causal=True, chunk_size=CHUNK)
     hlo = ops._attention_xla.experimental_get_compiler_ir(
-        q, k, v, None, None, None, (), (), None, **{**kwargs, "path": "chunked"}
+        q, k, v, None, None, None, (), (), None, (), **{**kwargs, "path": "chunked"}
     )(stage="optimized_hlo")
     assert "while" in hlo and " dot(" in hlo and "exponential(" in hlo
     dense = ops._attention_xla.experimental_get_compiler_ir(
-        q, k, v, None, None, None, (), (), None, **kwargs
+        q, k, v, None, None, None, (), (), None, (), **kwargs
     )(stage="optimized_hlo")
     assert "while" not in dense
 

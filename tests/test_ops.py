@@ -159,7 +159,7 @@ def test_xla_matches_eager(mask_kind):
 def test_core_is_compiled_by_xla():
     q, k, v = random_inputs()
     hlo = ops._attention_xla.experimental_get_compiler_ir(
-        q, k, v, None, None, None, (), (), None, **core_kwargs(path="dense")
+        q, k, v, None, None, None, (), (), None, (), **core_kwargs(path="dense")
     )(stage="optimized_hlo")
     # The whole computation is one XLA module: the two matmuls, the exp of the softmax.
     assert "HloModule" in hlo

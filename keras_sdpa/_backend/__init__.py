@@ -32,3 +32,14 @@ def check():
 def get():
     """The shim module of the running backend (`tensorflow.py` or `jax.py`)."""
     return importlib.import_module(f"keras_sdpa._backend.{check()}")
+
+
+def do_not_convert(fn):
+    """`fn` as TensorFlow's AutoGraph should leave it (it branches only on static values).
+
+    Decided when `keras_sdpa` is imported, which works on every backend: an unsupported one
+    raises at the first call instead (`check`).
+    """
+    if keras.backend.backend() == "tensorflow":
+        return get().do_not_convert(fn)
+    return fn

@@ -1,0 +1,91 @@
+"""The TensorFlow side of what `keras.ops` lacks (its JAX twin is `jax.py`)."""
+
+import tensorflow as tf
+from tensorflow.compiler.tf2xla.python import xla
+
+try:
+    from tensorflow.compiler.xla import xla_data_pb2
+except ImportError:  # TensorFlow releases that ship XLA as `local_xla`
+    from local_xla.xla import xla_data_pb2
+
+# A caller's `tf.function` converts the functions it calls with AutoGraph on its first trace.
+# The core branches only on static values (shapes, dtypes, flags), so conversion would change
+# nothing but the time a trace takes: its entry points run as written, as Keras's own steps do
+# (benchmarks/tracing.py measures the first call).
+do_not_convert = tf.autograph.experimental.do_not_convert
+
+
+def compile(fn, static_argnames=()):
+    """`fn` as one XLA program per static configuration (`tf.function(jit_compile=True)`).
+
+    Without AutoGraph: the core's loops are `tf.while_loop`s and its branches are on static
+    values. Keyword arguments are static (TensorFlow keys the trace by their values).
+    """
+    del static_argnames  # tf.function keys its trace by every Python argument
+    return tf.function(fn, jit_compile=True, reduce_retracing=True, autograph=False)
+
+
+def inside_compiled():
+    """Whether we are tracing inside a caller's `jit_compile=True` function."""
+    try:
+        from tensorflow.python.framework import ops as tf_ops
+        from tensorflow.python.ops import control_flow_util
+    except ImportError:  # TensorFlow moved its internals: assume not
+        return False
+    return control_flow_util.GraphOrParentsInXlaContext(tf_ops.get_default_graph())
+
+
+def matmul(a, b, operand, transpose_a, transpose_b):
+    """`a @ b` over the leading axes; with `operand`, in that precision into float32."""
+    if operand is None:
+        return tf.matmul(a, b, transpose_a=transpose_a, transpose_b=transpose_b)
+    rank = a.shape.rank
+    dims = xla_data_pb2.DotDimensionNumbers()
+    dims.lhs_contracting_dimensions.append(rank - 2 if transpose_a else rank - 1)
+    dims.rhs_contracting_dimensions.append(rank - 1 if transpose_b else rank - 2)
+    dims.lhs_batch_dimensions.extend(range(rank - 2))
+    dims.rhs_batch_dimensions.extend(range(rank - 2))
+    a, b = tf.cast(a, operand), tf.cast(b, operand)
+    return xla.dot_general(a, b, dims, preferred_element_type=tf.float32)
+
+
+def uniform(shape, seed, dtype):
+    """Stateless uniform `[0, 1)` draws for dropout's keep-mask, from a `(2,)` int32 seed.
+
+    Philox explicitly: XLA's CPU default (ThreeFry) is about 100x slower here.
+    """
+    return tf.random.stateless_uniform(shape, seed, dtype=dtype, alg="philox")
+
+
+def new_seed():
+    """A random `(2,)` int32 seed, for a dropout call given none."""
+    return tf.random.uniform((2,), maxval=2**31 - 1, dtype=tf.int32)
+
+
+def custom_gradient(forward):
+    """`forward(*inputs) -> (outputs, grad)`, differentiated by `grad`.
+
+    `grad(*d_outputs, variables=())` returns the inputs' gradients; when TensorFlow passes
+    the variables the forward read (a `score_mod`'s), it returns `(grads, d_variables)`.
+    """
+    return tf.custom_gradient(forward)
+
+
+def vjp(fn, raw, params, variables, d_out):
+    """The gradient of `fn(raw, params)` against `d_out`, to `raw`, `params` and `variables`."""
+    with tf.GradientTape(watch_accessed_variables=False) as tape:
+        tape.watch(raw)
+        tape.watch(params)
+        tape.watch(variables)
+        out = fn(raw, params)
+    return tape.gradient(
+        out,
+        [raw, params, variables],
+        output_gradients=d_out,
+        unconnected_gradients=tf.UnconnectedGradients.ZERO,
+    )
+
+
+def set_shape(x, shape):
+    """States again the static shape that the program's reshapes hide."""
+    x.set_shape(shape)
