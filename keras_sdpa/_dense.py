@@ -89,33 +89,38 @@ def attend(
     def matmul(a, b, transpose_b=False, transpose_a=False):
         return M.matmul(a, b, operand, transpose_b, transpose_a)
 
-    constraint = M.band(ops.arange(t), ops.arange(s), is_causal, window)  # (T, S) or None
-    if constraint is not None:
-        constraint = constraint[None, None, None]  # (1, 1, 1, T, S)
-    allowed = M.combine(mask, constraint)  # broadcasts to (B, K, G, T, S)
-    # The mask as a bias: one add that XLA fuses into the softmax's pass, where selecting
-    # with the boolean mask before and after the exp cost 35% of the forward (B=256, N=2,
-    # T=S=192, H=32: 69 against 51 ms).
-    penalty, any_allowed = None, None
-    if allowed is not None:
-        penalty = ops.cast(ops.where(allowed, 0.0, M.MASK_PENALTY), compute)
-        any_allowed = ops.any(allowed, axis=-1, keepdims=True)  # (…, T|1, 1)
-    penalty_t = M.keys_first(penalty)  # (…, S, G, T)
-    keep_t = M.keys_first(keep)
-    bias_t = M.keys_first(bias)
-    scale_keep = None if keep is None else 1.0 / (1.0 - dropout_rate)
+    def prepare(mask, keep, bias):
+        """The masks in additive form and the key-first layouts, from the forward's inputs."""
+        constraint = M.band(ops.arange(t), ops.arange(s), is_causal, window)  # (T, S) | None
+        if constraint is not None:
+            constraint = constraint[None, None, None]  # (1, 1, 1, T, S)
+        allowed = M.combine(mask, constraint)  # broadcasts to (B, K, G, T, S)
+        # The mask as a bias: one add that XLA fuses into the softmax's pass, where selecting
+        # with the boolean mask before and after the exp cost 35% of the forward (B=256, N=2,
+        # T=S=192, H=32: 69 against 51 ms).
+        penalty, any_allowed = None, None
+        if allowed is not None:
+            penalty = ops.cast(ops.where(allowed, 0.0, M.MASK_PENALTY), compute)
+            any_allowed = ops.any(allowed, axis=-1, keepdims=True)  # (…, T|1, 1)
+        keys_first = (M.keys_first(penalty), M.keys_first(keep), M.keys_first(bias))
+        return penalty, any_allowed, keys_first
 
-    b_index = M.batch_index(ops.shape(q)[0])
-    positions = (ops.arange(t), ops.arange(s))
+    scale_keep = None if keep is None else 1.0 / (1.0 - dropout_rate)
 
     def raw_logits(q, k):
         raw = M.from_rows(matmul(M.to_rows(q), k, transpose_b=True), groups)  # (B, K, G, T, S)
         return M.scaled(raw, logit_scale)
 
-    def forward(q, k, v, bias, params):
+    def forward(q, k, v, bias, params, mask, keep, mod_constants):
+        # Every tensor comes in as an argument (none from the enclosing scope): JAX's custom
+        # gradient cannot close over the tensors of the program around it.
+        penalty, any_allowed, (penalty_t, keep_t, bias_t) = prepare(mask, keep, bias)
+        b_index = M.batch_index(ops.shape(q)[0])
+        positions = (ops.arange(t), ops.arange(s))
+        mod = None if score_mod is None else score_mod.bound(params, mod_constants)
         raw = raw_logits(q, k)
-        if score_mod is not None:
-            raw = M.apply_score_mod(score_mod, raw, b_index, num_heads, *positions)
+        if mod is not None:
+            raw = M.apply_score_mod(mod, raw, b_index, num_heads, *positions)
         scores = M.logits(raw, bias, cap)
         exp, inv_total, lse = softmax_parts(scores, penalty, any_allowed)
         applied = exp if keep is None else ops.where(keep, exp * scale_keep, 0.0)
@@ -136,7 +141,7 @@ def attend(
             d_scores = probs * (d_probs - row_dot)  # (B, K, G, T, S)
             if cap is not None:
                 d_scores = d_scores * M.cap_derivative(scores, cap)
-            if score_mod is not None:
+            if mod is not None:
                 return grad_through_mod(d_scores, rows_d_out, variables)
             d_q = M.from_rows(matmul(M.to_rows(d_scores), k), groups)  # (B, K, G, T, H)
             d_q = M.scaled(d_q, logit_scale)
@@ -169,7 +174,7 @@ def attend(
         def grad_through_mod(d_scores, rows_d_out, variables):
             """The gradient with a score_mod: back through the mod, then the products."""
             d_raw, d_params, d_variables = M.mod_vjp(
-                score_mod, raw_logits(q, k), b_index, num_heads, *positions, d_scores, params,
+                mod, raw_logits(q, k), b_index, num_heads, *positions, d_scores, params,
                 variables,
             )
             d_q = M.scaled(M.from_rows(matmul(M.to_rows(d_raw), k), groups), logit_scale)
@@ -188,11 +193,12 @@ def attend(
         return out, lambda d_out, variables=(): grad(d_out, variables=variables)
 
     has_bias = bias is not None
+    mod_constants = () if score_mod is None else score_mod.constants
 
-    @_backend.get().custom_gradient
-    def attend_inputs(*inputs):
+    def attend_inputs(inputs, constants):
         q, k, v = inputs[:3]
-        result, grad = forward(q, k, v, inputs[3] if has_bias else None, inputs[3 + has_bias :])
+        bias = inputs[3] if has_bias else None
+        result, grad = forward(q, k, v, bias, inputs[3 + has_bias :], *constants)
 
         def grad_fn(*d, variables=None):
             grads = grad(*d, variables=variables or ())
@@ -203,7 +209,8 @@ def attend(
 
         return result, grad_fn
 
-    result = attend_inputs(q, k, v, *([bias] if has_bias else []), *params)
+    inputs = (q, k, v, *([bias] if has_bias else []), *params)
+    result = _backend.get().custom_gradient(attend_inputs)(inputs, (mask, keep, mod_constants))
     return result if return_weights else (result, None)
 
 

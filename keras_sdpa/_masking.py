@@ -233,6 +233,18 @@ class ScoreMod:
 
         return call
 
+    @property
+    def constants(self):
+        """Its tensors that get no gradient (segment ids): the custom gradients' constants."""
+        return tuple(x for x in self.tensors if not _is_float(x))
+
+    def bound(self, params, constants):
+        """The mod reading `params` and `constants` (a custom gradient's own arguments)."""
+        constants = list(constants)
+        new = copy.copy(self)
+        new.tensors = tuple(x if _is_float(x) else constants.pop(0) for x in self.tensors)
+        return new.with_params(params)
+
     def with_params(self, params):
         new = copy.copy(self)
         new.params, new.fn = tuple(params), self._build(params)

@@ -348,9 +348,10 @@ def test_auto_goes_chunked_inside_a_jit_compiled_fit_with_a_fixed_length(monkeyp
 
 
 def test_other_backends_are_refused_with_the_variable_to_set(monkeypatch):
-    """On a Keras backend other than TensorFlow, the layer and the core say what to set."""
-    monkeypatch.setattr(keras.backend, "backend", lambda: "jax")
-    match = r"KERAS_BACKEND=tensorflow.*Received: KERAS_BACKEND='jax'"
+    """On a Keras backend other than TensorFlow and JAX, the layer and the core say which
+    backend they met and which they support."""
+    monkeypatch.setattr(keras.backend, "backend", lambda: "torch")
+    match = r"'tensorflow' or 'jax'.*Received: KERAS_BACKEND='torch'"
     with pytest.raises(ValueError, match=match):
         ScaledDotProductAttention(num_heads=2, key_dim=4)
     q = random((1, 3, 2, 4), 30)

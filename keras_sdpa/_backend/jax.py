@@ -56,12 +56,26 @@ def new_seed():
 
 
 def custom_gradient(forward):
-    """`forward(*inputs) -> (outputs, grad)`, differentiated by `grad`.
+    """`forward(inputs, constants) -> (outputs, grad)`, differentiated by `grad`.
 
+    Called as `f(inputs, constants)`: `inputs` get gradients, `constants` (masks, ids) none.
     `grad(*d_outputs)` returns the inputs' gradients, one per input. (JAX passes no
-    variables: a Keras variable's value enters a JAX program as an input.)
+    variables: a Keras variable's value enters a JAX program as an input.) `forward` must
+    read no tensor of the program around it but through its arguments: a `jax.custom_vjp`
+    that closes over one leaks it ("No constant handler for type DynamicJaxprTracer").
     """
-    return jax.custom_gradient(forward)
+
+    @jax.custom_gradient
+    def call(inputs, constants):
+        outputs, grad = forward(inputs, constants)
+
+        def rule(d_outputs):
+            d = d_outputs if isinstance(outputs, tuple) else (d_outputs,)
+            return tuple(grad(*d)), jax.tree_util.tree_map(lambda _: None, constants)
+
+        return outputs, rule
+
+    return call
 
 
 def vjp(fn, raw, params, variables, d_out):

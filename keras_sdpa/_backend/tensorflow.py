@@ -63,12 +63,21 @@ def new_seed():
 
 
 def custom_gradient(forward):
-    """`forward(*inputs) -> (outputs, grad)`, differentiated by `grad`.
+    """`forward(inputs, constants) -> (outputs, grad)`, differentiated by `grad`.
 
-    `grad(*d_outputs, variables=())` returns the inputs' gradients; when TensorFlow passes
+    Called as `f(inputs, constants)`: `inputs` get gradients, `constants` (masks, ids) none.
+    `grad(*d_outputs, variables=None)` returns the inputs' gradients; when TensorFlow passes
     the variables the forward read (a `score_mod`'s), it returns `(grads, d_variables)`.
     """
-    return tf.custom_gradient(forward)
+
+    def call(inputs, constants):
+        @tf.custom_gradient
+        def differentiated(*inputs):
+            return forward(inputs, constants)
+
+        return differentiated(*inputs)
+
+    return call
 
 
 def vjp(fn, raw, params, variables, d_out):
