@@ -1,0 +1,223 @@
+"""The core and the layer on whichever backend Keras runs: written on `keras.ops` and NumPy.
+
+The session runs these on TensorFlow; `tests/test_jax_backend.py` runs this file again in a
+process on JAX (`KERAS_BACKEND=jax`), so every check here holds on both backends. References
+are independent of the core: NumPy in float64 for values, and for gradients the backend's own
+autodiff (`jax.grad` on JAX, a `tf.GradientTape` on TensorFlow) of a plain float64 softmax
+attention written here on `keras.ops`.
+"""
+
+import os
+
+import keras
+import numpy as np
+import pytest
+from keras import ops
+
+from keras_sdpa import ScaledDotProductAttention, mods, scaled_dot_product_attention
+
+BACKEND = keras.backend.backend()
+if BACKEND == "jax":
+    import jax
+
+    jax.config.update("jax_enable_x64", True)  # the float64 references
+
+# Pairwise-distinct sizes, so that a swapped axis cannot pass.
+B, T, S, N, K, H, HV = 2, 5, 7, 4, 2, 8, 6
+
+
+def test_runs_on_the_backend_asked_for():
+    """What `tests/test_jax_backend.py` starts runs on JAX, the session on TensorFlow."""
+    assert BACKEND == os.environ.get("KERAS_BACKEND", "tensorflow")
+
+
+def random(shape, seed, dtype="float32"):
+    return np.random.default_rng(seed).normal(size=shape).astype(dtype)
+
+
+def reference(q, k, v, mask=None, bias=None, causal=False, window=None, cap=None, scale=None):
+    """softmax(Q K^T * scale + bias) V in float64 NumPy; fully masked rows give zeros."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    groups = q.shape[2] // k.shape[2]
+    k, v = np.repeat(k, groups, axis=2), np.repeat(v, groups, axis=2)
+    scale = 1 / np.sqrt(q.shape[-1]) if scale is None else scale
+    logits = np.einsum("btnh,bsnh->bnts", q, k) * scale  # (B, N, T, S)
+    if bias is not None:
+        logits = logits + bias
+    if cap is not None:
+        logits = cap * np.tanh(logits / cap)
+    allowed = np.ones(logits.shape, bool)
+    if mask is not None:
+        allowed &= np.broadcast_to(mask, logits.shape)
+    offset = np.arange(q.shape[1])[:, None] - np.arange(k.shape[1])[None]
+    if causal:
+        allowed &= offset >= 0
+    if window is not None:
+        allowed &= np.abs(offset) < window
+    logits = np.where(allowed, logits, -np.inf)
+    row_max = np.max(logits, axis=-1, keepdims=True)
+    exp = np.where(allowed, np.exp(logits - np.where(np.isfinite(row_max), row_max, 0)), 0)
+    total = exp.sum(-1, keepdims=True)
+    weights = exp / np.where(total > 0, total, 1)
+    return np.einsum("bnts,bsnh->btnh", weights, v), weights
+
+
+def gradients(fn, *args):
+    """The gradient of `sum(fn(*args) * probe)` to every arg, by the backend's autodiff."""
+    if BACKEND == "jax":
+        return [np.asarray(g) for g in jax.grad(fn, argnums=tuple(range(len(args))))(*args)]
+    import tensorflow as tf
+
+    args = [tf.convert_to_tensor(a) for a in args]
+    with tf.GradientTape() as tape:
+        tape.watch(args)
+        value = fn(*args)
+    return [np.asarray(g) for g in tape.gradient(value, args)]
+
+
+def plain_attention(q, k, v, mask, bias):
+    """A float64 softmax attention on keras.ops, with no custom gradient: the gradient's
+    reference (GQA by repeating the keys, as keras.layers.GroupQueryAttention does)."""
+    groups = q.shape[2] // k.shape[2]
+    k, v = ops.repeat(k, groups, axis=2), ops.repeat(v, groups, axis=2)
+    logits = ops.einsum("btnh,bsnh->bnts", q, k) / np.sqrt(q.shape[-1]) + bias
+    logits = ops.where(mask, logits, -1e30)
+    weights = ops.softmax(logits, axis=-1)
+    return ops.einsum("bnts,bsnh->btnh", weights, v)
+
+
+CASES = {
+    "plain": {},
+    "mask": {"mask": True},
+    "causal-bias": {"causal": True, "bias": True},
+    "window-cap-scale": {"window": 3, "cap": 2.0, "scale": 0.3},
+}
+
+
+@pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
+@pytest.mark.parametrize("kv_heads", [N, K], ids=["mha", "gqa"])
+def test_matches_numpy(case, kv_heads):
+    options = CASES[case]
+    q, k = random((B, T, N, H), 1), random((B, S, kv_heads, H), 2)
+    v = random((B, S, kv_heads, HV), 3)
+    mask = random((B, 1, T, S), 4) > -0.5 if options.get("mask") else None
+    if mask is not None:
+        mask[0, 0, 2] = False  # a fully masked row: zeros
+    bias = random((1, N, T, S), 5) if options.get("bias") else None
+    out, weights = scaled_dot_product_attention(
+        q, k, v, mask, bias=bias, is_causal=options.get("causal", False),
+        sliding_window=options.get("window"), attn_logits_soft_cap=options.get("cap"),
+        scale=options.get("scale"), return_weights=True,
+    )
+    want, want_weights = reference(
+        q, k, v, mask, bias, options.get("causal", False), options.get("window"),
+        options.get("cap"), options.get("scale"),
+    )
+    np.testing.assert_allclose(ops.convert_to_numpy(out), want, atol=1e-5)
+    np.testing.assert_allclose(ops.convert_to_numpy(weights), want_weights, atol=1e-5)
+    if mask is not None:
+        assert not np.asarray(ops.convert_to_numpy(out))[0, 2].any()
+
+
+@pytest.mark.parametrize("kv_heads", [N, K], ids=["mha", "gqa"])
+def test_gradients_match_autodiff_of_a_float64_reference(kv_heads):
+    q, k = random((B, T, N, H), 6), random((B, S, kv_heads, H), 7)
+    v = random((B, S, kv_heads, HV), 8)
+    mask = random((B, 1, T, S), 9) > -0.5
+    bias = random((1, N, T, S), 10)
+    probe = random((B, T, N, HV), 11)
+
+    def ours(q, k, v, bias):
+        out = scaled_dot_product_attention(q, k, v, mask, bias=bias)
+        return ops.sum(out * probe)
+
+    def theirs(q, k, v, bias):
+        return ops.sum(plain_attention(q, k, v, mask, bias) * probe)
+
+    got = gradients(ours, q, k, v, bias)
+    want = gradients(theirs, *(x.astype("float64") for x in (q, k, v, bias)))
+    for name, a, b in zip("qkvb", got, want):
+        np.testing.assert_allclose(a, b, atol=2e-5, err_msg=name)
+
+
+def test_bfloat16_is_near_the_float64_reference():
+    q, k, v = random((B, T, N, H), 12), random((B, S, K, H), 13), random((B, S, K, HV), 14)
+    out = scaled_dot_product_attention(*(ops.cast(x, "bfloat16") for x in (q, k, v)))
+    assert keras.backend.standardize_dtype(out.dtype) == "bfloat16"
+    want, _ = reference(q, k, v)
+    np.testing.assert_allclose(ops.convert_to_numpy(ops.cast(out, "float32")), want, atol=3e-2)
+
+
+def test_score_and_mask_mods_match_their_masks():
+    """ALiBi and a document mask against the same bias and mask given directly."""
+    q, k, v = random((B, T, N, H), 15), random((B, T, N, H), 16), random((B, T, N, HV), 17)
+    ids = np.array([[0, 0, 1, 1, 1], [0, 1, 1, 2, 2]], "int32")
+    out = scaled_dot_product_attention(
+        q, k, v, score_mod=mods.alibi(N), mask_mod=mods.document(ids), is_causal=True
+    )
+    slopes = np.asarray(mods.alibi_slopes(N))[None, :, None, None]
+    distance = np.abs(np.arange(T)[:, None] - np.arange(T)[None])
+    same = ids[:, None, :, None] == ids[:, None, None, :]
+    want, _ = reference(q, k, v, same, -slopes * distance, causal=True)
+    np.testing.assert_allclose(ops.convert_to_numpy(out), want, atol=1e-5)
+
+
+def test_decode_path_matches_numpy():
+    q, k, v = random((B, 1, N, H), 18), random((B, S, K, H), 19), random((B, S, K, HV), 20)
+    out = scaled_dot_product_attention(q, k, v, implementation="decode")
+    np.testing.assert_allclose(ops.convert_to_numpy(out), reference(q, k, v)[0], atol=1e-5)
+
+
+def test_dropout_keeps_the_seeds_mask_and_scales_the_rest():
+    q, k, v = random((B, T, N, H), 21), random((B, S, N, H), 22), random((B, S, N, HV), 23)
+    first = scaled_dot_product_attention(q, k, v, dropout_rate=0.5, training=True, seed=7)
+    again = scaled_dot_product_attention(q, k, v, dropout_rate=0.5, training=True, seed=7)
+    other = scaled_dot_product_attention(q, k, v, dropout_rate=0.5, training=True, seed=8)
+    off = scaled_dot_product_attention(q, k, v, dropout_rate=0.5, training=False, seed=7)
+    np.testing.assert_array_equal(ops.convert_to_numpy(first), ops.convert_to_numpy(again))
+    assert not np.allclose(ops.convert_to_numpy(first), ops.convert_to_numpy(other))
+    np.testing.assert_allclose(ops.convert_to_numpy(off), reference(q, k, v)[0], atol=1e-5)
+
+
+def test_layer_matches_keras_multi_head_attention():
+    """Same weights, same output. (`value_dim` stays `key_dim`: Keras 3.15's own layer fails
+    on JAX with another value size, reshaping its output to the key size.)"""
+    query, value = random((B, T, 16), 24), random((B, S, 12), 25)
+    theirs = keras.layers.MultiHeadAttention(num_heads=N, key_dim=H)
+    ours = ScaledDotProductAttention(num_heads=N, key_dim=H)
+    theirs(query, value)
+    ours(query, value)
+    ours.set_weights(theirs.get_weights())
+    mask = random((B, T, S), 26) > -0.5
+    mask[:, :, 0] = True  # no fully masked row: Keras averages those, this layer gives zeros
+    a = ops.convert_to_numpy(ours(query, value, attention_mask=mask, use_causal_mask=True))
+    b = ops.convert_to_numpy(theirs(query, value, attention_mask=mask, use_causal_mask=True))
+    np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+def test_keras_file_round_trip(tmp_path):
+    model = _small_model()
+    path = os.path.join(tmp_path, "model.keras")
+    model.save(path)
+    loaded = keras.saving.load_model(path)
+    x = random((B, T, 16), 27)
+    np.testing.assert_allclose(
+        ops.convert_to_numpy(loaded(x)), ops.convert_to_numpy(model(x)), atol=1e-6
+    )
+
+
+def _small_model():
+    inputs = keras.Input((T, 16))
+    x = ScaledDotProductAttention(num_heads=N, key_dim=H, num_key_value_heads=K)(
+        inputs, inputs, use_causal_mask=True
+    )
+    return keras.Model(inputs, keras.layers.Dense(1)(keras.layers.GlobalAveragePooling1D()(x)))
+
+
+def test_fit_lowers_the_loss():
+    keras.utils.set_random_seed(0)
+    model = _small_model()
+    model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse", jit_compile=True)
+    x, y = random((16, T, 16), 28), random((16, 1), 29)
+    history = model.fit(x, y, epochs=5, batch_size=8, verbose=0)
+    assert history.history["loss"][-1] < history.history["loss"][0]
