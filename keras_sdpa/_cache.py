@@ -7,10 +7,10 @@ causal mask, a window and the mods count from there (bottom-right alignment), so
 row's position are never read.
 """
 
+import keras
 import numpy as np
-import tensorflow as tf
 
-from keras_sdpa import mods
+from keras_sdpa import _layer_backend, mods
 
 
 def check(cache, index, query, value_mask, key_mask, kv_heads, key_dim, value_dim):
@@ -20,7 +20,7 @@ def check(cache, index, query, value_mask, key_mask, kv_heads, key_dim, value_di
             "`cache_update_index` needs a `cache`. Received: cache=None, "
             f"cache_update_index={index!r}"
         )
-    if query.shape.rank != 3:
+    if len(query.shape) != 3:
         raise ValueError(
             f"A `cache` needs rank-3 inputs (B, T, E). Received: query.shape={tuple(query.shape)}"
         )
@@ -35,9 +35,9 @@ def check(cache, index, query, value_mask, key_mask, kv_heads, key_dim, value_di
             "A `cache` stacks keys and values, so `value_dim` must equal `key_dim`. "
             f"Received: key_dim={key_dim}, value_dim={value_dim}"
         )
-    cache = tf.convert_to_tensor(cache)
+    cache = keras.ops.convert_to_tensor(cache)
     want = (2, kv_heads, key_dim)
-    if cache.shape.rank != 5 or tuple(cache.shape[i] for i in (1, 3, 4)) != want:
+    if len(cache.shape) != 5 or tuple(cache.shape[i] for i in (1, 3, 4)) != want:
         raise ValueError(
             "`cache` must be (B, 2, S, K, H) with K = num_key_value_heads = "
             f"{kv_heads} and H = key_dim = {key_dim}. "
@@ -54,11 +54,11 @@ def update(cache, index, query, new_keys_and_values):
     `new_keys_and_values()` (called only then) gives `(B, t, K, H)` keys and values, which
     are written at `index` (an int for every row, or a `(B,)` tensor, one per row).
     """
-    offset = tf.zeros(tf.shape(query)[:1], tf.int32)  # (B,): where each row's queries start
+    offset = keras.ops.zeros(keras.ops.shape(query)[:1], "int32")  # (B,): where queries start
     if index is not None:
         offset = check_index(index, query, cache.shape[2])
-        new_keys, new_values = (tf.cast(x, cache.dtype) for x in new_keys_and_values())
-        cache = write_rows(cache, tf.stack([new_keys, new_values], axis=1), offset)
+        new_keys, new_values = (keras.ops.cast(x, cache.dtype) for x in new_keys_and_values())
+        cache = write_rows(cache, keras.ops.stack([new_keys, new_values], axis=1), offset)
     return cache[:, 0], cache[:, 1], offset, cache
 
 
@@ -66,22 +66,23 @@ def check_index(index, query, size):
     """`cache_update_index` as a `(B,)` int32 tensor for `query` `(B, T, E)`, checked where its
     value is known: while tracing when it is static (an int, an eager tensor, a constant of the
     graph), else when the graph runs."""
-    index = tf.convert_to_tensor(index)
-    if not index.dtype.is_integer or index.shape.rank not in (0, 1):
+    index = keras.ops.convert_to_tensor(index)
+    dtype = keras.backend.standardize_dtype(index.dtype)
+    if not keras.backend.is_int_dtype(dtype) or len(index.shape) not in (0, 1):
         raise ValueError(
             "`cache_update_index` must be an int, or an integer scalar or (B,) tensor. "
-            f"Received: cache_update_index with shape {tuple(index.shape)} and dtype "
-            f"{index.dtype.name}"
+            f"Received: cache_update_index with shape {tuple(index.shape)} and dtype {dtype}"
         )
     rows, length = query.shape[0], query.shape[1]
-    if index.shape.rank == 1 and None not in (rows, index.shape[0]) and index.shape[0] != rows:
+    if len(index.shape) == 1 and None not in (rows, index.shape[0]) and index.shape[0] != rows:
         raise ValueError(
             f"`cache_update_index` must have one position per row of the batch ({rows}). "
             f"Received: cache_update_index with shape {tuple(index.shape)}"
         )
     count = "" if length is None else f"{length} "
     room = f"must leave room for the {count}new positions in a cache of {size}"
-    values = tf.get_static_value(index)  # before the cast to int32, which would wrap it
+    shims = _layer_backend.get()
+    values = shims.static_value(index)  # before the cast to int32, which would wrap it
     if values is not None:
         values = np.asarray(values)
         last = np.iinfo("int32").max if size is None else size - (length or 0)
@@ -93,20 +94,15 @@ def check_index(index, query, size):
             raise ValueError(
                 f"`cache_update_index` {rule}. Received: cache_update_index={values.tolist()}"
             )
-    index = tf.cast(index, tf.int32)
+    index = keras.ops.cast(index, "int32")
     if size is not None and (values is None or length is None):
-        # Otherwise the values are known only when the graph runs: it raises there, while
-        # inside an XLA program (where asserts are dropped) a write past the end is lost.
-        checks = [
-            tf.debugging.assert_greater_equal(index, 0, message=f"`cache_update_index` {room}"),
-            tf.debugging.assert_less_equal(
-                index, size - tf.shape(query)[1], message=f"`cache_update_index` {room}"
-            ),
-        ]
-        with tf.control_dependencies(checks):
-            index = tf.identity(index)
-    if index.shape.rank == 0:
-        index = tf.fill(tf.shape(query)[:1], index)
+        # Otherwise the values are known only when the program runs: a TensorFlow graph
+        # raises there, while inside an XLA program (where asserts are dropped, and under
+        # JAX's jit) a write past the end is lost.
+        last = size - keras.ops.shape(query)[1]
+        index = shims.checked_in_range(index, last, f"`cache_update_index` {room}")
+    if len(index.shape) == 0:
+        index = keras.ops.broadcast_to(index, keras.ops.shape(query)[:1])  # (B,)
     return index
 
 
@@ -115,11 +111,17 @@ def write_rows(cache, update, offset):
     `cache (B, 2, S, K, H)`, `update (B, 2, t, K, H)`. Inside a compiled generate loop XLA
     writes it in place; splitting the keys and values and stacking them again copied the
     whole cache on every token."""
-    shape = tf.shape(update)
-    rows = tf.broadcast_to(tf.range(shape[0])[:, None, None], shape[:3])
-    halves = tf.broadcast_to(tf.range(2)[None, :, None], shape[:3])
-    positions = tf.broadcast_to(offset[:, None, None] + tf.range(shape[2])[None, None], shape[:3])
-    return tf.tensor_scatter_nd_update(cache, tf.stack([rows, halves, positions], -1), update)
+    batch, _, length = keras.ops.shape(update)[:3]
+    grid = (batch, 2, length)
+    rows = keras.ops.broadcast_to(keras.ops.arange(batch)[:, None, None], grid)
+    halves = keras.ops.broadcast_to(keras.ops.arange(2)[None, :, None], grid)
+    positions = keras.ops.broadcast_to(
+        offset[:, None, None] + keras.ops.arange(length)[None, None], grid
+    )
+    # One row of indices per written (K, H) slice: JAX's scatter reads them as (M, 3).
+    indices = keras.ops.reshape(keras.ops.stack([rows, halves, positions], -1), (-1, 3))
+    updates = keras.ops.reshape(update, (-1, *update.shape[3:]))  # (B 2 t, K, H)
+    return keras.ops.scatter_update(cache, indices, updates)
 
 
 class Positioned(mods.Mod):
@@ -145,7 +147,7 @@ class Positioned(mods.Mod):
         return PositionedScore(self.offset, None, None, None, self.inner_score)
 
     def _position(self, b, q_idx):
-        return q_idx + tf.gather(tf.cast(self.offset, tf.int32), b)  # (B, 1, t, 1)
+        return q_idx + keras.ops.take(keras.ops.cast(self.offset, "int32"), b, axis=0)
 
     def _key(self):
         return (
@@ -164,13 +166,14 @@ class Positioned(mods.Mod):
 class PositionedMask(Positioned):
     def __call__(self, b, h, q_idx, kv_idx):
         position = self._position(b, q_idx)
-        allowed = tf.ones_like(position - kv_idx, tf.bool)  # (B, 1, t, s)
+        allowed = keras.ops.ones_like(position - kv_idx, dtype="bool")  # (B, 1, t, s)
         if self.causal:
-            allowed = tf.logical_and(allowed, kv_idx <= position)
+            allowed = keras.ops.logical_and(allowed, kv_idx <= position)
         if self.window:
-            allowed = tf.logical_and(allowed, tf.abs(position - kv_idx) < self.window)
+            allowed = keras.ops.logical_and(allowed, keras.ops.abs(position - kv_idx) < self.window)
         if self.inner_mask is not None:
-            allowed = tf.logical_and(allowed, self.inner_mask(b, h, position, kv_idx))
+            inner = self.inner_mask(b, h, position, kv_idx)
+            allowed = keras.ops.logical_and(allowed, inner)
         return allowed
 
 

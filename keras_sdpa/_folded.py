@@ -6,7 +6,7 @@ The functions read the layer's projections and settings; the layer decides when 
 
 import math
 
-import tensorflow as tf
+import keras
 
 
 def folds(layer, query, training, use_causal_mask):
@@ -48,21 +48,21 @@ def attend(
     """Attention with `W_K` folded into the query and `W_V` applied after the weighted
     sum (`folds`). Returns `(B, T, N, Hv)` and the weights or None."""
     q = layer._query_dense(query)  # (B, T, N, H)
-    w_k = tf.cast(layer._key_dense.kernel, q.dtype)  # (E_k, N, H)
-    q_keys = tf.einsum("btnh,enh->btne", q, w_k)  # (B, T, N, E_k): q k_s = q_keys x_s
+    w_k = keras.ops.cast(layer._key_dense.kernel, q.dtype)  # (E_k, N, H)
+    q_keys = keras.ops.einsum("btnh,enh->btne", q, w_k)  # (B, T, N, E_k): q k_s = q_keys x_s
     if layer.scale is None:
         # The core's default scale follows the last axis, E_k here: keep 1 / sqrt(H).
         q_keys = q_keys * math.sqrt(w_k.shape[0] / layer._key_dim)
     if layer.use_bias:
         # The key bias adds `q b_K` to every logit of a row, which the softmax ignores: its
         # gradient is zero, given as zeros (not None, which optimizers warn about).
-        q_keys = q_keys + 0.0 * tf.reduce_sum(tf.cast(layer._key_dense.bias, q_keys.dtype))
+        q_keys = q_keys + 0.0 * keras.ops.sum(keras.ops.cast(layer._key_dense.bias, q_keys.dtype))
     width = value.shape[-1]
     if layer.use_bias:
         # sum_s p_s (x_s W_V + b_V) = (sum_s p_s x_s) W_V + (sum_s p_s) b_V: a column of
         # ones beside the values gives each row's total weight (0 where every key is
         # masked), whatever the masks' shapes.
-        value = tf.concat([value, tf.ones_like(value[..., :1])], axis=-1)
+        value = keras.ops.concatenate([value, keras.ops.ones_like(value[..., :1])], axis=-1)
     mixed, weights = layer._compute_attention(
         q_keys,
         key[:, :, None, :],  # (B, S, 1, E_k): one key "head" that every head reads
@@ -73,8 +73,8 @@ def attend(
         use_causal_mask=use_causal_mask,
         attention_bias=attention_bias,
     )  # (B, T, N, E_v): each head's weighted sum of the value inputs, and its total
-    w_v = tf.cast(layer._value_dense.kernel, mixed.dtype)  # (E_v, N, Hv)
-    out = tf.einsum("btne,enh->btnh", mixed[..., :width], w_v)  # (B, T, N, Hv)
+    w_v = keras.ops.cast(layer._value_dense.kernel, mixed.dtype)  # (E_v, N, Hv)
+    out = keras.ops.einsum("btne,enh->btnh", mixed[..., :width], w_v)  # (B, T, N, Hv)
     if layer.use_bias:
-        out = out + mixed[..., width:] * tf.cast(layer._value_dense.bias, out.dtype)
+        out = out + mixed[..., width:] * keras.ops.cast(layer._value_dense.bias, out.dtype)
     return out, weights

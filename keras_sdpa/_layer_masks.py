@@ -3,7 +3,7 @@ segment ids of a document mask, turned into what the core takes."""
 
 import contextlib
 
-import tensorflow as tf
+import keras
 from keras.src import backend as keras_backend  # the mask accessors have no public name
 
 from keras_sdpa import mods
@@ -11,9 +11,9 @@ from keras_sdpa import mods
 
 def as_bool(mask):
     """`mask` as a boolean tensor: True where it is nonzero."""
-    mask = tf.convert_to_tensor(mask)
-    if mask.dtype != tf.bool:
-        mask = tf.not_equal(mask, tf.zeros((), mask.dtype))
+    mask = keras.ops.convert_to_tensor(mask)
+    if keras.backend.standardize_dtype(mask.dtype) != "bool":
+        mask = keras.ops.not_equal(mask, keras.ops.zeros((), mask.dtype))
     return mask
 
 
@@ -41,10 +41,10 @@ def zero_rows(out, weights, query_mask):
     rows `query_mask` `(B, T)` leaves out, as a row with every key masked has them."""
     if query_mask is None:
         return out, weights
-    rows = tf.cast(query_mask, out.dtype)  # (B, T)
+    rows = keras.ops.cast(query_mask, out.dtype)  # (B, T)
     out = out * rows[:, :, None, None]
     if weights is not None:
-        weights = weights * tf.cast(query_mask, weights.dtype)[:, None, :, None]
+        weights = weights * keras.ops.cast(query_mask, weights.dtype)[:, None, :, None]
     return out, weights
 
 
@@ -52,23 +52,23 @@ def combine_masks(query_mask, value_mask, key_mask, attention_mask, rank):
     """The boolean mask of `keras.layers.MultiHeadAttention`, in its layout, or None."""
     mask = None
     if query_mask is not None:
-        mask = tf.expand_dims(tf.cast(query_mask, tf.bool), -1)  # (B, T, 1)
+        mask = keras.ops.expand_dims(keras.ops.cast(query_mask, "bool"), -1)  # (B, T, 1)
     for padding in (value_mask, key_mask):
         if padding is not None:
-            padding = tf.expand_dims(tf.cast(padding, tf.bool), -2)  # (B, 1, S)
-            mask = padding if mask is None else tf.logical_and(mask, padding)
+            padding = keras.ops.expand_dims(keras.ops.cast(padding, "bool"), -2)  # (B, 1, S)
+            mask = padding if mask is None else keras.ops.logical_and(mask, padding)
     if attention_mask is not None:
         attention_mask = as_bool(attention_mask)
-        if mask is not None and attention_mask.shape.rank == rank + 1:
+        if mask is not None and len(attention_mask.shape) == rank + 1:
             # A per-head attention mask: the padding masks gain the head axis.
-            mask = tf.expand_dims(mask, -3)
-        mask = attention_mask if mask is None else tf.logical_and(mask, attention_mask)
+            mask = keras.ops.expand_dims(mask, -3)
+        mask = attention_mask if mask is None else keras.ops.logical_and(mask, attention_mask)
     return mask
 
 
 def causal_mask(t, s):
     """MultiHeadAttention's causal mask: `(1, T, S)`, True where `s <= t`."""
-    return (tf.range(t)[:, None] >= tf.range(s)[None, :])[None]
+    return (keras.ops.arange(t)[:, None] >= keras.ops.arange(s)[None, :])[None]
 
 
 def bind_segment_ids(mask_mod, segment_ids, query, key, cache):
@@ -86,21 +86,22 @@ def bind_segment_ids(mask_mod, segment_ids, query, key, cache):
             f"layer has mask_mod={mask_mod!r}. Received: segment_ids with shape "
             f"{tuple(segment_ids.shape)}"
         )
-    segment_ids = tf.convert_to_tensor(segment_ids)
-    if segment_ids.shape.rank != 2 or not segment_ids.dtype.is_integer:
+    segment_ids = keras.ops.convert_to_tensor(segment_ids)
+    dtype = keras.backend.standardize_dtype(segment_ids.dtype)
+    if len(segment_ids.shape) != 2 or not keras.backend.is_int_dtype(dtype):
         raise ValueError(
             "`segment_ids` must be a (B, T) integer tensor. Received: segment_ids with "
-            f"shape {tuple(segment_ids.shape)} and dtype {segment_ids.dtype.name}"
+            f"shape {tuple(segment_ids.shape)} and dtype {dtype}"
         )
-    if query.shape.rank != 3:
+    if len(query.shape) != 3:
         raise ValueError(
             "`segment_ids` need rank-3 inputs (B, T, E), one sequence per row. "
             f"Received: query.shape={tuple(query.shape)}"
         )
     expected = [("batch size", 0, query.shape[0])]
     if cache is not None:
-        shape = tf.convert_to_tensor(cache).shape  # checked whole in `_call_cached`
-        expected.append(("the cache's length", 1, shape[2] if shape.rank == 5 else None))
+        shape = keras.ops.convert_to_tensor(cache).shape  # checked whole in `_call_cached`
+        expected.append(("the cache's length", 1, shape[2] if len(shape) == 5 else None))
     else:
         expected += [("the query's length", 1, query.shape[1]),
                      ("the key's length", 1, key.shape[1])]  # fmt: skip

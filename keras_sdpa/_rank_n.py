@@ -6,7 +6,10 @@ axes as batch axes. The core attends over one axis, so the attention axes are fl
 moved between the two layouts here. For rank-3 inputs every step is the identity.
 """
 
-import tensorflow as tf
+import functools
+import operator
+
+import keras
 
 
 def normalize_axes(attention_axes, rank):
@@ -37,6 +40,8 @@ class Flattener:
     """
 
     def __init__(self, rank, axes, query_shape, value_shape):
+        """`query_shape` and `value_shape` are those of the projected tensors, as
+        `keras.ops.shape` gives them: ints where known, scalar tensors where not."""
         self.rank = rank
         self.axes = axes
         self.batch_axes = [a for a in range(1, rank - 1) if a not in axes]
@@ -47,28 +52,29 @@ class Flattener:
         self.inverse = [self.order.index(a) for a in range(rank + 1)]
 
     def _sizes(self, shape, axes):
-        return tf.reduce_prod(tf.gather(shape, axes)) if axes else tf.constant(1)
+        """The product of `shape` over `axes`: an int where every size is known."""
+        return functools.reduce(operator.mul, [shape[a] for a in axes], 1)
 
     def inputs(self, x, which):
         """`(B, *dims, heads, size)` to `(B', L, heads, size)`."""
         if self.trivial:
             return x
         shape = self.query_shape if which == "query" else self.value_shape
-        x = tf.transpose(x, self.order)
-        x_shape = tf.shape(x)
+        x = keras.ops.transpose(x, self.order)  # (B, *batch dims, *attention dims, heads, size)
+        heads, size = keras.ops.shape(x)[-2:]
         batch = shape[0] * self._sizes(shape, self.batch_axes)
-        length = self._sizes(shape, list(self.axes))
-        return tf.reshape(x, tf.stack([batch, length, x_shape[-2], x_shape[-1]]))
+        length = self._sizes(shape, self.axes)
+        return keras.ops.reshape(x, (batch, length, heads, size))
 
     def outputs(self, out):
         """`(B', T, N, Hv)` back to `(B, *dims_q, N, Hv)`."""
         if self.trivial:
             return out
         shape = self.query_shape
-        out_shape = tf.shape(out)
+        out_shape = keras.ops.shape(out)
         sizes = [shape[0]] + [shape[a] for a in self.batch_axes] + [shape[a] for a in self.axes]
-        out = tf.reshape(out, tf.stack(sizes + [out_shape[-2], out_shape[-1]]))
-        return tf.transpose(out, self.inverse)
+        out = keras.ops.reshape(out, (*sizes, out_shape[-2], out_shape[-1]))
+        return keras.ops.transpose(out, self.inverse)
 
     def scores(self, x, num_heads, name):
         """A mask or bias in MHA's scores layout to the core's `(B'|1, N|1, T|1, S|1)`.
@@ -78,36 +84,37 @@ class Flattener:
         with or without the head axis, broadcast and flattened.
         """
         full_rank = 1 + len(self.batch_axes) + 1 + 2 * len(self.axes)
-        if x.shape.rank is None or x.shape.rank > full_rank:
+        if len(x.shape) > full_rank:
             raise ValueError(
                 f"`{name}` must have rank {full_rank} or less (the scores' layout "
                 f"{'(B, N, T, S)' if self.trivial else '(B, *batch, N, *T, *S)'}). "
                 f"Received: {name}.shape={tuple(x.shape)}"
             )
-        while x.shape.rank < full_rank:  # the head axis first, then the leading ones
-            x = tf.expand_dims(x, -2 * len(self.axes) - 1)
+        while len(x.shape) < full_rank:  # the head axis first, then the leading ones
+            x = keras.ops.expand_dims(x, -2 * len(self.axes) - 1)
         if self.trivial:
             return x
         heads = x.shape[1 + len(self.batch_axes)]
         q, v = self.query_shape, self.value_shape
-        target = tf.stack(
+        heads = num_heads if heads != 1 else 1
+        target = (
             [q[0]]
             + [q[a] for a in self.batch_axes]
-            + [tf.constant(num_heads if heads != 1 else 1)]
+            + [heads]
             + [q[a] for a in self.axes]
             + [v[a] for a in self.axes]
         )
-        x = tf.broadcast_to(x, target)
+        x = keras.ops.broadcast_to(x, target)  # (B, *batch dims, N|1, *query axes, *key axes)
         batch = q[0] * self._sizes(q, self.batch_axes)
-        t, s = self._sizes(q, list(self.axes)), self._sizes(v, list(self.axes))
-        return tf.reshape(x, tf.stack([batch, target[len(self.batch_axes) + 1], t, s]))
+        t, s = self._sizes(q, self.axes), self._sizes(v, self.axes)
+        return keras.ops.reshape(x, (batch, heads, t, s))
 
     def weights(self, weights):
         """`(B', N, T, S)` to MHA's `(B, *batch dims, N, *query axes, *key axes)`."""
         if self.trivial:
             return weights
         q, v = self.query_shape, self.value_shape
-        w_shape = tf.shape(weights)
+        w_shape = keras.ops.shape(weights)
         sizes = (
             [q[0]]
             + [q[a] for a in self.batch_axes]
@@ -115,4 +122,4 @@ class Flattener:
             + [q[a] for a in self.axes]
             + [v[a] for a in self.axes]
         )
-        return tf.reshape(weights, tf.stack(sizes))
+        return keras.ops.reshape(weights, sizes)

@@ -3,9 +3,8 @@
 import string
 
 import keras
-import tensorflow as tf
 
-from keras_sdpa import _arguments, _cache, _folded, _layer_masks, _rank_n, mods, ops
+from keras_sdpa import _arguments, _cache, _folded, _layer_backend, _layer_masks, _rank_n, mods, ops
 
 
 @keras.saving.register_keras_serializable(package="keras_sdpa")
@@ -136,10 +135,10 @@ class ScaledDotProductAttention(keras.layers.Layer):
     Example:
 
     >>> layer = ScaledDotProductAttention(num_heads=4, key_dim=8, num_key_value_heads=2)
-    >>> x = tf.random.normal((4, 10, 16))  # (B, T, E)
+    >>> x = keras.random.normal((4, 10, 16))  # (B, T, E)
     >>> y, weights = layer(x, x, return_attention_scores=True, use_causal_mask=True)
-    >>> y.shape, weights.shape
-    (TensorShape([4, 10, 16]), TensorShape([4, 4, 10, 10]))
+    >>> tuple(y.shape), tuple(weights.shape)
+    ((4, 10, 16), (4, 4, 10, 10))
     """
 
     def __init__(
@@ -352,7 +351,7 @@ class ScaledDotProductAttention(keras.layers.Layer):
                 "`flash_attention=True` never forms. Received: flash_attention=True, "
                 "return_attention_scores=True"
             )
-        rank = query.shape.rank
+        rank = len(query.shape)
         own_core = self._own_core
         # The query's padding masks whole rows: the core gets the key-side masks only, and those
         # rows are zeroed after it (the same numbers; a (B, S) mask costs the core 0.88x the
@@ -402,9 +401,9 @@ class ScaledDotProductAttention(keras.layers.Layer):
                     f"{tuple(attention_bias.shape)}"
                 )
             if use_causal_mask:
-                t, s = tf.shape(query)[1], tf.shape(value)[1]
+                t, s = keras.ops.shape(query)[1], keras.ops.shape(value)[1]
                 causal = _layer_masks.causal_mask(t, s)  # (1, T, S)
-                mask = causal if mask is None else tf.logical_and(mask, causal)
+                mask = causal if mask is None else keras.ops.logical_and(mask, causal)
             out, weights = self._compute_attention(q, k, v, mask, training, return_attention_scores)
         return self._finish(query, out, weights, gate, return_attention_scores)
 
@@ -446,17 +445,17 @@ class ScaledDotProductAttention(keras.layers.Layer):
         mask = None
         if attention_mask is not None:
             mask = _layer_masks.as_bool(attention_mask)
-            mask = mask[:, None] if mask.shape.rank == 3 else mask  # (B, 1|N, T, S)
+            mask = mask[:, None] if len(mask.shape) == 3 else mask  # (B, 1|N, T, S)
         bias = None
         if attention_bias is not None:
-            bias = tf.cast(attention_bias, self.compute_dtype)
+            bias = keras.ops.cast(attention_bias, self.compute_dtype)
         seed = None
         if training and self.dropout > 0:  # dropout as in the uncached call (keras-hub's too)
-            seed = _per_replica(self.seed_generator.next())
+            seed = _layer_backend.get().per_replica(self.seed_generator.next())
         result = ops.scaled_dot_product_attention(
             q,
-            tf.cast(keys, q.dtype),
-            tf.cast(values, q.dtype),
+            keras.ops.cast(keys, q.dtype),
+            keras.ops.cast(values, q.dtype),
             mask,
             bias=bias,
             attn_logits_soft_cap=self.attn_logits_soft_cap,
@@ -487,10 +486,9 @@ class ScaledDotProductAttention(keras.layers.Layer):
         if self._output_dense is not None:
             out = self._output_dense(out)  # (B, *dims_q, *output_shape)
         else:
-            shape = tf.shape(out)
             width = self.num_heads * self._value_dim
-            out = tf.reshape(out, tf.concat([shape[:-2], [width]], 0))  # heads concatenated
-            out.set_shape(query.shape[:-1].concatenate([width]))
+            out = keras.ops.reshape(out, (*keras.ops.shape(out)[:-2], width))  # heads concatenated
+            out = _layer_backend.get().with_static_shape(out, (*query.shape[:-1], width))
         if return_attention_scores:
             return out, weights
         return out
@@ -542,10 +540,10 @@ class ScaledDotProductAttention(keras.layers.Layer):
         Returns:
             `(B, *dims_q, N, Hv)` and the weights in MHA's layout (or None).
         """
-        query, key, value = (tf.convert_to_tensor(x) for x in (query, key, value))
-        rank = query.shape.rank - 1  # the inputs' rank
+        query, key, value = (keras.ops.convert_to_tensor(x) for x in (query, key, value))
+        rank = len(query.shape) - 1  # the inputs' rank
         axes = _rank_n.normalize_axes(self.attention_axes, rank)
-        query_shape, value_shape = tf.shape(query), tf.shape(value)
+        query_shape, value_shape = keras.ops.shape(query), keras.ops.shape(value)
         # The core sees (B', T, N, H): non-attention axes join the batch.
         flat = _rank_n.Flattener(rank, axes, query_shape, value_shape)
         q, k, v = (
@@ -559,13 +557,13 @@ class ScaledDotProductAttention(keras.layers.Layer):
             mask = flat.scores(mask, self.num_heads, "attention_mask")  # (B', N|1, T, S)
         bias = None
         if attention_bias is not None:
-            attention_bias = tf.convert_to_tensor(attention_bias)
-            if attention_bias.dtype.is_floating:
-                attention_bias = tf.cast(attention_bias, self.compute_dtype)
+            attention_bias = keras.ops.convert_to_tensor(attention_bias)
+            if keras.backend.is_float_dtype(attention_bias.dtype):
+                attention_bias = keras.ops.cast(attention_bias, self.compute_dtype)
             bias = flat.scores(attention_bias, self.num_heads, "attention_bias")
         seed = None
         if training and self.dropout > 0:
-            seed = _per_replica(self.seed_generator.next())
+            seed = _layer_backend.get().per_replica(self.seed_generator.next())
         result = ops.scaled_dot_product_attention(
             q,
             k,
@@ -587,7 +585,7 @@ class ScaledDotProductAttention(keras.layers.Layer):
         )
         out, weights = result if return_attention_scores else (result, None)
         out = flat.outputs(out)  # (B, *dims_q, N, Hv)
-        out.set_shape(query.shape[:-1].concatenate(value.shape[-1:]))
+        out = _layer_backend.get().with_static_shape(out, (*query.shape[:-1], value.shape[-1]))
         if weights is not None:
             weights = flat.weights(weights)
         return out, weights
@@ -598,10 +596,10 @@ class ScaledDotProductAttention(keras.layers.Layer):
             ("value", value, self._value_dense),
             ("key", key, self._key_dense),
         ):
-            if not tensor.dtype.is_floating:
+            dtype = keras.backend.standardize_dtype(tensor.dtype)
+            if not keras.backend.is_float_dtype(dtype):
                 raise ValueError(
-                    f"`{name}` must be a floating tensor. "
-                    f"Received: {name}.dtype={tensor.dtype.name}"
+                    f"`{name}` must be a floating tensor. Received: {name}.dtype={dtype}"
                 )
             width = dense.kernel.shape[0]
             if tensor.shape[-1] is not None and tensor.shape[-1] != width:
@@ -719,17 +717,3 @@ def _projection_equation(free_dims, bound_dims, output_dims):
     bound = "".join(next(letters) for _ in range(bound_dims))
     out = "".join(next(letters) for _ in range(output_dims))
     return f"{free}{bound},{bound}{out}->{free}{out}", out
-
-
-def _per_replica(seed):
-    """A `(2,)` seed made distinct for each replica of a `tf.distribute` strategy.
-
-    The seed generator's state is a mirrored variable that every replica advances
-    alike, so without this all replicas would drop the same attention weights.
-    Outside a strategy (one replica) the seed is unchanged.
-    """
-    context = tf.distribute.get_replica_context()
-    if context is None or context.num_replicas_in_sync == 1:
-        return seed
-    replica = tf.cast(context.replica_id_in_sync_group, seed.dtype)
-    return seed + tf.stack([replica * 1_000_003, tf.zeros_like(replica)])
