@@ -1,15 +1,10 @@
 """`ScaledDotProductAttention`: the Keras layer that owns W_Q, W_K, W_V (and W_O)."""
 
-import contextlib
-import math
 import string
 
 import keras
-import numpy as np
-import tensorflow as tf
-from keras.src import backend as keras_backend  # the mask accessors have no public name
 
-from keras_sdpa import mods, ops
+from keras_sdpa import _arguments, _cache, _folded, _layer_backend, _layer_masks, _rank_n, mods, ops
 
 
 @keras.saving.register_keras_serializable(package="keras_sdpa")
@@ -140,10 +135,10 @@ class ScaledDotProductAttention(keras.layers.Layer):
     Example:
 
     >>> layer = ScaledDotProductAttention(num_heads=4, key_dim=8, num_key_value_heads=2)
-    >>> x = tf.random.normal((4, 10, 16))  # (B, T, E)
+    >>> x = keras.random.normal((4, 10, 16))  # (B, T, E)
     >>> y, weights = layer(x, x, return_attention_scores=True, use_causal_mask=True)
-    >>> y.shape, weights.shape
-    (TensorShape([4, 10, 16]), TensorShape([4, 4, 10, 10]))
+    >>> tuple(y.shape), tuple(weights.shape)
+    ((4, 10, 16), (4, 4, 10, 10))
     """
 
     def __init__(
@@ -181,60 +176,11 @@ class ScaledDotProductAttention(keras.layers.Layer):
         super().__init__(**kwargs)
         self._activity_regularizer = keras.regularizers.get(activity_regularizer)
         ops._check_backend()
-        _check_positive_int("num_heads", num_heads)
-        for name, size in (
-            ("key_dim", key_dim),
-            ("value_dim", value_dim),
-            ("num_key_value_heads", num_key_value_heads),
-        ):
-            if size is not None:
-                _check_positive_int(name, size, or_none=True)
-        if num_key_value_heads is not None and num_heads % num_key_value_heads:
-            raise ValueError(
-                "`num_key_value_heads` must divide `num_heads`. Received: "
-                f"num_heads={num_heads}, num_key_value_heads={num_key_value_heads}"
-            )
-        if isinstance(dropout, bool) or not isinstance(dropout, (int, float)):
-            raise ValueError(f"`dropout` must be a float in [0, 1). Received: dropout={dropout!r}")
-        if not 0.0 <= dropout < 1.0:
-            raise ValueError(f"`dropout` must be in [0, 1). Received: dropout={dropout}")
-        self.output_shape = _output_shape(output_shape)
-        if isinstance(attention_axes, int):
-            attention_axes = (attention_axes,)
-        elif attention_axes is not None:
-            if not isinstance(attention_axes, (list, tuple)) or not all(
-                isinstance(axis, int) and not isinstance(axis, bool) for axis in attention_axes
-            ):
-                raise ValueError(
-                    "`attention_axes` must be None, an int, or a tuple of ints. "
-                    f"Received: attention_axes={attention_axes!r}"
-                )
-            attention_axes = tuple(attention_axes)
-        ops.check_sliding_window(sliding_window)
-        if flash_attention not in (None, True, False):
-            raise ValueError(
-                "`flash_attention` must be None, True or False. "
-                f"Received: flash_attention={flash_attention!r}"
-            )
-        if implementation not in ("auto", "dense", "chunked"):
-            raise ValueError(
-                '`implementation` must be "auto", "dense" or "chunked". '
-                f"Received: implementation={implementation!r}"
-            )
-        if chunk_size is not None and (
-            not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size <= 0
-        ):
-            raise ValueError(
-                "`chunk_size` must be a positive integer or None. "
-                f"Received: chunk_size={chunk_size!r}"
-            )
-        if scale is not None:
-            ops._check_scale(scale)
-            scale = float(scale)
-        ops.check_soft_cap(attn_logits_soft_cap)
-        ops._check_mod("score_mod", score_mod)
-        ops._check_mod("mask_mod", mask_mod)
-        mods.check_heads(score_mod, num_heads)
+        self.output_shape, attention_axes, scale = _arguments.check(
+            num_heads, key_dim, value_dim, num_key_value_heads, dropout, output_shape,
+            attention_axes, sliding_window, flash_attention, implementation, chunk_size, scale,
+            attn_logits_soft_cap, score_mod, mask_mod,
+        )  # fmt: skip
         self.num_heads = num_heads
         self.key_dim = key_dim
         self.value_dim = value_dim
@@ -392,7 +338,7 @@ class ScaledDotProductAttention(keras.layers.Layer):
     ):
         key = value if key is None else key
         self._check_call_inputs(query, value, key)
-        mask_mod = self._bound_mask_mod(segment_ids, query, key, cache)
+        mask_mod = _layer_masks.bind_segment_ids(self.mask_mod, segment_ids, query, key, cache)
         if cache is not None or cache_update_index is not None:
             return self._call_cached(
                 query, value, key, query_mask, value_mask, key_mask, attention_mask,
@@ -405,23 +351,23 @@ class ScaledDotProductAttention(keras.layers.Layer):
                 "`flash_attention=True` never forms. Received: flash_attention=True, "
                 "return_attention_scores=True"
             )
-        rank = query.shape.rank
+        rank = len(query.shape)
         own_core = self._own_core
         # The query's padding masks whole rows: the core gets the key-side masks only, and those
         # rows are zeroed after it (the same numbers; a (B, S) mask costs the core 0.88x the
         # time of a (B, T, S) one, forward plus backward, at the app's B=64, T=512).
         rows = query_mask if own_core and rank == 3 else None
-        mask = _combine_masks(
+        mask = _layer_masks.combine_masks(
             None if rows is not None else query_mask, value_mask, key_mask, attention_mask, rank
         )
-        with _masks_set_aside(query, value, key):
+        with _layer_masks.masks_set_aside(query, value, key):
             gate = self._gate_dense(query) if self.use_gate else None  # (B, *dims_q, N, Hv)
             if self._folds_projections(query, training, use_causal_mask):
                 out, weights = self._attend_in_input_space(
                     query, value, key, mask, training, return_attention_scores,
                     use_causal_mask, attention_bias,
                 )  # fmt: skip
-                out, weights = _zero_rows(out, weights, rows)
+                out, weights = _layer_masks.zero_rows(out, weights, rows)
                 return self._finish(query, out, weights, gate, return_attention_scores)
             q = self._query_dense(query)  # (B, *dims_q, N, H)
             k = self._key_dense(key)  # (B, *dims_v, K, H)
@@ -438,7 +384,7 @@ class ScaledDotProductAttention(keras.layers.Layer):
                 attention_bias=attention_bias,
                 mask_mod=mask_mod,
             )
-            out, weights = _zero_rows(out, weights, rows)
+            out, weights = _layer_masks.zero_rows(out, weights, rows)
         else:
             # A subclass that overrides MultiHeadAttention's `_compute_attention`
             # gets MHA's contract: the causal mask folded into `attention_mask`.
@@ -455,8 +401,9 @@ class ScaledDotProductAttention(keras.layers.Layer):
                     f"{tuple(attention_bias.shape)}"
                 )
             if use_causal_mask:
-                causal = _causal_mask(tf.shape(query)[1], tf.shape(value)[1])  # (1, T, S)
-                mask = causal if mask is None else tf.logical_and(mask, causal)
+                t, s = keras.ops.shape(query)[1], keras.ops.shape(value)[1]
+                causal = _layer_masks.causal_mask(t, s)  # (1, T, S)
+                mask = causal if mask is None else keras.ops.logical_and(mask, causal)
             out, weights = self._compute_attention(q, k, v, mask, training, return_attention_scores)
         return self._finish(query, out, weights, gate, return_attention_scores)
 
@@ -476,71 +423,39 @@ class ScaledDotProductAttention(keras.layers.Layer):
         With `training` and a `dropout`, the attention weights are dropped as in the
         uncached call.
         """
-        if cache is None:
-            raise ValueError(
-                "`cache_update_index` needs a `cache`. Received: cache=None, "
-                f"cache_update_index={index!r}"
-            )
         if not self._own_core:
             raise ValueError(
                 f"A `cache` reaches only this layer's own attention; {type(self).__name__} "
                 "overrides `_compute_attention`."
             )
-        if query.shape.rank != 3:
-            raise ValueError(
-                "A `cache` needs rank-3 inputs (B, T, E). "
-                f"Received: query.shape={tuple(query.shape)}"
-            )
-        if value_mask is not None or key_mask is not None:
-            raise ValueError(
-                "Padding masks of the new keys cannot mark the cache; pass `attention_mask` "
-                "(B, T, S) over the cached positions instead. Received: a value or key mask "
-                "with a cache"
-            )
-        if self._value_dim != self._key_dim:
-            raise ValueError(
-                "A `cache` stacks keys and values, so `value_dim` must equal `key_dim`. "
-                f"Received: key_dim={self._key_dim}, value_dim={self._value_dim}"
-            )
-        cache = tf.convert_to_tensor(cache)
-        want = (2, self._kv_heads, self._key_dim)
-        if cache.shape.rank != 5 or tuple(cache.shape[i] for i in (1, 3, 4)) != want:
-            raise ValueError(
-                "`cache` must be (B, 2, S, K, H) with K = num_key_value_heads = "
-                f"{self._kv_heads} and H = key_dim = {self._key_dim}. "
-                f"Received: cache.shape={tuple(cache.shape)}"
-            )
+        cache = _cache.check(
+            cache, index, query, value_mask, key_mask, self._kv_heads, self._key_dim,
+            self._value_dim,
+        )  # fmt: skip
         q = self._query_dense(query)  # (B, T, N, H)
-        keys, values = cache[:, 0], cache[:, 1]  # (B, S, K, H)
-        offset = tf.zeros(tf.shape(query)[:1], tf.int32)  # (B,): where each row's queries start
-        if index is not None:
-            offset = _check_cache_index(index, query, cache.shape[2])
-            new_keys = tf.cast(self._key_dense(key), cache.dtype)  # (B, t, K, H)
-            new_values = tf.cast(self._value_dense(value), cache.dtype)
-            cache = _write_rows(cache, tf.stack([new_keys, new_values], axis=1), offset)
-            keys, values = cache[:, 0], cache[:, 1]
+        keys, values, offset, cache = _cache.update(  # (B, S, K, H) twice, (B,), the cache
+            cache, index, query, lambda: (self._key_dense(key), self._value_dense(value))
+        )
         # The core sees the score mod only inside the positioned wrapper, whose head count it
         # cannot read: checked here, for a score mod set after the layer was made too.
         mods.check_heads(self.score_mod, self.num_heads)
-        positioned = _Positioned(
+        positioned = _cache.Positioned(
             offset, bool(use_causal_mask), self.sliding_window, mask_mod, self.score_mod
         )
         mask = None
         if attention_mask is not None:
-            mask = tf.convert_to_tensor(attention_mask)
-            if mask.dtype != tf.bool:
-                mask = tf.not_equal(mask, tf.zeros((), mask.dtype))
-            mask = mask[:, None] if mask.shape.rank == 3 else mask  # (B, 1|N, T, S)
+            mask = _layer_masks.as_bool(attention_mask)
+            mask = mask[:, None] if len(mask.shape) == 3 else mask  # (B, 1|N, T, S)
         bias = None
         if attention_bias is not None:
-            bias = tf.cast(attention_bias, self.compute_dtype)
+            bias = keras.ops.cast(attention_bias, self.compute_dtype)
         seed = None
         if training and self.dropout > 0:  # dropout as in the uncached call (keras-hub's too)
-            seed = _per_replica(self.seed_generator.next())
+            seed = _layer_backend.get().per_replica(self.seed_generator.next())
         result = ops.scaled_dot_product_attention(
             q,
-            tf.cast(keys, q.dtype),
-            tf.cast(values, q.dtype),
+            keras.ops.cast(keys, q.dtype),
+            keras.ops.cast(values, q.dtype),
             mask,
             bias=bias,
             attn_logits_soft_cap=self.attn_logits_soft_cap,
@@ -557,7 +472,7 @@ class ScaledDotProductAttention(keras.layers.Layer):
             mask_mod=positioned.mask_mod(),
         )
         out, weights = result if return_attention_scores else (result, None)
-        out, weights = _zero_rows(out, weights, query_mask)
+        out, weights = _layer_masks.zero_rows(out, weights, query_mask)
         gate = self._gate_dense(query) if self.use_gate else None
         out = self._finish(query, out, weights, gate, return_attention_scores)
         if return_attention_scores:
@@ -571,55 +486,12 @@ class ScaledDotProductAttention(keras.layers.Layer):
         if self._output_dense is not None:
             out = self._output_dense(out)  # (B, *dims_q, *output_shape)
         else:
-            shape = tf.shape(out)
             width = self.num_heads * self._value_dim
-            out = tf.reshape(out, tf.concat([shape[:-2], [width]], 0))  # heads concatenated
-            out.set_shape(query.shape[:-1].concatenate([width]))
+            out = keras.ops.reshape(out, (*keras.ops.shape(out)[:-2], width))  # heads concatenated
+            out = _layer_backend.get().with_static_shape(out, (*query.shape[:-1], width))
         if return_attention_scores:
             return out, weights
         return out
-
-    def _bound_mask_mod(self, segment_ids, query, key, cache):
-        """The mask mod of this call, holding `segment_ids` where it takes them.
-
-        The ids are gathered inside XLA, which clamps an index out of range, so their sizes
-        are checked here where they are known: `(B, T)` with `T` the query's and the key's
-        length, or with a cache `(B, S)`, one id per cached position.
-        """
-        if segment_ids is None:
-            return self.mask_mod
-        if self.mask_mod is None or not mods.uses_segment_ids(self.mask_mod):
-            raise ValueError(
-                "`segment_ids` are read by a `keras_sdpa.mods.document()` mask mod; this "
-                f"layer has mask_mod={self.mask_mod!r}. Received: segment_ids with shape "
-                f"{tuple(segment_ids.shape)}"
-            )
-        segment_ids = tf.convert_to_tensor(segment_ids)
-        if segment_ids.shape.rank != 2 or not segment_ids.dtype.is_integer:
-            raise ValueError(
-                "`segment_ids` must be a (B, T) integer tensor. Received: segment_ids with "
-                f"shape {tuple(segment_ids.shape)} and dtype {segment_ids.dtype.name}"
-            )
-        if query.shape.rank != 3:
-            raise ValueError(
-                "`segment_ids` need rank-3 inputs (B, T, E), one sequence per row. "
-                f"Received: query.shape={tuple(query.shape)}"
-            )
-        expected = [("batch size", 0, query.shape[0])]
-        if cache is not None:
-            shape = tf.convert_to_tensor(cache).shape  # checked whole in `_call_cached`
-            expected.append(("the cache's length", 1, shape[2] if shape.rank == 5 else None))
-        else:
-            expected += [("the query's length", 1, query.shape[1]),
-                         ("the key's length", 1, key.shape[1])]  # fmt: skip
-        for name, axis, size in expected:
-            if None not in (size, segment_ids.shape[axis]) and size != segment_ids.shape[axis]:
-                raise ValueError(
-                    f"`segment_ids` must have {name} {size} (one id per position: (B, T), or "
-                    "with a cache (B, S)). Received: segment_ids with shape "
-                    f"{tuple(segment_ids.shape)}"
-                )
-        return mods._bind(self.mask_mod, segment_ids, None)
 
     @property
     def _own_core(self):
@@ -627,75 +499,17 @@ class ScaledDotProductAttention(keras.layers.Layer):
         return type(self)._compute_attention is ScaledDotProductAttention._compute_attention
 
     def _folds_projections(self, query, training, use_causal_mask):
-        """Whether a short query attends in the inputs' space, without projecting every key.
-
-        For a query of `T` positions against `S` keys, projecting the keys and values costs
-        `S E N H` each; folding `W_K` into the query (`q W_K^T`, `(T, N, E)`) and `W_V`
-        after the weighted sum costs `T S E N`. With `T` well below `H` (attention pooling,
-        `T = 1`) the fold does a fraction of the work, to float rounding the same result:
-        the key bias shifts each logit row by a constant, which the softmax ignores, and the
-        value bias is weighted by the row's total weight. Only the plain configuration
-        folds: self-attention-style axes, no grouped heads, no soft cap (not
-        shift-invariant), no causal mask or window, no dropout while training, and
-        projections that are neither quantized nor LoRA.
-        """
-        if not self._own_core:
-            return False
-        length = query.shape[1]
-        if query.shape.rank != 3 or length is None:
-            return False
-        if length * 4 > min(self._key_dim, self._value_dim):
-            return False
-        if self._kv_heads != self.num_heads or self.attn_logits_soft_cap is not None:
-            return False
-        if self.score_mod is not None or self.mask_mod is not None:
-            return False
-        if use_causal_mask or self.sliding_window is not None:
-            return False
-        if training and self.dropout > 0:
-            return False
-        return not any(
-            dense.quantization_mode is not None or dense.lora_enabled
-            for dense in (self._query_dense, self._key_dense, self._value_dense)
-        )
+        """Whether a short query attends in the inputs' space (`keras_sdpa._folded`)."""
+        return self._own_core and _folded.folds(self, query, training, use_causal_mask)
 
     def _attend_in_input_space(
         self, query, value, key, mask, training, return_attention_scores, use_causal_mask,
         attention_bias,
     ):  # fmt: skip
-        """Attention with `W_K` folded into the query and `W_V` applied after the weighted
-        sum (`_folds_projections`). Returns `(B, T, N, Hv)` and the weights or None."""
-        q = self._query_dense(query)  # (B, T, N, H)
-        w_k = tf.cast(self._key_dense.kernel, q.dtype)  # (E_k, N, H)
-        q_keys = tf.einsum("btnh,enh->btne", q, w_k)  # (B, T, N, E_k): q k_s = q_keys x_s
-        if self.scale is None:
-            # The core's default scale follows the last axis, E_k here: keep 1 / sqrt(H).
-            q_keys = q_keys * math.sqrt(w_k.shape[0] / self._key_dim)
-        if self.use_bias:
-            # The key bias adds `q b_K` to every logit of a row, which the softmax ignores: its
-            # gradient is zero, given as zeros (not None, which optimizers warn about).
-            q_keys = q_keys + 0.0 * tf.reduce_sum(tf.cast(self._key_dense.bias, q_keys.dtype))
-        width = value.shape[-1]
-        if self.use_bias:
-            # sum_s p_s (x_s W_V + b_V) = (sum_s p_s x_s) W_V + (sum_s p_s) b_V: a column of
-            # ones beside the values gives each row's total weight (0 where every key is
-            # masked), whatever the masks' shapes.
-            value = tf.concat([value, tf.ones_like(value[..., :1])], axis=-1)
-        mixed, weights = self._compute_attention(
-            q_keys,
-            key[:, :, None, :],  # (B, S, 1, E_k): one key "head" that every head reads
-            value[:, :, None, :],  # (B, S, 1, E_v), and the ones
-            mask,
-            training,
-            return_attention_scores,
-            use_causal_mask=use_causal_mask,
-            attention_bias=attention_bias,
-        )  # (B, T, N, E_v): each head's weighted sum of the value inputs, and its total
-        w_v = tf.cast(self._value_dense.kernel, mixed.dtype)  # (E_v, N, Hv)
-        out = tf.einsum("btne,enh->btnh", mixed[..., :width], w_v)  # (B, T, N, Hv)
-        if self.use_bias:
-            out = out + mixed[..., width:] * tf.cast(self._value_dense.bias, out.dtype)
-        return out, weights
+        return _folded.attend(
+            self, query, value, key, mask, training, return_attention_scores, use_causal_mask,
+            attention_bias,
+        )  # fmt: skip
 
     def _compute_attention(
         self,
@@ -726,12 +540,12 @@ class ScaledDotProductAttention(keras.layers.Layer):
         Returns:
             `(B, *dims_q, N, Hv)` and the weights in MHA's layout (or None).
         """
-        query, key, value = (tf.convert_to_tensor(x) for x in (query, key, value))
-        rank = query.shape.rank - 1  # the inputs' rank
-        axes = _normalize_axes(self.attention_axes, rank)
-        query_shape, value_shape = tf.shape(query), tf.shape(value)
+        query, key, value = (keras.ops.convert_to_tensor(x) for x in (query, key, value))
+        rank = len(query.shape) - 1  # the inputs' rank
+        axes = _rank_n.normalize_axes(self.attention_axes, rank)
+        query_shape, value_shape = keras.ops.shape(query), keras.ops.shape(value)
         # The core sees (B', T, N, H): non-attention axes join the batch.
-        flat = _Flattener(rank, axes, query_shape, value_shape)
+        flat = _rank_n.Flattener(rank, axes, query_shape, value_shape)
         q, k, v = (
             flat.inputs(query, "query"),
             flat.inputs(key, "value"),
@@ -739,19 +553,17 @@ class ScaledDotProductAttention(keras.layers.Layer):
         )
         mask = None
         if attention_mask is not None:
-            mask = tf.convert_to_tensor(attention_mask)
-            if mask.dtype != tf.bool:
-                mask = tf.not_equal(mask, tf.zeros((), mask.dtype))
+            mask = _layer_masks.as_bool(attention_mask)
             mask = flat.scores(mask, self.num_heads, "attention_mask")  # (B', N|1, T, S)
         bias = None
         if attention_bias is not None:
-            attention_bias = tf.convert_to_tensor(attention_bias)
-            if attention_bias.dtype.is_floating:
-                attention_bias = tf.cast(attention_bias, self.compute_dtype)
+            attention_bias = keras.ops.convert_to_tensor(attention_bias)
+            if keras.backend.is_float_dtype(attention_bias.dtype):
+                attention_bias = keras.ops.cast(attention_bias, self.compute_dtype)
             bias = flat.scores(attention_bias, self.num_heads, "attention_bias")
         seed = None
         if training and self.dropout > 0:
-            seed = _per_replica(self.seed_generator.next())
+            seed = _layer_backend.get().per_replica(self.seed_generator.next())
         result = ops.scaled_dot_product_attention(
             q,
             k,
@@ -773,7 +585,7 @@ class ScaledDotProductAttention(keras.layers.Layer):
         )
         out, weights = result if return_attention_scores else (result, None)
         out = flat.outputs(out)  # (B, *dims_q, N, Hv)
-        out.set_shape(query.shape[:-1].concatenate(value.shape[-1:]))
+        out = _layer_backend.get().with_static_shape(out, (*query.shape[:-1], value.shape[-1]))
         if weights is not None:
             weights = flat.weights(weights)
         return out, weights
@@ -784,10 +596,10 @@ class ScaledDotProductAttention(keras.layers.Layer):
             ("value", value, self._value_dense),
             ("key", key, self._key_dense),
         ):
-            if not tensor.dtype.is_floating:
+            dtype = keras.backend.standardize_dtype(tensor.dtype)
+            if not keras.backend.is_float_dtype(dtype):
                 raise ValueError(
-                    f"`{name}` must be a floating tensor. "
-                    f"Received: {name}.dtype={tensor.dtype.name}"
+                    f"`{name}` must be a floating tensor. Received: {name}.dtype={dtype}"
                 )
             width = dense.kernel.shape[0]
             if tensor.shape[-1] is not None and tensor.shape[-1] != width:
@@ -798,34 +610,7 @@ class ScaledDotProductAttention(keras.layers.Layer):
         self._check_shapes(tuple(query.shape), tuple(value.shape), tuple(key.shape))
 
     def _check_shapes(self, query_shape, value_shape, key_shape):
-        if value_shape[1:-1] != key_shape[1:-1]:
-            raise ValueError(
-                "All dimensions of `value` and `key`, except the last one, must be equal. "
-                f"Received: value_shape={value_shape}, key_shape={key_shape}"
-            )
-        for name, shape in (("query", query_shape), ("value", value_shape), ("key", key_shape)):
-            if len(shape) < 3:
-                raise ValueError(
-                    f"`{name}` must have rank 3 or more, (batch, *positions, width). "
-                    f"Received: {name}.shape={shape}"
-                )
-        if len(value_shape) != len(query_shape):
-            raise ValueError(
-                "`query` and `value` must have the same rank. "
-                f"Received: query_shape={query_shape}, value_shape={value_shape}"
-            )
-        axes = _normalize_axes(self.attention_axes, len(query_shape))
-        batch_axes = [a for a in range(1, len(query_shape) - 1) if a not in axes]
-        for axis in [0] + batch_axes:
-            if None not in (query_shape[axis], value_shape[axis]) and (
-                query_shape[axis] != value_shape[axis]
-                and 1 not in (query_shape[axis], value_shape[axis])
-            ):
-                raise ValueError(
-                    f"`query` and `value` must be equal along the batch axes {[0] + batch_axes} "
-                    f"(those outside `attention_axes`). Received: query_shape={query_shape}, "
-                    f"value_shape={value_shape}"
-                )
+        _arguments.check_shapes(self.attention_axes, query_shape, value_shape, key_shape)
 
     def compute_mask(self, query, previous_mask=None):
         # Keras passes the mask of the first input, the query's: each output
@@ -870,7 +655,7 @@ class ScaledDotProductAttention(keras.layers.Layer):
             return out
         # MHA's layout: (B, *batch dims, N, *query attention dims, *key attention dims).
         rank = len(query.shape)
-        axes = _normalize_axes(self.attention_axes, rank)
+        axes = _rank_n.normalize_axes(self.attention_axes, rank)
         batch = [query.shape[a] for a in range(1, rank - 1) if a not in axes]
         scores_shape = (
             (query.shape[0], *batch, self.num_heads)
@@ -907,8 +692,8 @@ class ScaledDotProductAttention(keras.layers.Layer):
                 "chunk_size": self.chunk_size,
                 "scale": self.scale,
                 "attn_logits_soft_cap": self.attn_logits_soft_cap,
-                "score_mod": _serialize_mod("score_mod", self.score_mod),
-                "mask_mod": _serialize_mod("mask_mod", self.mask_mod),
+                "score_mod": _arguments.serialize_mod("score_mod", self.score_mod),
+                "mask_mod": _arguments.serialize_mod("mask_mod", self.mask_mod),
             }
         )
         return config
@@ -922,333 +707,6 @@ class ScaledDotProductAttention(keras.layers.Layer):
         return cls(**config)
 
 
-def _serialize_mod(name, mod):
-    """A mod's config for saving: built-ins and registered functions; others are refused."""
-    if mod is None:
-        return None
-    if not isinstance(mod, (mods.Mod, keras.layers.Layer)):
-        registered = keras.saving.get_registered_name(mod)
-        if keras.saving.get_registered_object(registered) is not mod:
-            raise ValueError(
-                f"`{name}` must be a keras_sdpa.mods built-in or a function registered with "
-                "`@keras.saving.register_keras_serializable()` to be saved: a lambda or an "
-                f"unregistered function cannot be rebuilt on loading. Received: {name}={mod!r}"
-            )
-    if isinstance(mod, mods.Mod) and mod._tensors():
-        mod.get_config()  # refuses with a clear error where the mod holds data of one batch
-        raise ValueError(
-            f"`{name}` holds tensors of one batch and cannot be saved; build it without them "
-            f"and pass them at call time. Received: {name}={mod!r}"
-        )
-    return keras.saving.serialize_keras_object(mod)
-
-
-def _check_cache_index(index, query, size):
-    """`cache_update_index` as a `(B,)` int32 tensor for `query` `(B, T, E)`, checked where its
-    value is known: while tracing when it is static (an int, an eager tensor, a constant of the
-    graph), else when the graph runs."""
-    index = tf.convert_to_tensor(index)
-    if not index.dtype.is_integer or index.shape.rank not in (0, 1):
-        raise ValueError(
-            "`cache_update_index` must be an int, or an integer scalar or (B,) tensor. "
-            f"Received: cache_update_index with shape {tuple(index.shape)} and dtype "
-            f"{index.dtype.name}"
-        )
-    rows, length = query.shape[0], query.shape[1]
-    if index.shape.rank == 1 and None not in (rows, index.shape[0]) and index.shape[0] != rows:
-        raise ValueError(
-            f"`cache_update_index` must have one position per row of the batch ({rows}). "
-            f"Received: cache_update_index with shape {tuple(index.shape)}"
-        )
-    count = "" if length is None else f"{length} "
-    room = f"must leave room for the {count}new positions in a cache of {size}"
-    values = tf.get_static_value(index)  # before the cast to int32, which would wrap it
-    if values is not None:
-        values = np.asarray(values)
-        last = np.iinfo("int32").max if size is None else size - (length or 0)
-        if values.size and (values.min() < 0 or values.max() > last):
-            rule = (
-                f"{room}: each row's index in [0, {last}]" if None not in (length, size)
-                else f"must be a position in [0, {last}]"
-            )  # fmt: skip
-            raise ValueError(
-                f"`cache_update_index` {rule}. Received: cache_update_index={values.tolist()}"
-            )
-    index = tf.cast(index, tf.int32)
-    if size is not None and (values is None or length is None):
-        # Otherwise the values are known only when the graph runs: it raises there, while
-        # inside an XLA program (where asserts are dropped) a write past the end is lost.
-        checks = [
-            tf.debugging.assert_greater_equal(index, 0, message=f"`cache_update_index` {room}"),
-            tf.debugging.assert_less_equal(
-                index, size - tf.shape(query)[1], message=f"`cache_update_index` {room}"
-            ),
-        ]
-        with tf.control_dependencies(checks):
-            index = tf.identity(index)
-    if index.shape.rank == 0:
-        index = tf.fill(tf.shape(query)[:1], index)
-    return index
-
-
-def _write_rows(cache, update, offset):
-    """`cache[b, :, offset[b] : offset[b] + t] = update[b]` for each row, in one scatter:
-    `cache (B, 2, S, K, H)`, `update (B, 2, t, K, H)`. Inside a compiled generate loop XLA
-    writes it in place; splitting the keys and values and stacking them again copied the
-    whole cache on every token."""
-    shape = tf.shape(update)
-    rows = tf.broadcast_to(tf.range(shape[0])[:, None, None], shape[:3])
-    halves = tf.broadcast_to(tf.range(2)[None, :, None], shape[:3])
-    positions = tf.broadcast_to(offset[:, None, None] + tf.range(shape[2])[None, None], shape[:3])
-    return tf.tensor_scatter_nd_update(cache, tf.stack([rows, halves, positions], -1), update)
-
-
-class _Positioned(mods.Mod):
-    """The layer's masks and mods for a query block that starts at `offset[b]` in a cache.
-
-    Causal: `kv_idx <= offset[b] + q_idx`; the window: `|offset[b] + q_idx - kv_idx| < W`;
-    the layer's `mask_mod` and `score_mod` get `q_idx` shifted the same way. The offsets are
-    a tensor of the call, so a new position does not trace a new program.
-    """
-
-    def __init__(self, offset, causal, window, inner_mask, inner_score):
-        self.offset, self.causal, self.window = offset, causal, window
-        self.inner_mask, self.inner_score = inner_mask, inner_score
-
-    def mask_mod(self):
-        if not (self.causal or self.window or self.inner_mask):
-            return None
-        return _PositionedMask(self.offset, self.causal, self.window, self.inner_mask, None)
-
-    def score_mod(self):
-        if self.inner_score is None:
-            return None
-        return _PositionedScore(self.offset, None, None, None, self.inner_score)
-
-    def _position(self, b, q_idx):
-        return q_idx + tf.gather(tf.cast(self.offset, tf.int32), b)  # (B, 1, t, 1)
-
-    def _key(self):
-        return (
-            type(self), self.causal, self.window,
-            mods._static_key(self.inner_mask), mods._static_key(self.inner_score),
-        )  # fmt: skip
-
-    def _tensors(self):
-        return (self.offset,) + mods.split(self.inner_mask)[1]
-
-    def _with_tensors(self, tensors):
-        inner = mods.join(mods.split(self.inner_mask)[0], tuple(tensors[1:]))
-        return type(self)(tensors[0], self.causal, self.window, inner, self.inner_score)
-
-
-class _PositionedMask(_Positioned):
-    def __call__(self, b, h, q_idx, kv_idx):
-        position = self._position(b, q_idx)
-        allowed = tf.ones_like(position - kv_idx, tf.bool)  # (B, 1, t, s)
-        if self.causal:
-            allowed = tf.logical_and(allowed, kv_idx <= position)
-        if self.window:
-            allowed = tf.logical_and(allowed, tf.abs(position - kv_idx) < self.window)
-        if self.inner_mask is not None:
-            allowed = tf.logical_and(allowed, self.inner_mask(b, h, position, kv_idx))
-        return allowed
-
-
-class _PositionedScore(_Positioned):
-    def __call__(self, score, b, h, q_idx, kv_idx):
-        return mods.as_function(self.inner_score)(score, b, h, self._position(b, q_idx), kv_idx)
-
-    def _key(self):
-        return (type(self), mods._static_key(self.inner_score))
-
-    def _tensors(self):
-        return (self.offset,) + mods.split(self.inner_score)[1]
-
-    def _with_tensors(self, tensors):
-        inner = mods.join(mods.split(self.inner_score)[0], tuple(tensors[1:]))
-        return _PositionedScore(tensors[0], None, None, None, inner)
-
-
-class _Flattener:
-    """Moves between the layer's `(B, *dims, …)` tensors and the core's `(B', T, …)`.
-
-    The attention axes are flattened into `T` (and `S`), the other position axes
-    into the batch `B'`, as `keras.layers.MultiHeadAttention`'s einsums read them.
-    For rank-3 inputs every step is the identity.
-    """
-
-    def __init__(self, rank, axes, query_shape, value_shape):
-        self.rank = rank
-        self.axes = axes
-        self.batch_axes = [a for a in range(1, rank - 1) if a not in axes]
-        self.trivial = rank == 3
-        self.query_shape, self.value_shape = query_shape, value_shape
-        # Projected tensors have rank + 1 axes: (B, *dims, heads, size).
-        self.order = [0] + self.batch_axes + list(axes) + [rank - 1, rank]
-        self.inverse = [self.order.index(a) for a in range(rank + 1)]
-
-    def _sizes(self, shape, axes):
-        return tf.reduce_prod(tf.gather(shape, axes)) if axes else tf.constant(1)
-
-    def inputs(self, x, which):
-        """`(B, *dims, heads, size)` to `(B', L, heads, size)`."""
-        if self.trivial:
-            return x
-        shape = self.query_shape if which == "query" else self.value_shape
-        x = tf.transpose(x, self.order)
-        x_shape = tf.shape(x)
-        batch = shape[0] * self._sizes(shape, self.batch_axes)
-        length = self._sizes(shape, list(self.axes))
-        return tf.reshape(x, tf.stack([batch, length, x_shape[-2], x_shape[-1]]))
-
-    def outputs(self, out):
-        """`(B', T, N, Hv)` back to `(B, *dims_q, N, Hv)`."""
-        if self.trivial:
-            return out
-        shape = self.query_shape
-        out_shape = tf.shape(out)
-        sizes = [shape[0]] + [shape[a] for a in self.batch_axes] + [shape[a] for a in self.axes]
-        out = tf.reshape(out, tf.stack(sizes + [out_shape[-2], out_shape[-1]]))
-        return tf.transpose(out, self.inverse)
-
-    def scores(self, x, num_heads, name):
-        """A mask or bias in MHA's scores layout to the core's `(B'|1, N|1, T|1, S|1)`.
-
-        Rank 3: `(T, S)`, `(B, T, S)` gain a head axis; `(B, N|1, T, S)` passes.
-        Higher ranks: MHA's layout `(B, *batch dims, N, *query axes, *key axes)`,
-        with or without the head axis, broadcast and flattened.
-        """
-        full_rank = 1 + len(self.batch_axes) + 1 + 2 * len(self.axes)
-        if x.shape.rank is None or x.shape.rank > full_rank:
-            raise ValueError(
-                f"`{name}` must have rank {full_rank} or less (the scores' layout "
-                f"{'(B, N, T, S)' if self.trivial else '(B, *batch, N, *T, *S)'}). "
-                f"Received: {name}.shape={tuple(x.shape)}"
-            )
-        while x.shape.rank < full_rank:  # the head axis first, then the leading ones
-            x = tf.expand_dims(x, -2 * len(self.axes) - 1)
-        if self.trivial:
-            return x
-        heads = x.shape[1 + len(self.batch_axes)]
-        q, v = self.query_shape, self.value_shape
-        target = tf.stack(
-            [q[0]]
-            + [q[a] for a in self.batch_axes]
-            + [tf.constant(num_heads if heads != 1 else 1)]
-            + [q[a] for a in self.axes]
-            + [v[a] for a in self.axes]
-        )
-        x = tf.broadcast_to(x, target)
-        batch = q[0] * self._sizes(q, self.batch_axes)
-        t, s = self._sizes(q, list(self.axes)), self._sizes(v, list(self.axes))
-        return tf.reshape(x, tf.stack([batch, target[len(self.batch_axes) + 1], t, s]))
-
-    def weights(self, weights):
-        """`(B', N, T, S)` to MHA's `(B, *batch dims, N, *query axes, *key axes)`."""
-        if self.trivial:
-            return weights
-        q, v = self.query_shape, self.value_shape
-        w_shape = tf.shape(weights)
-        sizes = (
-            [q[0]]
-            + [q[a] for a in self.batch_axes]
-            + [w_shape[1]]
-            + [q[a] for a in self.axes]
-            + [v[a] for a in self.axes]
-        )
-        return tf.reshape(weights, tf.stack(sizes))
-
-
-@contextlib.contextmanager
-def _masks_set_aside(*tensors):
-    """Takes the Keras masks off the inputs while the projections run, then puts them back.
-
-    The padding masks reach `call` as arguments; without this the projections,
-    which do not support masking, would warn that they drop them. Unlike
-    MultiHeadAttention, the caller's tensors keep their masks afterwards.
-    """
-    masks = [keras_backend.get_keras_mask(tensor) for tensor in tensors]
-    for tensor in tensors:
-        keras_backend.set_keras_mask(tensor, None)
-    try:
-        yield
-    finally:
-        for tensor, mask in zip(tensors, masks):
-            if mask is not None:
-                keras_backend.set_keras_mask(tensor, mask)
-
-
-def _per_replica(seed):
-    """A `(2,)` seed made distinct for each replica of a `tf.distribute` strategy.
-
-    The seed generator's state is a mirrored variable that every replica advances
-    alike, so without this all replicas would drop the same attention weights.
-    Outside a strategy (one replica) the seed is unchanged.
-    """
-    context = tf.distribute.get_replica_context()
-    if context is None or context.num_replicas_in_sync == 1:
-        return seed
-    replica = tf.cast(context.replica_id_in_sync_group, seed.dtype)
-    return seed + tf.stack([replica * 1_000_003, tf.zeros_like(replica)])
-
-
-def _zero_rows(out, weights, query_mask):
-    """Zeroes the attention output `(B, T, N, Hv)` and weights `(B, N, T, S)` of the query
-    rows `query_mask` `(B, T)` leaves out, as a row with every key masked has them."""
-    if query_mask is None:
-        return out, weights
-    rows = tf.cast(query_mask, out.dtype)  # (B, T)
-    out = out * rows[:, :, None, None]
-    if weights is not None:
-        weights = weights * tf.cast(query_mask, weights.dtype)[:, None, :, None]
-    return out, weights
-
-
-def _combine_masks(query_mask, value_mask, key_mask, attention_mask, rank):
-    """The boolean mask of `keras.layers.MultiHeadAttention`, in its layout, or None."""
-    mask = None
-    if query_mask is not None:
-        mask = tf.expand_dims(tf.cast(query_mask, tf.bool), -1)  # (B, T, 1)
-    for padding in (value_mask, key_mask):
-        if padding is not None:
-            padding = tf.expand_dims(tf.cast(padding, tf.bool), -2)  # (B, 1, S)
-            mask = padding if mask is None else tf.logical_and(mask, padding)
-    if attention_mask is not None:
-        attention_mask = tf.convert_to_tensor(attention_mask)
-        if attention_mask.dtype != tf.bool:
-            attention_mask = tf.not_equal(attention_mask, tf.zeros((), attention_mask.dtype))
-        if mask is not None and attention_mask.shape.rank == rank + 1:
-            # A per-head attention mask: the padding masks gain the head axis.
-            mask = tf.expand_dims(mask, -3)
-        mask = attention_mask if mask is None else tf.logical_and(mask, attention_mask)
-    return mask
-
-
-def _causal_mask(t, s):
-    """MultiHeadAttention's causal mask: `(1, T, S)`, True where `s <= t`."""
-    return (tf.range(t)[:, None] >= tf.range(s)[None, :])[None]
-
-
-def _normalize_axes(attention_axes, rank):
-    """Attention axes of an input of `rank`, as positive ints (MHA's negative-axis rule)."""
-    if attention_axes is None:
-        return tuple(range(1, rank - 1))
-    axes = tuple(axis if axis >= 0 else rank + axis for axis in attention_axes)
-    for axis in axes:
-        if not 1 <= axis <= rank - 2:
-            raise ValueError(
-                f"`attention_axes` must name position axes of the inputs, 1 to {rank - 2} "
-                f"(or negative ones) for inputs of rank {rank}. "
-                f"Received: attention_axes={attention_axes}"
-            )
-    if len(set(axes)) != len(axes):
-        raise ValueError(
-            f"`attention_axes` must not repeat an axis. Received: attention_axes={attention_axes}"
-        )
-    return axes
-
-
 def _projection_equation(free_dims, bound_dims, output_dims):
     """An EinsumDense equation `(free…, bound…) x (bound…, out…) -> (free…, out…)`.
 
@@ -1259,29 +717,3 @@ def _projection_equation(free_dims, bound_dims, output_dims):
     bound = "".join(next(letters) for _ in range(bound_dims))
     out = "".join(next(letters) for _ in range(output_dims))
     return f"{free}{bound},{bound}{out}->{free}{out}", out
-
-
-def _output_shape(output_shape):
-    """`output_shape` as None or a tuple of positive ints."""
-    if output_shape is None:
-        return None
-    shape = (output_shape,) if isinstance(output_shape, int) else output_shape
-    if (
-        not isinstance(shape, (tuple, list))
-        or not shape
-        or not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape)
-    ):
-        raise ValueError(
-            "Invalid `output_shape`: it must be a positive int or a tuple of positive ints. "
-            f"Received: output_shape={output_shape!r}"
-        )
-    return tuple(shape)
-
-
-def _check_positive_int(name, value, or_none=False):
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        expected = "a positive integer or None" if or_none else "a positive integer"
-        raise ValueError(
-            f"Received an invalid value for argument `{name}`, expected {expected}. "
-            f"Received: {name}={value!r}"
-        )

@@ -4,6 +4,10 @@ Cached decoding is checked token by token against the same layer recomputing ful
 attention over the whole sequence, which shares none of the cache's code paths.
 """
 
+import os
+import subprocess
+import sys
+
 import keras
 import numpy as np
 import pytest
@@ -327,3 +331,42 @@ def test_the_cached_call_drops_weights_in_training():
     assert np.all(np.abs(draws.mean(0) - want) <= error + 1e-6)
     _, dropped_scores, _ = layer(x, x, training=True, return_attention_scores=True, **kwargs)
     np.testing.assert_allclose(dropped_scores, scores, atol=1e-6)
+
+
+JAX_CACHE_CHECK = """
+import os
+os.environ["KERAS_BACKEND"] = "jax"
+import jax, jax.numpy as jnp, numpy as np
+from keras_sdpa import _cache
+B, S, K, H, t = 2, 7, 3, 5, 2
+cache = np.zeros((B, 2, S, K, H), "float32")
+update = np.random.default_rng(0).normal(size=(B, 2, t, K, H)).astype("float32")
+query = jnp.zeros((B, t, 4))
+write = jax.jit(lambda c, u, i: _cache.write_rows(c, u, _cache.check_index(i, query, S)))
+got = np.asarray(write(cache, update, np.array([1, 5], "int32")))
+want = cache.copy()
+want[0, :, 1:3], want[1, :, 5:7] = update[0], update[1]
+np.testing.assert_array_equal(got, want)
+try:
+    _cache.check_index(np.array([0, 6]), query, S)  # concrete: checked while tracing
+    raise AssertionError("no error")
+except ValueError as error:
+    assert "each row's index in [0, 5]" in str(error), error
+mask = _cache.Positioned(jnp.array([1, 4]), True, 3, None, None).mask_mod()
+b, q, k = jnp.arange(B)[:, None, None, None], jnp.arange(t)[:, None], jnp.arange(S)
+position = np.array([1, 4])[:, None, None, None] + np.arange(t)[:, None]
+want = (k <= position) & (np.abs(position - k) < 3)  # (B, 1, t, S)
+np.testing.assert_array_equal(np.asarray(mask(b, 0, q, k)), want)
+print("ok")
+"""
+
+
+def test_the_cache_writes_and_positions_on_jax():
+    """On Keras's JAX backend, inside `jax.jit`: each row's new keys and values land at its own
+    index (JAX's scatter reads `(M, 3)` indices), a concrete index past the end is refused, and
+    the positioned causal window counts from each row's offset."""
+    env = {k: v for k, v in os.environ.items() if k != "KERAS_BACKEND"}
+    run = subprocess.run(
+        [sys.executable, "-c", JAX_CACHE_CHECK], capture_output=True, text=True, env=env
+    )
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-3000:]

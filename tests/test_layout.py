@@ -153,3 +153,42 @@ def test_no_function_is_longer_than_a_screen():
                 if lines > MAX_FUNCTION_LINES:
                     long.append(f"{os.path.relpath(path, ROOT)}:{node.lineno} {node.name} {lines}")
     assert long == []
+
+
+# The layer and the modules split out of it (issue #41): written on `keras.ops`, so that the
+# layer runs on Keras's JAX backend; what differs per backend is in `_backend/layer_<name>.py`.
+PACKAGE = os.path.join(ROOT, "keras_sdpa")
+LAYER_MODULES = (
+    "layer", "_arguments", "_cache", "_folded", "_layer_backend", "_layer_masks", "_rank_n",
+)  # fmt: skip
+
+
+def imported_modules(path):
+    """Every module a file imports, at the top or inside a function, as dotted names."""
+    names = set()
+    for node in ast.walk(ast.parse(open(path, encoding="utf-8").read(), path)):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return names
+
+
+@pytest.mark.parametrize("module", LAYER_MODULES)
+def test_the_layer_modules_import_no_tensorflow_and_not_the_layer(module):
+    names = imported_modules(os.path.join(PACKAGE, f"{module}.py"))
+    assert not [name for name in names if name.split(".")[0] == "tensorflow"], module
+    if module != "layer":  # data flows one way: the layer wires them, never the reverse
+        layer = [n for n in names if n == "keras_sdpa.layer" or n.startswith("keras_sdpa.layer.")]
+        assert layer == [], module
+
+
+def test_the_layer_shims_of_both_backends_have_the_same_names():
+    def functions(name):
+        path = os.path.join(PACKAGE, "_backend", f"layer_{name}.py")
+        tree = ast.parse(open(path, encoding="utf-8").read())
+        return [node.name for node in tree.body if isinstance(node, ast.FunctionDef)]
+
+    assert functions("tensorflow") == functions("jax")
+    jax_imports = imported_modules(os.path.join(PACKAGE, "_backend", "layer_jax.py"))
+    assert not [name for name in jax_imports if name.startswith("tensorflow")]

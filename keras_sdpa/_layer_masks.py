@@ -1,0 +1,115 @@
+"""The layer's masks: Keras's padding masks, MHA's attention mask, the causal mask and the
+segment ids of a document mask, turned into what the core takes."""
+
+import contextlib
+
+import keras
+from keras.src import backend as keras_backend  # the mask accessors have no public name
+
+from keras_sdpa import mods
+
+
+def as_bool(mask):
+    """`mask` as a boolean tensor: True where it is nonzero."""
+    mask = keras.ops.convert_to_tensor(mask)
+    if keras.backend.standardize_dtype(mask.dtype) != "bool":
+        mask = keras.ops.not_equal(mask, keras.ops.zeros((), mask.dtype))
+    return mask
+
+
+@contextlib.contextmanager
+def masks_set_aside(*tensors):
+    """Takes the Keras masks off the inputs while the projections run, then puts them back.
+
+    The padding masks reach `call` as arguments; without this the projections,
+    which do not support masking, would warn that they drop them. Unlike
+    MultiHeadAttention, the caller's tensors keep their masks afterwards.
+    """
+    masks = [keras_backend.get_keras_mask(tensor) for tensor in tensors]
+    for tensor in tensors:
+        keras_backend.set_keras_mask(tensor, None)
+    try:
+        yield
+    finally:
+        for tensor, mask in zip(tensors, masks):
+            if mask is not None:
+                keras_backend.set_keras_mask(tensor, mask)
+
+
+def zero_rows(out, weights, query_mask):
+    """Zeroes the attention output `(B, T, N, Hv)` and weights `(B, N, T, S)` of the query
+    rows `query_mask` `(B, T)` leaves out, as a row with every key masked has them."""
+    if query_mask is None:
+        return out, weights
+    rows = keras.ops.cast(query_mask, out.dtype)  # (B, T)
+    out = out * rows[:, :, None, None]
+    if weights is not None:
+        weights = weights * keras.ops.cast(query_mask, weights.dtype)[:, None, :, None]
+    return out, weights
+
+
+def combine_masks(query_mask, value_mask, key_mask, attention_mask, rank):
+    """The boolean mask of `keras.layers.MultiHeadAttention`, in its layout, or None."""
+    mask = None
+    if query_mask is not None:
+        mask = keras.ops.expand_dims(keras.ops.cast(query_mask, "bool"), -1)  # (B, T, 1)
+    for padding in (value_mask, key_mask):
+        if padding is not None:
+            padding = keras.ops.expand_dims(keras.ops.cast(padding, "bool"), -2)  # (B, 1, S)
+            mask = padding if mask is None else keras.ops.logical_and(mask, padding)
+    if attention_mask is not None:
+        attention_mask = as_bool(attention_mask)
+        if mask is not None and len(attention_mask.shape) == rank + 1:
+            # A per-head attention mask: the padding masks gain the head axis.
+            mask = keras.ops.expand_dims(mask, -3)
+        mask = attention_mask if mask is None else keras.ops.logical_and(mask, attention_mask)
+    return mask
+
+
+def causal_mask(t, s):
+    """MultiHeadAttention's causal mask: `(1, T, S)`, True where `s <= t`."""
+    return (keras.ops.arange(t)[:, None] >= keras.ops.arange(s)[None, :])[None]
+
+
+def bind_segment_ids(mask_mod, segment_ids, query, key, cache):
+    """`mask_mod` for this call, holding `segment_ids` where it takes them.
+
+    The ids are gathered inside XLA, which clamps an index out of range, so their sizes
+    are checked here where they are known: `(B, T)` with `T` the query's and the key's
+    length, or with a cache `(B, S)`, one id per cached position.
+    """
+    if segment_ids is None:
+        return mask_mod
+    if mask_mod is None or not mods.uses_segment_ids(mask_mod):
+        raise ValueError(
+            "`segment_ids` are read by a `keras_sdpa.mods.document()` mask mod; this "
+            f"layer has mask_mod={mask_mod!r}. Received: segment_ids with shape "
+            f"{tuple(segment_ids.shape)}"
+        )
+    segment_ids = keras.ops.convert_to_tensor(segment_ids)
+    dtype = keras.backend.standardize_dtype(segment_ids.dtype)
+    if len(segment_ids.shape) != 2 or not keras.backend.is_int_dtype(dtype):
+        raise ValueError(
+            "`segment_ids` must be a (B, T) integer tensor. Received: segment_ids with "
+            f"shape {tuple(segment_ids.shape)} and dtype {dtype}"
+        )
+    if len(query.shape) != 3:
+        raise ValueError(
+            "`segment_ids` need rank-3 inputs (B, T, E), one sequence per row. "
+            f"Received: query.shape={tuple(query.shape)}"
+        )
+    expected = [("batch size", 0, query.shape[0])]
+    if cache is not None:
+        shape = keras.ops.convert_to_tensor(cache).shape  # checked whole in `_call_cached`
+        expected.append(("the cache's length", 1, shape[2] if len(shape) == 5 else None))
+    else:
+        expected += [("the query's length", 1, query.shape[1]),
+                     ("the key's length", 1, key.shape[1])]  # fmt: skip
+    for name, axis, size in expected:
+        if None not in (size, segment_ids.shape[axis]) and size != segment_ids.shape[axis]:
+            raise ValueError(
+                f"`segment_ids` must have {name} {size} (one id per position: (B, T), or "
+                "with a cache (B, S)). Received: segment_ids with shape "
+                f"{tuple(segment_ids.shape)}"
+            )
+    return mods._bind(mask_mod, segment_ids, None)
