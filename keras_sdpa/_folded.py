@@ -23,7 +23,7 @@ def folds(layer, query, training, use_causal_mask):
     projections that are neither quantized nor LoRA.
     """
     length = query.shape[1]
-    if query.shape.rank != 3 or length is None:
+    if len(query.shape) != 3 or length is None:
         return False
     if length * 4 > min(layer._key_dim, layer._value_dim):
         return False
