@@ -112,8 +112,9 @@ def main(argv=None):
     ).stdout.strip()
     with tempfile.TemporaryDirectory() as folder:
         export_commit(commit, folder)
-        import keras_sdpa
         import keras_sdpa_before
+
+        import keras_sdpa
 
         rows = []
         for which in ("layer", "core"):

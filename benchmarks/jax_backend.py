@@ -152,9 +152,10 @@ def table(results):
         "| row | T=S | ours ms | peer ms | ratio (range) | ours peak MiB | peer peak MiB |",
         "|---|---|---|---|---|---|---|",
     ]
-    for (ours, peer, length), (t, mine, theirs) in results.items():
+    for (ours, _, length), (t, mine, theirs) in results.items():
         if ours == "sdpa_decode":
-            name, ms, peer_ms = "decode, per token vs keras-hub", t["ms"] / STEPS, t["peer_ms"] / STEPS
+            name = "decode, per token vs keras-hub"
+            ms, peer_ms = t["ms"] / STEPS, t["peer_ms"] / STEPS
         else:
             what = "chunked" if ours == "sdpa_chunked" else "layer"
             name, ms, peer_ms = f"{what} fwd+bwd vs Keras MHA", t["ms"], t["peer_ms"]

@@ -78,3 +78,91 @@ def test_the_library_needs_no_tensorflow_on_jax():
     process where `import tensorflow` fails."""
     code, output = _run([sys.executable, "-c", textwrap.dedent(NO_TENSORFLOW)], timeout=600)
     assert code == 0 and "no tensorflow: ok" in output, output[-4000:]
+
+
+MODEL = """
+import keras
+from keras_sdpa import ScaledDotProductAttention
+
+def small_model():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((6, 16))
+    x = ScaledDotProductAttention(
+        num_heads=4, key_dim=8, num_key_value_heads=2, score_mod=None, name="attention"
+    )(inputs, inputs, use_causal_mask=True)
+    x = keras.layers.GlobalAveragePooling1D()(x)
+    return keras.Model(inputs, keras.layers.Dense(1)(x))
+"""
+
+SAVE_ON_JAX = MODEL + """
+import sys
+import numpy as np
+folder = sys.argv[1]
+# The TensorFlow session's model, loaded here: the same outputs.
+saved = np.load(folder + "/tf.npz")
+loaded = keras.saving.load_model(folder + "/tf.keras")
+np.testing.assert_allclose(np.asarray(loaded(saved["x"])), saved["y"], atol=1e-6)
+# This backend's model, for the session to load.
+model = small_model()
+x = np.random.default_rng(1).normal(size=(3, 6, 16)).astype("float32")
+model.save(folder + "/jax.keras")
+np.savez(folder + "/jax.npz", x=x, y=np.asarray(model(x)))
+print("saved on jax: ok")
+"""
+
+
+def test_keras_files_load_across_backends(tmp_path):
+    """A `.keras` file saved here (TensorFlow) loads on JAX with the same outputs, and one
+    saved on JAX loads here with its outputs."""
+    import keras
+    import numpy as np
+
+    namespace = {}
+    exec(MODEL, namespace)
+    model = namespace["small_model"]()
+    x = np.random.default_rng(0).normal(size=(3, 6, 16)).astype("float32")
+    model.save(tmp_path / "tf.keras")
+    np.savez(tmp_path / "tf.npz", x=x, y=np.asarray(model(x)))
+    code, output = _run([sys.executable, "-c", SAVE_ON_JAX, str(tmp_path)], timeout=600)
+    assert code == 0 and "saved on jax: ok" in output, output[-4000:]
+    saved = np.load(tmp_path / "jax.npz")
+    loaded = keras.saving.load_model(tmp_path / "jax.keras")
+    np.testing.assert_allclose(np.asarray(loaded(saved["x"])), saved["y"], atol=1e-6)
+
+
+DATA_PARALLEL = MODEL + """
+import jax
+import numpy as np
+
+assert len(jax.devices()) == 2, jax.devices()
+rng = np.random.default_rng(2)
+x, y = rng.normal(size=(32, 6, 16)).astype("float32"), rng.normal(size=(32, 1)).astype("float32")
+
+def losses(distribution):
+    keras.distribution.set_distribution(distribution)
+    model = small_model()
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    history = model.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0)
+    return history.history["loss"], model
+
+one, _ = losses(None)
+two, model = losses(keras.distribution.DataParallel(devices=jax.devices()))
+kernel = model.get_layer("attention").query_dense.kernel.value
+assert len(kernel.sharding.device_set) == 2, kernel.sharding  # replicated on both
+print("losses", one, two)
+np.testing.assert_allclose(two, one, rtol=1e-5)
+assert two[-1] < two[0]
+print("data parallel: ok")
+"""
+
+
+def test_data_parallel_on_two_devices_trains_as_one():
+    """`keras.distribution.DataParallel` over two host devices: the same losses as one."""
+    flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
+    env = dict(_jax_env(), XLA_FLAGS=flags.strip())
+    result = subprocess.run(
+        [sys.executable, "-c", DATA_PARALLEL], cwd=ROOT, env=env, capture_output=True,
+        text=True, timeout=600,
+    )  # fmt: skip
+    output = result.stdout + result.stderr
+    assert result.returncode == 0 and "data parallel: ok" in output, output[-4000:]
