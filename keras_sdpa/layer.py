@@ -26,8 +26,8 @@ class ScaledDotProductAttention(keras.layers.Layer):
     them.
 
     The attention itself runs in `keras_sdpa.ops.scaled_dot_product_attention`,
-    one XLA-compiled program (`tf.function(jit_compile=True)`) for the forward
-    pass and one for the gradient. Scores and softmax are computed in float32,
+    one XLA-compiled program (`tf.function(jit_compile=True)` on TensorFlow,
+    `jax.jit` on JAX) for the forward pass and one for the gradient. Scores and softmax are computed in float32,
     also under mixed precision. A query that may attend to no key (all of its
     keys masked) gets zero weights and a zero attention output, never NaN.
 
@@ -62,7 +62,8 @@ class ScaledDotProductAttention(keras.layers.Layer):
             multiplied by a sigmoid of its own projection of the query before
             `W_O`, as in `keras.layers.MultiHeadAttention(use_gate=True)`.
         seed: seed for the attention dropout. Under a `tf.distribute` strategy
-            each replica draws its own masks from it.
+            each replica draws its own masks from it; on JAX a sharded program
+            draws one mask for the whole batch.
         num_key_value_heads: number `K` of key/value heads, dividing
             `num_heads` (grouped-query attention; 1 is multi-query). Defaults
             to `num_heads`. Keys and values are never repeated to `N` heads.

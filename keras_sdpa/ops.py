@@ -146,7 +146,7 @@ def scaled_dot_product_attention(
             query rows against a long key/value cache (the layer uses it for
             a cached call with `T == 1`): two multiply-and-reduce passes that
             read the keys and values in their `(B, S, K, H)` layout, with no
-            transposed copy. Its gradient is TensorFlow's autodiff, several times
+            transposed copy. Its gradient is the backend's autodiff, several times
             slower than the dense path's in training, so "auto" never picks
             it; with dropout it runs dense. With a causal mask (`is_causal` or
             `mods.causal()`) and `T != S` it is refused: the mask's top-left

@@ -14,8 +14,19 @@ import textwrap
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# The test files written on keras.ops and NumPy, which hold on both backends.
-BOTH_BACKENDS = ["tests/test_on_both_backends.py", "tests/test_keras_suites.py"]
+# The test files written on keras.ops and NumPy, which hold on both backends: this package's,
+# Keras's MHA and GQA suites, and the swap into keras-hub's models (GPT-2's greedy tokens).
+BOTH_BACKENDS = [
+    "tests/test_on_both_backends.py", "tests/test_keras_suites.py", "tests/test_swap.py",
+]
+# What does not run on JAX, and why.
+NOT_ON_JAX = {
+    "tests/test_swap.py::test_a_tf_checkpoint_saves_and_restores_the_new_layers":
+        "TensorFlow's own checkpoint format",
+    "tests/test_swap.py::test_a_functional_graph_node_is_swapped_and_saves_as_this_layer[mha]":
+        "the stock twin fails: Keras 3.15's MultiHeadAttention on JAX cannot take a value "
+        "size other than the key size (it reshapes its output to the key size)",
+}
 
 pytestmark = pytest.mark.xdist_group("jax")
 
@@ -37,12 +48,13 @@ def test_the_backend_neutral_tests_pass_on_jax(request):
     """`tests/test_on_both_backends.py` and Keras's MHA and GQA suites, under JAX."""
     args = [sys.executable, "-m", "pytest", *BOTH_BACKENDS, "-q", "-n", "0", "-p",
             "no:cacheprovider", "-o", "addopts=", "-W", "ignore::DeprecationWarning"]
+    args += [f"--deselect={test}" for test in NOT_ON_JAX]
     if request.config.getoption("--run-large"):
         args.append("--run-large")
     code, output = _run(args, timeout=1200)
     assert code == 0, output[-6000:]
     passed = re.search(r"(\d+) passed", output)
-    assert passed and int(passed.group(1)) >= 40 and " skipped" not in output, output[-2000:]
+    assert passed and int(passed.group(1)) >= 100 and " skipped" not in output, output[-2000:]
 
 
 NO_TENSORFLOW = """

@@ -9,7 +9,6 @@ keras-hub's models are built from small random configurations.
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 from keras_hub.src.layers.modeling import transformer_decoder, transformer_encoder
 from keras_hub.src.layers.modeling.cached_multi_head_attention import CachedMultiHeadAttention
 from keras_hub.src.models.bert.bert_backbone import BertBackbone
@@ -338,6 +337,8 @@ def test_a_tf_checkpoint_saves_and_restores_the_new_layers(tmp_path):
     first, second = twins(bert)
     for model in (first, second):
         replace(model)
+    import tensorflow as tf  # TensorFlow's own checkpoints: this test runs on TensorFlow only
+
     path = tf.train.Checkpoint(model=first).write(str(tmp_path / "ckpt"))
     for variable in second.weights:
         variable.assign(variable + 1.0)
