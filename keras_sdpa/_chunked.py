@@ -3,6 +3,13 @@
 Tensors are in the grouped layout of `keras_sdpa._masking`: `q (B, K, G, T, H)`,
 `k (B, K, S, H)`, `v (B, K, S, Hv)`. A block of queries holds all `G` heads of a
 group, so each block product reads its key block once, whatever the grouping.
+
+Written once on `keras.ops`. The loops are `keras.ops.while_loop`s with traced bounds (a
+`tf.while_loop` or a `jax.lax.while_loop`); what differs per backend is in
+`keras_sdpa._backend` (`# ---- the chunked path's loops`): the per-block outputs (a
+`TensorArray`, or a preallocated array updated in place), reading a block, adding one into
+the bias's grid, the per-block dropout seed, and a custom gradient whose forward reads the
+masks, block kinds and mods' tensors without taking them as inputs.
 """
 
 import keras
@@ -51,8 +58,9 @@ def attend(
     above the diagonal with `is_causal`, and outside the band with a window, so
     a window of `W` costs `O(T * W)`, not `O(T * S)`.
 
-    Dropout draws each block's keep-mask from a stateless Philox stream keyed by
-    the seed and the block's indices, and the gradient draws the same mask again.
+    Dropout draws each block's keep-mask from a stateless stream (Philox on TensorFlow,
+    ThreeFry on JAX) keyed by the seed folded in with the block's index, and the gradient
+    draws the same mask again.
 
     `operand` and `logit_scale` are as in `keras_sdpa._dense.attend`: with bfloat16 or
     float16 inputs the block products multiply in that precision and accumulate in float32,
@@ -61,12 +69,13 @@ def attend(
     A `mask_mod` sorts the blocks (`block_kinds`, computed here unless given): a block that
     it empties for every example and head is never computed, forward or backward, and on a
     block that it fills the mod is not called. A `score_mod` changes each block's scaled
-    logits; the gradient goes back through it by a tape in each block, summed densely into
-    the gradients of `params` (its float tensors) and of the variables it reads.
+    logits; the gradient goes back through it in each block (a tape, or `jax.vjp`), summed
+    densely into the gradients of `params` (its float tensors, and on JAX a layer mod's
+    variables' values) and, on TensorFlow, of the variables it reads.
 
     Returns the output `(B, K, G, T, Hv)`, and with `count_visits` also, as a `(2,)` int32
     tensor, the number of blocks the forward pass computed and how many of them called
-    `mask_mod`.
+    `mask_mod` (then without the custom gradient: the counters are for tests).
     """
     shim = _backend.get()
     groups = q.shape[2]
@@ -111,9 +120,7 @@ def attend(
         return ops.cond(
             ops.equal(kind, EMPTY),
             lambda: carried,
-            lambda: ops.cond(
-                ops.equal(kind, FULL), lambda: compute(False), lambda: compute(True)
-            ),
+            lambda: ops.cond(ops.equal(kind, FULL), lambda: compute(False), lambda: compute(True)),
         )
 
     def keep_block(i, j, shape):
@@ -343,7 +350,8 @@ def attend(
                 return d_k_new, d_v_new
 
             # Block counts from the shapes this function sees, not the forward's tensors:
-            # under an outer XLA program a TensorArray's size must be a compile-time constant.
+            # under an outer XLA program a TensorArray's size must be a compile-time constant
+            # (and JAX sizes its arrays while tracing).
             num_q, num_k = ops.shape(d_out_blocks)[0], ops.shape(k_blocks)[0]
             # Without a bias, a scalar stands in for its gradient in the loop state.
             d_bias = ops.zeros((), compute) if bias_grid is None else ops.zeros_like(bias_grid)
