@@ -726,9 +726,8 @@ def create_block_mask(mask_mod, B, N, T, S, block_size=None, num_kv_heads=None):
 def _block_kinds(tensors, *, template, B, N, K, T, S, C):
     mask_mod = mods.as_function(mods.join(template, tensors))
     b_index = M.batch_index(B)
-    return _chunked.kinds_of_blocks(
-        mask_mod, b_index, N, K, kops.convert_to_tensor(T), kops.convert_to_tensor(S), C
-    )
+    # T and S as ints: JAX sizes the array of block kinds while tracing.
+    return _chunked.kinds_of_blocks(mask_mod, b_index, N, K, T, S, C)
 
 
 def _check_block_mask(block_mask, mask_mod, chunk_size, query, key):

@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax._src import core as jax_core  # trace_state_clean has no public name
+from jax.extend import core as jex
 
 
 def do_not_convert(fn):
@@ -91,3 +92,90 @@ def vjp(fn, raw, params, variables, d_out):
 def set_shape(x, shape):
     """JAX arrays always know their shape."""
     del x, shape
+
+
+# ---- the chunked path's loops
+
+
+def custom_gradient_with_closure(forward):
+    """`custom_gradient` for a `forward` that also reads tensors it does not take as inputs
+    (masks, block kinds, a seed, a mod's tensors).
+
+    `jax.custom_vjp` (so `jax.custom_gradient`) cannot close over a tracer of the program
+    around it: under `jax.grad` the lowering fails ("No constant handler for type:
+    DynamicJaxprTracer", JAX 0.10.2). So `forward` and its gradient are traced to jaxprs
+    first, and what they read from outside becomes explicit arguments, which get no gradient
+    (as on TensorFlow). `grad` may return None for an input: a zero gradient.
+    """
+
+    def call(*inputs):
+        inputs = [jnp.asarray(x) for x in inputs]
+        rule = []  # the gradient's jaxpr and its outputs' structure, set while tracing
+
+        def forward_and_residuals(*inputs):
+            out, grad = forward(*inputs)
+            d_out = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), out)
+            closed, d_inputs = jax.make_jaxpr(grad, return_shape=True)(d_out)
+            rule.append((closed.jaxpr, jax.tree.structure(d_inputs)))
+            return out, closed.consts  # the gradient's residuals
+
+        closed, (out, _) = jax.make_jaxpr(forward_and_residuals, return_shape=True)(*inputs)
+        out_tree = jax.tree.structure(out)
+
+        def evaluate(closed_over, inputs):
+            return jex.jaxpr_as_fun(jex.ClosedJaxpr(closed.jaxpr, closed_over))(*inputs)
+
+        @jax.custom_vjp
+        def run(closed_over, inputs):
+            return evaluate(closed_over, inputs)[: out_tree.num_leaves]
+
+        def run_forward(closed_over, inputs):
+            flat = evaluate(closed_over, inputs)
+            return flat[: out_tree.num_leaves], flat[out_tree.num_leaves :]
+
+        def run_grad(residuals, d_out):
+            jaxpr, tree = rule[0]
+            d_inputs = jex.jaxpr_as_fun(jex.ClosedJaxpr(jaxpr, residuals))(*d_out)
+            d_inputs = jax.tree.unflatten(tree, d_inputs)
+            d_inputs = [jnp.zeros_like(x) if d is None else d for d, x in zip(d_inputs, avals)]
+            return [None] * len(closed.consts), d_inputs
+
+        avals = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in inputs]
+        run.defvjp(run_forward, run_grad)
+        return jax.tree.unflatten(out_tree, run(list(closed.consts), inputs))
+
+    return call
+
+
+def block_array(size, shape, dtype):
+    """Room for `size` blocks of `shape`, written one per step of a loop (`write_block`)."""
+    return jnp.zeros((size, *shape), dtype)
+
+
+def write_block(array, index, block):
+    """`array` with block `index` written."""
+    return jax.lax.dynamic_update_index_in_dim(array, block.astype(array.dtype), index, 0)
+
+
+def stack_blocks(array):
+    """The blocks of `array`, stacked on a new axis 0 (they already are)."""
+    return array
+
+
+def add_to_block(grid, i, j, block):
+    """`grid[i, j] += block`: a scatter-add of one block into a grid of blocks."""
+    return grid.at[i, j].add(block)
+
+
+def fold_in(seed, data):
+    """A new `(2,)` seed from `seed` and the integer `data` (a block's index), for `uniform`.
+
+    ThreeFry, as `uniform` draws.
+    """
+    key = jax.random.wrap_key_data(jnp.asarray(seed).astype(jnp.uint32), impl="threefry2x32")
+    return jax.random.key_data(jax.random.fold_in(key, data))
+
+
+def read_block(blocks, index):
+    """Block `index` of the stacked `blocks` (an array)."""
+    return jax.lax.dynamic_index_in_dim(blocks, index, 0, keepdims=False)

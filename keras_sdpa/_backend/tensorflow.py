@@ -98,3 +98,54 @@ def vjp(fn, raw, params, variables, d_out):
 def set_shape(x, shape):
     """States again the static shape that the program's reshapes hide."""
     x.set_shape(shape)
+
+
+# ---- the chunked path's loops
+
+
+def custom_gradient_with_closure(forward):
+    """`custom_gradient` for a `forward` that also reads tensors it does not take as inputs
+    (masks, block kinds, a seed, a mod's tensors): TensorFlow's traces them as they are.
+
+    Those tensors get no gradient; the variables the forward reads do (`custom_gradient`).
+    """
+    return tf.custom_gradient(forward)
+
+
+def block_array(size, shape, dtype):
+    """Room for `size` blocks of `shape`, written one per step of a loop (`write_block`).
+
+    A `TensorArray`, which XLA lowers to one stacked buffer. Its element shape is given only
+    when it is a scalar's: the blocks' own shapes are left to the first write, as before the
+    port (the same XLA program).
+    """
+    return tf.TensorArray(dtype, size=size, element_shape=() if shape == () else None)
+
+
+def write_block(array, index, block):
+    """`array` with block `index` written."""
+    return array.write(index, block)
+
+
+def stack_blocks(array):
+    """The blocks of `array`, stacked on a new axis 0."""
+    return array.stack()
+
+
+def add_to_block(grid, i, j, block):
+    """`grid[i, j] += block`: a scatter-add of one block into a grid of blocks."""
+    return tf.tensor_scatter_nd_add(grid, tf.stack([i, j])[None], block[None])  # (1, 2) index
+
+
+def fold_in(seed, data):
+    """A new `(2,)` seed from `seed` and the integer `data` (a block's index), for `uniform`.
+
+    Philox, as `uniform` draws.
+    """
+    return tf.random.experimental.stateless_fold_in(seed, data, alg="philox")
+
+
+def read_block(blocks, index):
+    """Block `index` of the stacked `blocks` (a tensor), without `keras.ops.take`'s wrap of
+    negative indices: the same XLA program as before the port."""
+    return tf.gather(blocks, index)
