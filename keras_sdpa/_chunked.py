@@ -398,8 +398,8 @@ def attend(
         return _from_blocks(out_blocks, t), visits
 
     # The forward and its gradient read the masks, block kinds, seed and mods' tensors as
-    # they are (`custom_gradient_with_closure`): only the inputs here get gradients.
-    @shim.custom_gradient_with_closure
+    # they are: only the inputs here get gradients.
+    @shim.custom_gradient
     def attend_blocks(*inputs):
         q_blocks, k_blocks, v_blocks = inputs[:3]
         bias_grid = inputs[3] if has_bias else None

@@ -210,7 +210,10 @@ def attend(
         return result, grad_fn
 
     inputs = (q, k, v, *([bias] if has_bias else []), *params)
-    result = _backend.get().custom_gradient(attend_inputs)(inputs, (mask, keep, mod_constants))
+    constants = (mask, keep, mod_constants)  # no gradient
+    result = _backend.get().custom_gradient(lambda *inputs: attend_inputs(inputs, constants))(
+        *inputs
+    )
     return result if return_weights else (result, None)
 
 

@@ -27,9 +27,10 @@ class ScaledDotProductAttention(keras.layers.Layer):
 
     The attention itself runs in `keras_sdpa.ops.scaled_dot_product_attention`,
     one XLA-compiled program (`tf.function(jit_compile=True)` on TensorFlow,
-    `jax.jit` on JAX) for the forward pass and one for the gradient. Scores and softmax are computed in float32,
-    also under mixed precision. A query that may attend to no key (all of its
-    keys masked) gets zero weights and a zero attention output, never NaN.
+    `jax.jit` on JAX) for the forward pass and one for the gradient. Scores and
+    softmax are computed in float32, also under mixed precision. A query that
+    may attend to no key (all of its keys masked) gets zero weights and a zero
+    attention output, never NaN.
 
     Beyond Keras's layers: an additive `attention_bias` (ALiBi, T5 relative
     positions) with its gradient, `attn_logits_soft_cap`, a `scale` of your

@@ -14,13 +14,17 @@ import numpy as np
 import pytest
 from keras import ops
 
-from keras_sdpa import ScaledDotProductAttention, mods, scaled_dot_product_attention
+from keras_sdpa import (
+    ScaledDotProductAttention,
+    create_block_mask,
+    mods,
+    scaled_dot_product_attention,
+)
+from keras_sdpa import ops as ops_module
 
 BACKEND = keras.backend.backend()
 if BACKEND == "jax":
     import jax
-
-    jax.config.update("jax_enable_x64", True)  # the float64 references
 
 # Pairwise-distinct sizes, so that a swapped axis cannot pass.
 B, T, S, N, K, H, HV = 2, 5, 7, 4, 2, 8, 6
@@ -62,10 +66,13 @@ def reference(q, k, v, mask=None, bias=None, causal=False, window=None, cap=None
     return np.einsum("bnts,bsnh->btnh", weights, v), weights
 
 
-def gradients(fn, *args):
-    """The gradient of `sum(fn(*args) * probe)` to every arg, by the backend's autodiff."""
+def gradients(fn, *args, x64=False):
+    """The gradient of `fn(*args)` to every arg, by the backend's autodiff; with `x64`, JAX
+    computes in float64 (`jax.enable_x64`: JAX's default is float32 at most)."""
     if BACKEND == "jax":
-        return [np.asarray(g) for g in jax.grad(fn, argnums=tuple(range(len(args))))(*args)]
+        with jax.enable_x64(x64):
+            args = [jax.numpy.asarray(a) for a in args]
+            return [np.asarray(g) for g in jax.grad(fn, argnums=tuple(range(len(args))))(*args)]
     import tensorflow as tf
 
     args = [tf.convert_to_tensor(a) for a in args]
@@ -135,7 +142,7 @@ def test_gradients_match_autodiff_of_a_float64_reference(kv_heads):
         return ops.sum(plain_attention(q, k, v, mask, bias) * probe)
 
     got = gradients(ours, q, k, v, bias)
-    want = gradients(theirs, *(x.astype("float64") for x in (q, k, v, bias)))
+    want = gradients(theirs, *(x.astype("float64") for x in (q, k, v, bias)), x64=True)
     for name, a, b in zip("qkvb", got, want):
         np.testing.assert_allclose(a, b, atol=2e-5, err_msg=name)
 
@@ -221,3 +228,79 @@ def test_fit_lowers_the_loss():
     x, y = random((16, T, 16), 28), random((16, 1), 29)
     history = model.fit(x, y, epochs=5, batch_size=8, verbose=0)
     assert history.history["loss"][-1] < history.history["loss"][0]
+
+
+def float64_context():
+    """Where float64 exists: everywhere on TensorFlow, under `jax.enable_x64` on JAX."""
+    import contextlib
+
+    return jax.enable_x64(True) if BACKEND == "jax" else contextlib.nullcontext()
+
+
+CHUNKED_CASES = {
+    "causal-gqa": dict(is_causal=True),
+    "window-bias": dict(sliding_window=6, bias=True),
+    "mask-cap": dict(mask=True, attn_logits_soft_cap=3.0),
+    "alibi-document": dict(score_mod="alibi", mask_mod="document"),
+    "block-mask": dict(mask_mod="document", block_mask=True),
+    "float64": dict(is_causal=True, float64=True),
+}
+
+
+@pytest.mark.parametrize("case", list(CHUNKED_CASES), ids=list(CHUNKED_CASES))
+def test_chunked_path_matches_dense_outputs_and_gradients(case, monkeypatch):
+    """T=37 and S=45 in blocks of 8 (neither a multiple), 4 query heads over 2: the chunked
+    program (seen by a spy on the compiled core) against the dense one."""
+    options = dict(CHUNKED_CASES[case])
+    t, s, chunk = 37, 45, 8
+    dtype = "float64" if options.pop("float64", False) else "float32"
+    q, k = random((B, t, N, H), 30, dtype), random((B, s, K, H), 31, dtype)
+    v = random((B, s, K, HV), 32, dtype)
+    if options.pop("mask", False):
+        mask = random((B, 1, t, s), 33) > -0.3
+        mask[1, 0, 5] = False  # a fully masked row: zeros on both paths
+        options["mask"] = mask
+    bias = random((1, N, t, s), 34, dtype) if options.pop("bias", False) else None
+    if options.get("score_mod") == "alibi":
+        options["score_mod"] = mods.alibi(N)
+    if options.get("mask_mod") == "document":
+        ids = np.sort(np.random.default_rng(35).integers(0, 4, (B, max(t, s))), axis=1)
+        options["mask_mod"] = mods.document(ids[:, :t].astype("int32"), ids[:, :s].astype("int32"))
+    if options.pop("block_mask", False):
+        options["block_mask"] = create_block_mask(options["mask_mod"], B, N, t, s, block_size=chunk)
+    probe = random((B, t, N, HV), 36, dtype)
+    paths = []
+    compiled = ops_module._compiled("_attention_xla")
+
+    def spy(*args, **kwargs):
+        paths.append(kwargs["path"])
+        return compiled(*args, **kwargs)
+
+    monkeypatch.setattr(ops_module, "_attention_xla", spy)
+
+    def run(implementation):
+        def loss(q, k, v, bias):
+            out = scaled_dot_product_attention(
+                q, k, v, bias=bias, implementation=implementation,
+                chunk_size=None if "block_mask" in options else chunk, **options,
+            )  # fmt: skip
+            return ops.sum(out * probe), out
+
+        args = [x for x in (q, k, v, bias) if x is not None]
+
+        def value(*args):
+            return loss(*args[:3], args[3] if len(args) > 3 else None)[0]
+
+        with float64_context():
+            out = loss(q, k, v, bias)[1]
+            grads = gradients(value, *args, x64=dtype == "float64")
+        return ops.convert_to_numpy(out), grads
+
+    chunked, dense = run("chunked"), run("dense")
+    assert "chunked" in paths and "dense" in paths
+    tolerance = 1e-10 if dtype == "float64" else 2e-5
+    np.testing.assert_allclose(chunked[0], dense[0], atol=tolerance)
+    for a, b in zip(chunked[1], dense[1]):
+        np.testing.assert_allclose(a, b, atol=tolerance * 5)
+    if "mask" in options:
+        assert not chunked[0][1, 5].any()

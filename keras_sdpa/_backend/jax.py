@@ -56,29 +56,6 @@ def new_seed():
     return jnp.asarray(np.random.randint(0, 2**31 - 1, size=2), jnp.int32)
 
 
-def custom_gradient(forward):
-    """`forward(inputs, constants) -> (outputs, grad)`, differentiated by `grad`.
-
-    Called as `f(inputs, constants)`: `inputs` get gradients, `constants` (masks, ids) none.
-    `grad(*d_outputs)` returns the inputs' gradients, one per input. (JAX passes no
-    variables: a Keras variable's value enters a JAX program as an input.) `forward` must
-    read no tensor of the program around it but through its arguments: a `jax.custom_vjp`
-    that closes over one leaks it ("No constant handler for type DynamicJaxprTracer").
-    """
-
-    @jax.custom_gradient
-    def call(inputs, constants):
-        outputs, grad = forward(inputs, constants)
-
-        def rule(d_outputs):
-            d = d_outputs if isinstance(outputs, tuple) else (d_outputs,)
-            return tuple(grad(*d)), jax.tree_util.tree_map(lambda _: None, constants)
-
-        return outputs, rule
-
-    return call
-
-
 def vjp(fn, raw, params, variables, d_out):
     """The gradient of `fn(raw, params)` against `d_out`, to `raw` and `params`.
 
@@ -94,18 +71,18 @@ def set_shape(x, shape):
     del x, shape
 
 
-# ---- the chunked path's loops
+def custom_gradient(forward):
+    """`forward(*inputs) -> (outputs, grad)`, differentiated by `grad`.
 
-
-def custom_gradient_with_closure(forward):
-    """`custom_gradient` for a `forward` that also reads tensors it does not take as inputs
-    (masks, block kinds, a seed, a mod's tensors).
+    `grad(*d_outputs)` returns the inputs' gradients, one per input (None: a zero gradient).
+    `forward` may read tensors it does not take as inputs (masks, block kinds, a seed, a
+    mod's tensors); they get no gradient, as on TensorFlow. JAX passes no variables: a Keras
+    variable's value enters a JAX program as an input.
 
     `jax.custom_vjp` (so `jax.custom_gradient`) cannot close over a tracer of the program
     around it: under `jax.grad` the lowering fails ("No constant handler for type:
     DynamicJaxprTracer", JAX 0.10.2). So `forward` and its gradient are traced to jaxprs
-    first, and what they read from outside becomes explicit arguments, which get no gradient
-    (as on TensorFlow). `grad` may return None for an input: a zero gradient.
+    first, and what they read from outside becomes explicit arguments.
     """
 
     def call(*inputs):
@@ -115,7 +92,10 @@ def custom_gradient_with_closure(forward):
         def forward_and_residuals(*inputs):
             out, grad = forward(*inputs)
             d_out = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), out)
-            closed, d_inputs = jax.make_jaxpr(grad, return_shape=True)(d_out)
+            def gradient(d_out):  # TensorFlow passes a tuple's gradients one by one
+                return grad(*d_out) if isinstance(out, tuple) else grad(d_out)
+
+            closed, d_inputs = jax.make_jaxpr(gradient, return_shape=True)(d_out)
             rule.append((closed.jaxpr, jax.tree.structure(d_inputs)))
             return out, closed.consts  # the gradient's residuals
 
@@ -147,6 +127,9 @@ def custom_gradient_with_closure(forward):
     return call
 
 
+# ---- the chunked path's loops
+
+
 def block_array(size, shape, dtype):
     """Room for `size` blocks of `shape`, written one per step of a loop (`write_block`)."""
     return jnp.zeros((size, *shape), dtype)
@@ -154,6 +137,7 @@ def block_array(size, shape, dtype):
 
 def write_block(array, index, block):
     """`array` with block `index` written."""
+    index = jnp.asarray(index, jnp.int32)  # int64 under jax_enable_x64; dynamic_slice: one type
     return jax.lax.dynamic_update_index_in_dim(array, block.astype(array.dtype), index, 0)
 
 
@@ -178,4 +162,5 @@ def fold_in(seed, data):
 
 def read_block(blocks, index):
     """Block `index` of the stacked `blocks` (an array)."""
+    index = jnp.asarray(index, jnp.int32)  # int64 under jax_enable_x64 (see `write_block`)
     return jax.lax.dynamic_index_in_dim(blocks, index, 0, keepdims=False)

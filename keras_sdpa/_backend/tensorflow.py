@@ -63,21 +63,14 @@ def new_seed():
 
 
 def custom_gradient(forward):
-    """`forward(inputs, constants) -> (outputs, grad)`, differentiated by `grad`.
+    """`forward(*inputs) -> (outputs, grad)`, differentiated by `grad`.
 
-    Called as `f(inputs, constants)`: `inputs` get gradients, `constants` (masks, ids) none.
     `grad(*d_outputs, variables=None)` returns the inputs' gradients; when TensorFlow passes
     the variables the forward read (a `score_mod`'s), it returns `(grads, d_variables)`.
+    Tensors the forward reads but does not take as inputs (masks, block kinds, a seed, a
+    mod's tensors) get no gradient.
     """
-
-    def call(inputs, constants):
-        @tf.custom_gradient
-        def differentiated(*inputs):
-            return forward(inputs, constants)
-
-        return differentiated(*inputs)
-
-    return call
+    return tf.custom_gradient(forward)
 
 
 def vjp(fn, raw, params, variables, d_out):
@@ -101,15 +94,6 @@ def set_shape(x, shape):
 
 
 # ---- the chunked path's loops
-
-
-def custom_gradient_with_closure(forward):
-    """`custom_gradient` for a `forward` that also reads tensors it does not take as inputs
-    (masks, block kinds, a seed, a mod's tensors): TensorFlow's traces them as they are.
-
-    Those tensors get no gradient; the variables the forward reads do (`custom_gradient`).
-    """
-    return tf.custom_gradient(forward)
 
 
 def block_array(size, shape, dtype):
