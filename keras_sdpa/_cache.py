@@ -10,7 +10,7 @@ row's position are never read.
 import keras
 import numpy as np
 
-from keras_sdpa import _layer_backend, mods
+from keras_sdpa import _backend, mods
 
 
 def check(cache, index, query, value_mask, key_mask, kv_heads, key_dim, value_dim):
@@ -81,7 +81,7 @@ def check_index(index, query, size):
         )
     count = "" if length is None else f"{length} "
     room = f"must leave room for the {count}new positions in a cache of {size}"
-    shims = _layer_backend.get()
+    shims = _backend.get()
     values = shims.static_value(index)  # before the cast to int32, which would wrap it
     if values is not None:
         values = np.asarray(values)

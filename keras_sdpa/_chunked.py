@@ -180,7 +180,7 @@ def attend(
                     # Broadcasting with a mask block can hide a size known before (K = 1): the
                     # loop's carried shapes must stay as they entered.
                     for carried, before in ((m_new, m), (total_new, total), (acc_new, acc)):
-                        shim.set_shape(carried, before.shape)
+                        carried = shim.with_static_shape(carried, before.shape)
                     counted = ops.convert_to_tensor([1, int(with_mod)], "int32")
                     return m_new, total_new, acc_new, visits + counted
 
@@ -250,7 +250,7 @@ def attend(
                             matmul(M.to_rows(d_raw), _take(k_blocks, j)), groups
                         )
                         # As it entered the loop (see the forward).
-                        shim.set_shape(d_q_new, d_q.shape)
+                        d_q_new = shim.with_static_shape(d_q_new, d_q.shape)
                         new_bias = d_bias
                         if bias_grid is not None:
                             new_bias = _add_block(d_bias, bias_pattern, i, j, d_scores)
@@ -317,8 +317,9 @@ def attend(
                 if cap is not None:
                     d_scores_t = d_scores_t * M.cap_derivative(scores_t, cap)
                 d_k_new = d_k + matmul(ops.reshape(d_scores_t, ops.shape(raw_t)), rows_q)
-                shim.set_shape(d_k_new, d_k.shape)  # as they entered the loop (see the forward)
-                shim.set_shape(d_v_new, d_v.shape)
+                # as they entered the loop (see the forward)
+                d_k_new = shim.with_static_shape(d_k_new, d_k.shape)
+                d_v_new = shim.with_static_shape(d_v_new, d_v.shape)
                 return d_k_new, d_v_new
 
             def modded_block(i, j, k_j, v_j, d_k, d_v, with_mod):
@@ -345,8 +346,8 @@ def attend(
                 )
                 d_v_new = d_v + matmul(M.to_rows(applied), rows_d_out, transpose_a=True)
                 d_k_new = d_k + matmul(M.to_rows(d_raw), rows_q, transpose_a=True)
-                shim.set_shape(d_k_new, d_k.shape)
-                shim.set_shape(d_v_new, d_v.shape)
+                d_k_new = shim.with_static_shape(d_k_new, d_k.shape)
+                d_v_new = shim.with_static_shape(d_v_new, d_v.shape)
                 return d_k_new, d_v_new
 
             # Block counts from the shapes this function sees, not the forward's tensors:

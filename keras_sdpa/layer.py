@@ -4,7 +4,7 @@ import string
 
 import keras
 
-from keras_sdpa import _arguments, _cache, _folded, _layer_backend, _layer_masks, _rank_n, mods, ops
+from keras_sdpa import _arguments, _backend, _cache, _folded, _layer_masks, _rank_n, mods, ops
 
 
 @keras.saving.register_keras_serializable(package="keras_sdpa")
@@ -177,7 +177,7 @@ class ScaledDotProductAttention(keras.layers.Layer):
         # output, not to the layer's.
         super().__init__(**kwargs)
         self._activity_regularizer = keras.regularizers.get(activity_regularizer)
-        ops._check_backend()
+        _backend.check()
         self.output_shape, attention_axes, scale = _arguments.check(
             num_heads, key_dim, value_dim, num_key_value_heads, dropout, output_shape,
             attention_axes, sliding_window, flash_attention, implementation, chunk_size, scale,
@@ -453,7 +453,7 @@ class ScaledDotProductAttention(keras.layers.Layer):
             bias = keras.ops.cast(attention_bias, self.compute_dtype)
         seed = None
         if training and self.dropout > 0:  # dropout as in the uncached call (keras-hub's too)
-            seed = _layer_backend.get().per_replica(self.seed_generator.next())
+            seed = _backend.get().per_replica(self.seed_generator.next())
         result = ops.scaled_dot_product_attention(
             q,
             keras.ops.cast(keys, q.dtype),
@@ -490,7 +490,7 @@ class ScaledDotProductAttention(keras.layers.Layer):
         else:
             width = self.num_heads * self._value_dim
             out = keras.ops.reshape(out, (*keras.ops.shape(out)[:-2], width))  # heads concatenated
-            out = _layer_backend.get().with_static_shape(out, (*query.shape[:-1], width))
+            out = _backend.get().with_static_shape(out, (*query.shape[:-1], width))
         if return_attention_scores:
             return out, weights
         return out
@@ -565,7 +565,7 @@ class ScaledDotProductAttention(keras.layers.Layer):
             bias = flat.scores(attention_bias, self.num_heads, "attention_bias")
         seed = None
         if training and self.dropout > 0:
-            seed = _layer_backend.get().per_replica(self.seed_generator.next())
+            seed = _backend.get().per_replica(self.seed_generator.next())
         result = ops.scaled_dot_product_attention(
             q,
             k,
@@ -587,7 +587,7 @@ class ScaledDotProductAttention(keras.layers.Layer):
         )
         out, weights = result if return_attention_scores else (result, None)
         out = flat.outputs(out)  # (B, *dims_q, N, Hv)
-        out = _layer_backend.get().with_static_shape(out, (*query.shape[:-1], value.shape[-1]))
+        out = _backend.get().with_static_shape(out, (*query.shape[:-1], value.shape[-1]))
         if weights is not None:
             weights = flat.weights(weights)
         return out, weights

@@ -178,3 +178,20 @@ def test_data_parallel_on_two_devices_trains_as_one():
     )  # fmt: skip
     output = result.stdout + result.stderr
     assert result.returncode == 0 and "data parallel: ok" in output, output[-4000:]
+
+
+def test_the_backends_page_data_parallel_example_runs_on_jax():
+    """docs/backends.md's `DataParallel` example (its one `py` block, which the TensorFlow
+    session's docs test leaves alone), on two host devices."""
+    page = open(os.path.join(ROOT, "docs", "backends.md")).read()
+    (example,) = re.findall(r"```py\n(.*?)```", page, flags=re.S)
+    assert "DataParallel" in example
+    flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
+    env = dict(_jax_env(), XLA_FLAGS=flags.strip())
+    script = example + "\nassert len(jax.devices()) == 2\nprint('example: ok')\n"
+    result = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
+        timeout=600,
+    )  # fmt: skip
+    output = result.stdout + result.stderr
+    assert result.returncode == 0 and "example: ok" in output, output[-4000:]

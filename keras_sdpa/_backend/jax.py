@@ -56,21 +56,6 @@ def new_seed():
     return jnp.asarray(np.random.randint(0, 2**31 - 1, size=2), jnp.int32)
 
 
-def vjp(fn, raw, params, variables, d_out):
-    """The gradient of `fn(raw, params)` against `d_out`, to `raw` and `params`.
-
-    `variables` is always empty on JAX (see `custom_gradient`).
-    """
-    _, pullback = jax.vjp(fn, raw, list(params))
-    d_raw, d_params = pullback(d_out)
-    return d_raw, d_params, []
-
-
-def set_shape(x, shape):
-    """JAX arrays always know their shape."""
-    del x, shape
-
-
 def custom_gradient(forward):
     """`forward(*inputs) -> (outputs, grad)`, differentiated by `grad`.
 
@@ -127,6 +112,16 @@ def custom_gradient(forward):
     return call
 
 
+def vjp(fn, raw, params, variables, d_out):
+    """The gradient of `fn(raw, params)` against `d_out`, to `raw` and `params`.
+
+    `variables` is always empty on JAX (see `custom_gradient`).
+    """
+    _, pullback = jax.vjp(fn, raw, list(params))
+    d_raw, d_params = pullback(d_out)
+    return d_raw, d_params, []
+
+
 # ---- the chunked path's loops
 
 
@@ -164,3 +159,33 @@ def read_block(blocks, index):
     """Block `index` of the stacked `blocks` (an array)."""
     index = jnp.asarray(index, jnp.int32)  # int64 under jax_enable_x64 (see `write_block`)
     return jax.lax.dynamic_index_in_dim(blocks, index, 0, keepdims=False)
+
+
+# ---- the layer's
+
+
+def static_value(x):
+    """The value of `x` as NumPy where it is known while tracing (a concrete array), else
+    None (a tracer inside `jax.jit`)."""
+    if isinstance(x, jax.core.Tracer):
+        return None
+    return np.asarray(x)
+
+
+def checked_in_range(index, last, message):
+    """`index` unchecked: a traced value is known only inside the compiled program, where
+    JAX has no assert (as XLA drops TensorFlow's); concrete values were checked already."""
+    del last, message
+    return index
+
+
+def with_static_shape(x, shape):
+    """`x`: JAX's shapes are always static."""
+    del shape
+    return x
+
+
+def per_replica(seed):
+    """`seed` unchanged: a JAX program sharded over devices draws one array for the whole
+    batch, so no two shards share a dropout mask."""
+    return seed
