@@ -122,6 +122,24 @@ def vjp(fn, raw, params, variables, d_out):
     return d_raw, d_params, []
 
 
+def cache_logits(q, key):
+    """`q (B, K, G, T, H)` against a cache's `key (B, S, K, H)`: logits `(B, K, G, T, S)`,
+    a dot on the transposed cache (JAX's XLA does not fuse TensorFlow's multiply-and-reduce
+    into one read: `_decode.py`)."""
+    b, k, g, t, h = q.shape
+    rows = q.reshape(b, k, g * t, h)  # a group's heads as rows of one product
+    raw = matmul(rows, jnp.swapaxes(key, 1, 2), None, False, True)  # (B, K, G T, S)
+    return raw.reshape(b, k, g, t, -1)
+
+
+def cache_weighted_sum(weights, value):
+    """`weights (B, K, G, T, S)` times a cache's `value (B, S, K, Hv)`: `(B, K, G, T, Hv)`."""
+    b, k, g, t, s = weights.shape
+    rows = weights.reshape(b, k, g * t, s)
+    out = matmul(rows, jnp.swapaxes(value, 1, 2), None, False, False)  # (B, K, G T, Hv)
+    return out.reshape(b, k, g, t, -1)
+
+
 # ---- the chunked path's loops
 
 

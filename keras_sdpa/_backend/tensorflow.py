@@ -89,6 +89,21 @@ def vjp(fn, raw, params, variables, d_out):
     )
 
 
+def cache_logits(q, key):
+    """`q (B, K, G, T, H)` against a cache's `key (B, S, K, H)`: logits `(B, K, G, T, S)`,
+    a multiply-and-reduce that reads the cache where it lies (no transposed copy)."""
+    # (B, 1, K, G, T, H) * (B, S, K, 1, 1, H), summed over H: (B, S, K, G, T).
+    raw = tf.reduce_sum(q[:, None] * key[:, :, :, None, None, :], axis=-1)
+    return tf.transpose(raw, [0, 2, 3, 4, 1])
+
+
+def cache_weighted_sum(weights, value):
+    """`weights (B, K, G, T, S)` times a cache's `value (B, S, K, Hv)`: `(B, K, G, T, Hv)`."""
+    weights_s = tf.transpose(weights, [0, 4, 1, 2, 3])  # (B, S, K, G, T)
+    # (B, S, K, G, T, 1) * (B, S, K, 1, 1, Hv), summed over S: (B, K, G, T, Hv).
+    return tf.reduce_sum(weights_s[..., None] * value[:, :, :, None, None, :], axis=1)
+
+
 # ---- the chunked path's loops
 
 
