@@ -208,30 +208,24 @@ class ScoreMod:
     """The score_mod of one call, and how to rebuild it around new values of what it reads.
 
     `params` are what its gradient reaches: its float tensors (`mods.with_tensors`, a
-    `mods.Mod`'s) and, on JAX, the values of the trainable variables of a Keras layer mod
-    (`layer_values`), which the mod then reads through a `keras.StatelessScope`. `fn` is
-    None when there is no mod.
+    `mods.Mod`'s) and, on JAX, the values of the trainable float variables it reads. On JAX
+    every Keras variable a mod holds (`mods.variables_of`) enters the program as an input,
+    `scope` pairs them with those values, and the mod reads them through a
+    `keras.StatelessScope`. `fn` is None when there is no mod.
     """
 
-    def __init__(self, template, tensors, layer_values=()):
-        self.template, self.tensors = template, tuple(tensors)
+    def __init__(self, template, tensors, scope=()):
+        self.template, self.tensors, self.scope = template, tuple(tensors), tuple(scope)
         floats = tuple(x for x in self.tensors if _is_float(x))
-        self.params = floats + tuple(layer_values)
+        self.params = floats + tuple(value for variable, value in self.scope if _learns(variable))
         self.fn = None if template is None else self._build(self.params)
 
     def _build(self, params):
         params = list(params)
         tensors = [params.pop(0) if _is_float(x) else x for x in self.tensors]
         fn = mods.as_function(mods.join(self.template, tensors))
-        if not params:
-            return fn
-        mapping = list(zip(self.template.trainable_variables, params))
-
-        def call(*args):
-            with keras.StatelessScope(state_mapping=mapping):
-                return fn(*args)
-
-        return call
+        scope = [(v, params.pop(0) if _learns(v) else value) for v, value in self.scope]
+        return reading(fn, scope)
 
     @property
     def constants(self):
@@ -252,6 +246,22 @@ class ScoreMod:
 
     def __call__(self, *args):
         return self.fn(*args)
+
+
+def reading(fn, scope):
+    """`fn`, reading each variable of `scope` (pairs of a variable and a value) as that value."""
+    if not scope:
+        return fn
+
+    def call(*args):
+        with keras.StatelessScope(state_mapping=list(scope)):
+            return fn(*args)
+
+    return call
+
+
+def _learns(variable):
+    return variable.trainable and _is_float(variable)
 
 
 def _is_float(x):

@@ -575,6 +575,21 @@ def relative_position_bias(num_heads, num_buckets=32, max_distance=128, bidirect
 # -------------------------------------------------------------- how the core handles mods
 
 
+def variables_of(mod):
+    """The Keras variables a mod holds: a Keras layer's, and those of the mods a mod wraps
+    (`and_masks`, `with_tensors`, the layer's positioned mods). A plain function's are not
+    seen: on JAX it reads a variable's value at the first trace (see docs/backends.md)."""
+    if isinstance(mod, keras.layers.Layer):
+        return list(mod.variables)
+    inner = []
+    for name in ("fn", "inner_mask", "inner_score", "mask_mods"):
+        value = getattr(mod, name, None) if isinstance(mod, Mod) else None
+        for part in value if isinstance(value, tuple) else (value,):
+            if part is not None:
+                inner += variables_of(part)
+    return inner
+
+
 def as_function(mod):
     """The plain function behind a mod: a Keras layer's `call`, else the mod itself."""
     if isinstance(mod, keras.layers.Layer):

@@ -300,14 +300,16 @@ def scaled_dot_product_attention(
         score_mod=_trace_key(score_template),
         mask_mod=_trace_key(mask_template),
     )
-    # On JAX a Keras variable's value enters a program as an input, so a layer mod's
-    # trainable values (a learned bias table) do too, and its gradient reaches them there.
-    layer_params = ()
-    if keras.backend.backend() == "jax" and isinstance(score_template, keras.layers.Layer):
-        layer_params = tuple(v.value for v in score_template.trainable_variables)
+    # On JAX a Keras variable's value enters a program as an input (`jax.jit` would compile
+    # it in as a constant): so do the values of every variable the mods hold, and the
+    # gradient reaches the trainable ones (a learned bias table). TensorFlow reads variables
+    # by reference.
+    variable_values = ()
+    if keras.backend.backend() == "jax":
+        variable_values = tuple(v.value for v in _mod_variables(score_template, mask_template))
     inputs = (
         query, key, value, mask, bias, seed, score_tensors, mask_tensors, block_kinds,
-        layer_params,
+        variable_values,
     )
     if path == "auto":
         # Lengths unknown while tracing (a Keras model's `Input((None, E))`, TensorFlow
@@ -462,7 +464,7 @@ def _attention(
     score_tensors=(),
     mask_tensors=(),
     block_kinds=None,
-    layer_params=(),
+    variable_values=(),
     *,
     num_heads,
     num_kv_heads,
@@ -485,12 +487,18 @@ def _attention(
     are the mods' templates, `score_tensors` and `mask_tensors` their tensors of this call
     (`mods.split`).
     """
-    score_mod = M.ScoreMod(_TEMPLATES.get(score_mod, score_mod), score_tensors, layer_params)
-    mask_mod = mods.as_function(mods.join(_TEMPLATES.get(mask_mod, mask_mod), mask_tensors))
+    score_template = _TEMPLATES.get(score_mod, score_mod)
+    mask_template = _TEMPLATES.get(mask_mod, mask_mod)
+    scope = ()
+    if variable_values:  # JAX: the mods read their variables as this call's values
+        scope = tuple(zip(_mod_variables(score_template, mask_template), variable_values))
+    score_mod = M.ScoreMod(score_template, score_tensors, scope)
+    mask_mod = mods.as_function(mods.join(mask_template, mask_tensors))
+    mask_mod = None if mask_mod is None else M.reading(mask_mod, scope)
     # The score_mod's float tensors get gradients, and so do the variables it reads: on
-    # TensorFlow through tf.custom_gradient's own tracking, on JAX as the layer's values
-    # (`layer_params`). (A tensor a plain function captures is a constant to the paths'
-    # custom gradients: `mods.with_tensors` passes it as a tensor of its own.)
+    # TensorFlow through tf.custom_gradient's own tracking, on JAX as their values (`scope`).
+    # (A tensor a plain function captures is a constant to the paths' custom gradients:
+    # `mods.with_tensors` passes it as a tensor of its own.)
     params = score_mod.params if score_mod.fn is not None else ()
     score_mod = score_mod if score_mod.fn is not None else None
     dtype = keras.backend.standardize_dtype(query.dtype)
@@ -603,6 +611,17 @@ def _attention(
         weights = kops.reshape(weights, (shape[0], num_heads, shape[3], shape[4]))
         weights = kops.cast(weights, dtype)  # (B, N, T, S)
     return out, weights
+
+
+def _mod_variables(*templates):
+    """The Keras variables the mods hold, once each, in a fixed order (`mods.variables_of`)."""
+    seen, variables = set(), []
+    for template in templates:
+        for variable in mods.variables_of(template):
+            if id(variable) not in seen:
+                seen.add(id(variable))
+                variables.append(variable)
+    return variables
 
 
 def _inside_xla():
