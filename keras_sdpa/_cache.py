@@ -118,6 +118,10 @@ def write_rows(cache, update, offset):
     positions = keras.ops.broadcast_to(
         offset[:, None, None] + keras.ops.arange(length)[None, None], grid
     )
+    # A position outside the cache (known only when the program runs) is dropped on both
+    # backends: JAX's scatter would wrap a negative one to the end, NumPy-style, so it goes
+    # past the end instead, where both drop it.
+    positions = keras.ops.where(positions < 0, keras.ops.shape(cache)[2], positions)
     # One row of indices per written (K, H) slice: JAX's scatter reads them as (M, 3).
     indices = keras.ops.reshape(keras.ops.stack([rows, halves, positions], -1), (-1, 3))
     updates = keras.ops.reshape(update, (-1, *update.shape[3:]))  # (B 2 t, K, H)

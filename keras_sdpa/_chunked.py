@@ -179,8 +179,9 @@ def attend(
                     acc_new = acc * correction + update  # (B, K, G, C, Hv)
                     # Broadcasting with a mask block can hide a size known before (K = 1): the
                     # loop's carried shapes must stay as they entered.
-                    for carried, before in ((m_new, m), (total_new, total), (acc_new, acc)):
-                        carried = shim.with_static_shape(carried, before.shape)
+                    m_new = shim.with_static_shape(m_new, m.shape)
+                    total_new = shim.with_static_shape(total_new, total.shape)
+                    acc_new = shim.with_static_shape(acc_new, acc.shape)
                     counted = ops.convert_to_tensor([1, int(with_mod)], "int32")
                     return m_new, total_new, acc_new, visits + counted
 

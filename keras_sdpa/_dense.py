@@ -112,8 +112,9 @@ def attend(
         return M.scaled(raw, logit_scale)
 
     def forward(q, k, v, bias, params, mask, keep, mod_constants):
-        # Every tensor comes in as an argument (none from the enclosing scope): JAX's custom
-        # gradient cannot close over the tensors of the program around it.
+        # The masks, the keep-mask and the mod's tensors come in as arguments: what the
+        # custom gradient reads is in plain sight (both backends' shims would also take it
+        # from the enclosing scope, as the chunked path's does).
         penalty, any_allowed, (penalty_t, keep_t, bias_t) = prepare(mask, keep, bias)
         b_index = M.batch_index(ops.shape(q)[0])
         positions = (ops.arange(t), ops.arange(s))

@@ -195,3 +195,9 @@ def test_the_backends_page_data_parallel_example_runs_on_jax():
     )  # fmt: skip
     output = result.stdout + result.stderr
     assert result.returncode == 0 and "example: ok" in output, output[-4000:]
+
+
+def test_the_apps_refuse_another_backend_by_name():
+    code, output = _run([sys.executable, "-c", "import apps.train_sentiment"], timeout=300)
+    assert code != 0
+    assert "apps are TensorFlow programs" in output and "KERAS_BACKEND='jax'" in output, output

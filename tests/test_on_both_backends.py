@@ -403,3 +403,37 @@ def test_a_with_tensors_mod_gets_its_tensors_gradient(path):
     (got,) = gradients(ours, slopes)
     (want,) = gradients(theirs, slopes.astype("float64"), x64=True)
     np.testing.assert_allclose(got, want, atol=2e-5)
+
+
+def test_a_cache_write_outside_the_cache_is_dropped():
+    """Inside a compiled program the index is known only when it runs: a row written at -1
+    or past the end changes nothing (JAX's scatter alone would wrap -1 to the last slot)."""
+    from keras_sdpa import _backend, _cache
+
+    write = _backend.get().compile(_cache.write_rows)  # tf.function(jit_compile=True), jax.jit
+    cache = np.zeros((3, 2, 6, 2, 4), "float32")
+    update = np.ones((3, 2, 1, 2, 4), "float32")
+    offset = np.array([-1, 2, 6], "int32")
+    written = ops.convert_to_numpy(write(cache, update, offset))
+    want = cache.copy()
+    want[1, :, 2] = 1.0
+    np.testing.assert_array_equal(written, want)
+
+
+def test_dropout_without_a_seed_differs_per_call_and_is_refused_inside_a_transformation():
+    q = random((1, 8, 2, H), 51)
+    first, second = (
+        ops.convert_to_numpy(scaled_dot_product_attention(q, q, q, dropout_rate=0.5, training=True))
+        for _ in range(2)
+    )
+    assert (first != second).any()
+    if BACKEND == "jax":  # a seed drawn in Python would be one constant of the trace
+        with pytest.raises(ValueError, match=r"needs a seed.*Received: seed=None"):
+            jax.jit(lambda q: scaled_dot_product_attention(
+                q, q, q, dropout_rate=0.5, training=True))(q)  # fmt: skip
+    else:  # TensorFlow draws the seed in the program
+        import tensorflow as tf
+
+        step = tf.function(lambda q: scaled_dot_product_attention(
+            q, q, q, dropout_rate=0.5, training=True))  # fmt: skip
+        assert (ops.convert_to_numpy(step(q)) != ops.convert_to_numpy(step(q))).any()

@@ -37,21 +37,26 @@ def matmul(a, b, operand, transpose_a, transpose_b):
 
 def uniform(shape, seed, dtype):
     """Stateless uniform `[0, 1)` draws for dropout's keep-mask, from a `(2,)` int32 seed."""
-    key = jax.random.wrap_key_data(jnp.asarray(seed).astype(jnp.uint32), impl="threefry2x32")
-    return jax.random.uniform(key, shape, dtype=dtype)
+    return jax.random.uniform(_key(seed), shape, dtype=dtype)
+
+
+def _key(seed):
+    """A `(2,)` integer seed as a ThreeFry key."""
+    return jax.random.wrap_key_data(jnp.asarray(seed).astype(jnp.uint32), impl="threefry2x32")
 
 
 def new_seed():
     """A random `(2,)` int32 seed, for a dropout call given none.
 
-    Drawn in Python, so inside a `jax.jit` trace it would be one constant for every step:
-    there a seed must be given (the layer passes its `SeedGenerator`'s).
+    Drawn in Python, so inside a JAX transformation (`jax.jit`, `jax.grad`, `jax.vmap`) it
+    would be one constant of the trace, the same mask at every step: there a seed must be
+    given (the layer passes its `SeedGenerator`'s).
     """
     if not jax_core.trace_state_clean():
         raise ValueError(
-            "Dropout inside `jax.jit` needs a seed: pass `seed=` (a `(2,)` integer tensor, "
-            "e.g. `keras.random.SeedGenerator(1).next()`), or the keep-mask would be the same "
-            "at every step. Received: seed=None"
+            "Dropout inside a JAX transformation (jax.jit, jax.grad, jax.vmap) needs a seed: "
+            "pass `seed=` (a `(2,)` integer tensor, e.g. from `keras.random.SeedGenerator`), "
+            "or the keep-mask would be one constant of the trace. Received: seed=None"
         )
     return jnp.asarray(np.random.randint(0, 2**31 - 1, size=2), jnp.int32)
 
@@ -169,8 +174,7 @@ def fold_in(seed, data):
 
     ThreeFry, as `uniform` draws.
     """
-    key = jax.random.wrap_key_data(jnp.asarray(seed).astype(jnp.uint32), impl="threefry2x32")
-    return jax.random.key_data(jax.random.fold_in(key, data))
+    return jax.random.key_data(jax.random.fold_in(_key(seed), data))
 
 
 def read_block(blocks, index):
