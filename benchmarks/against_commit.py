@@ -29,8 +29,8 @@ from attention import alternate, cpu_name  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 B, E, N, H = 4, 256, 4, 64
-START = "<!-- against_commit.py: start -->"
-END = "<!-- against_commit.py: end -->"
+START = "<!-- against-commit:start -->"
+END = "<!-- against-commit:end -->"
 
 
 def export_commit(commit, folder):
@@ -131,7 +131,7 @@ def main(argv=None):
                 )
     command = "python benchmarks/against_commit.py " + " ".join(argv or sys.argv[1:])
     text = (
-        f"### TensorFlow float32: this checkout ({here}) against {commit}\n\n"
+        f"## TensorFlow float32: this checkout ({here}) against {commit}\n\n"
         f"Produced by:\n\n    {command.strip()}\n\nMachine: {cpu_name()}. {args.rounds} "
         f"alternating rounds of {args.repeats} calls, B={B}, E={E}, N={N}, H={H}; ratio = this "
         "checkout / the commit, median of the rounds, with their range.\n\n"

@@ -34,8 +34,8 @@ from attention import _PeakSampler, _rss_mib, alternate, cpu_name  # noqa: E402
 
 B, E, N, H = 4, 256, 4, 64
 DECODE_N, DECODE_S, STEPS = 8, 8192, 32
-START = "<!-- jax_backend.py: start -->"
-END = "<!-- jax_backend.py: end -->"
+START = "<!-- jax-backend:start -->"
+END = "<!-- jax-backend:end -->"
 
 
 def layer_step(impl, batch, length):
@@ -192,7 +192,7 @@ def main(argv=None):
             results[(ours, peer, length)] = (timed, *memory)
     command = "python benchmarks/jax_backend.py " + " ".join(argv or sys.argv[1:])
     header = (
-        f"### On Keras's JAX backend (jax {jax.__version__}, CPU)\n\n"
+        f"## On Keras's JAX backend (jax {jax.__version__}, CPU)\n\n"
         f"Produced by:\n\n    {command.strip()}\n\nMachine: {cpu_name()}. "
         f"{args.rounds} alternating rounds of {args.repeats} calls; ratio = ours / peer "
         "(below 1: ours is faster), median of the rounds, with their range."

@@ -437,3 +437,23 @@ def test_dropout_without_a_seed_differs_per_call_and_is_refused_inside_a_transfo
         step = tf.function(lambda q: scaled_dot_product_attention(
             q, q, q, dropout_rate=0.5, training=True))  # fmt: skip
         assert (ops.convert_to_numpy(step(q)) != ops.convert_to_numpy(step(q))).any()
+
+
+@pytest.mark.parametrize("kv_heads", [N, K], ids=["mha", "gqa"])
+def test_a_cached_step_at_per_row_positions_matches_the_full_causal_call(kv_heads):
+    """keras-hub's cache contract, `(B, 2, S, K, H)` with `cache_update_index` per row: one
+    new token at position 3 in row 0 and 5 in row 1 (the decode path) gives the outputs of
+    the whole sequence's causal call at those positions."""
+    length, width = 8, 16
+    x = random((B, length, width), 52)
+    layer = ScaledDotProductAttention(num_heads=N, key_dim=H, num_key_value_heads=kv_heads)
+    full = ops.convert_to_numpy(layer(x, x, use_causal_mask=True))
+    cache = np.zeros((B, 2, length, kv_heads, H), "float32")
+    _, cache = layer(x[:, :6], x[:, :6], cache=cache, cache_update_index=0, use_causal_mask=True)
+    positions = np.array([3, 5], "int32")
+    token = x[np.arange(B), positions][:, None]  # (B, 1, E)
+    out, cache = layer(token, token, cache=cache, cache_update_index=positions,
+                       use_causal_mask=True)  # fmt: skip
+    np.testing.assert_allclose(
+        ops.convert_to_numpy(out)[:, 0], full[np.arange(B), positions], atol=1e-5
+    )

@@ -837,3 +837,41 @@ def test_app_page_quotes_the_short_spans_experiment():
         f"seed 0 read {_percent(one['accuracy'])} on one sentence and "
         f"{_percent(run['test_accuracy'])} on the whole test split"
     ) in text
+
+
+def _section(name):
+    benchmarks = (ROOT / "BENCHMARKS.md").read_text()
+    return benchmarks[benchmarks.index(f"<!-- {name}:start -->") :
+                      benchmarks.index(f"<!-- {name}:end -->")]  # fmt: skip
+
+
+def test_backends_page_and_readme_quote_the_jax_benchmarks():
+    """docs/backends.md's and the README's JAX figures are `benchmarks/jax_backend.py`'s
+    table, and the page's TensorFlow ratios `benchmarks/against_commit.py`'s."""
+    section = _section("jax-backend")
+    assert "AMD EPYC" in section.split("\n|")[0]
+    rows = {
+        (kind, int(length)): (ratio, ours, peer)
+        for kind, length, ratio, ours, peer in re.findall(
+            r"^\| (layer|chunked|decode)[^|]* \| (\d+) \| [\d.]+ \| [\d.]+ \| \*\*([\d.]+)\*\* "
+            r"\([^)]*\) \| (\d+) \| (\d+) \|", section, re.M,
+        )
+    }  # fmt: skip
+    page = " ".join((DOCS / "backends.md").read_text().split())
+    short, long = rows["layer", 512], rows["layer", 2048]
+    chunked, decode = rows["chunked", 8192], rows["decode", 8192]
+    assert (
+        f"**{short[0]}x** Keras's `MultiHeadAttention` at T=512 and **{long[0]}x** at T=2,048"
+    ) in page
+    assert (
+        f"**{chunked[0]}x** the time, with a peak of **{chunked[1]} MiB** against {chunked[2]}"
+    ) in page
+    assert f"**{decode[0]}x** keras-hub's `CachedMultiHeadAttention` per token" in page
+    readme = " ".join(README.read_text().split())
+    assert f"**{long[0]}x** Keras's layer on JAX at T=2,048" in readme
+    assert f"peak **{chunked[1]} MiB** against {chunked[2]} at T=8,192" in readme
+    ratios = re.findall(r"^\| (layer|core), fwd\+bwd \| (\d+) \|[^|]*\|[^|]*\| \*\*([\d.]+)\*\*",
+                        _section("against-commit"), re.M)  # fmt: skip
+    assert len(ratios) == 4
+    quoted = ", ".join(f"{ratio}x" for _, _, ratio in ratios)
+    assert f"({quoted}: the layer and the core, T=512 and 2,048)" in page
