@@ -70,8 +70,8 @@ def attend(
     it empties for every example and head is never computed, forward or backward, and on a
     block that it fills the mod is not called. A `score_mod` changes each block's scaled
     logits; the gradient goes back through it in each block (a tape, or `jax.vjp`), summed
-    densely into the gradients of `params` (its float tensors, and on JAX a layer mod's
-    variables' values) and, on TensorFlow, of the variables it reads.
+    densely into the gradients of `params` (its float tensors, and on JAX the values of the
+    float variables the mods hold) and, on TensorFlow, of the variables it reads.
 
     Returns the output `(B, K, G, T, Hv)`, and with `count_visits` also, as a `(2,)` int32
     tensor, the number of blocks the forward pass computed and how many of them called

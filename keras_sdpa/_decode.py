@@ -11,9 +11,10 @@ multiply-and-reduce fusions that read the cache where it lies:
 
 and only the `(S, K, G, T)` logits, `1/H` of the cache, change layout. That is TensorFlow's
 (`_backend/tensorflow.py`'s `cache_logits` and `cache_weighted_sum`); JAX's XLA does not fuse
-those multiply-and-reduce passes into one read of the cache (176 ms against 3.7 ms for a
-transposed dot, B=1, S=8,192, N=8, H=64, AMD EPYC), so on JAX the two products are dots on the
-transposed cache (`_backend/jax.py`). The softmax, masks,
+those multiply-and-reduce passes into one read of the cache (in one run, 176 ms against 5.3 ms
+a call for dots on the transposed cache, B=1, S=8,192, N=8, H=64, AMD EPYC; per token the dots
+take 0.544x keras-hub's layer on JAX, BENCHMARKS.md), so on JAX the two products are dots on
+the transposed cache (`_backend/jax.py`). The softmax, masks,
 bias, soft cap and mods are the dense path's (`_masking.py`), at the same positions. The
 gradient is the backend's autodiff of this program: the path serves decoding, where
 training's `(T, S)` products belong to the dense and chunked paths.

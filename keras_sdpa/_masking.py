@@ -210,7 +210,7 @@ class ScoreMod:
     """The score_mod of one call, and how to rebuild it around new values of what it reads.
 
     `params` are what its gradient reaches: its float tensors (`mods.with_tensors`, a
-    `mods.Mod`'s) and, on JAX, the values of the trainable float variables it reads. On JAX
+    `mods.Mod`'s) and, on JAX, the values of the float variables it reads. On JAX
     every Keras variable a mod holds (`mods.variables_of`) enters the program as an input,
     `scope` pairs them with those values, and the mod reads them through a
     `keras.StatelessScope`. `fn` is None when there is no mod.
@@ -263,7 +263,9 @@ def reading(fn, scope):
 
 
 def _learns(variable):
-    return variable.trainable and _is_float(variable)
+    """Every float variable: whether it is trainable is not part of what keys a trace, so a
+    mod frozen at the first trace and trained later must still get its gradient."""
+    return _is_float(variable)
 
 
 def _is_float(x):

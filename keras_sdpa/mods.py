@@ -575,10 +575,20 @@ def relative_position_bias(num_heads, num_buckets=32, max_distance=128, bidirect
 # -------------------------------------------------------------- how the core handles mods
 
 
-def variables_of(mod):
-    """The Keras variables a mod holds: a Keras layer's, and those of the mods a mod wraps
-    (`and_masks`, `with_tensors`, the layer's positioned mods). A plain function's are not
-    seen: on JAX it reads a variable's value at the first trace (see docs/backends.md)."""
+def variables_of(*mods):
+    """The Keras variables the mods hold, once each, in a fixed order: a Keras layer's, and
+    those of the mods a mod wraps (`and_masks`, `with_tensors`, the layer's positioned mods).
+    A plain function's are not seen: on JAX it reads a variable's value at the first trace
+    (see docs/backends.md)."""
+    seen, variables = set(), []
+    for variable in (v for mod in mods for v in _held(mod)):
+        if id(variable) not in seen:
+            seen.add(id(variable))
+            variables.append(variable)
+    return variables
+
+
+def _held(mod):
     if isinstance(mod, keras.layers.Layer):
         return list(mod.variables)
     inner = []
@@ -586,7 +596,7 @@ def variables_of(mod):
         value = getattr(mod, name, None) if isinstance(mod, Mod) else None
         for part in value if isinstance(value, tuple) else (value,):
             if part is not None:
-                inner += variables_of(part)
+                inner += _held(part)
     return inner
 
 

@@ -306,7 +306,7 @@ def scaled_dot_product_attention(
     # by reference.
     variable_values = ()
     if keras.backend.backend() == "jax":
-        variable_values = tuple(v.value for v in _mod_variables(score_template, mask_template))
+        variable_values = tuple(v.value for v in mods.variables_of(score_template, mask_template))
     inputs = (
         query, key, value, mask, bias, seed, score_tensors, mask_tensors, block_kinds,
         variable_values,
@@ -491,7 +491,7 @@ def _attention(
     mask_template = _TEMPLATES.get(mask_mod, mask_mod)
     scope = ()
     if variable_values:  # JAX: the mods read their variables as this call's values
-        scope = tuple(zip(_mod_variables(score_template, mask_template), variable_values))
+        scope = tuple(zip(mods.variables_of(score_template, mask_template), variable_values))
     score_mod = M.ScoreMod(score_template, score_tensors, scope)
     mask_mod = mods.as_function(mods.join(mask_template, mask_tensors))
     mask_mod = None if mask_mod is None else M.reading(mask_mod, scope)
@@ -613,17 +613,6 @@ def _attention(
     return out, weights
 
 
-def _mod_variables(*templates):
-    """The Keras variables the mods hold, once each, in a fixed order (`mods.variables_of`)."""
-    seen, variables = set(), []
-    for template in templates:
-        for variable in mods.variables_of(template):
-            if id(variable) not in seen:
-                seen.add(id(variable))
-                variables.append(variable)
-    return variables
-
-
 def _inside_xla():
     """Whether we are tracing inside a caller's compiled step (always, on JAX)."""
     return _backend.get().inside_compiled()
@@ -711,15 +700,21 @@ def create_block_mask(mask_mod, B, N, T, S, block_size=None, num_kv_heads=None):
             raise ValueError(f"`{name}` must be a positive int. Received: {name}={value!r}")
     num_kv_heads = N if num_kv_heads is None else num_kv_heads
     template, tensors = mods.split(mask_mod)
+    variable_values = ()
+    if keras.backend.backend() == "jax":  # as in scaled_dot_product_attention
+        variable_values = tuple(v.value for v in mods.variables_of(template))
     kinds = _compiled("_block_kinds_xla")(
-        tensors, template=template, B=B, N=N, K=num_kv_heads, T=T, S=S, C=block_size
+        tensors, variable_values, template=template, B=B, N=N, K=num_kv_heads, T=T, S=S,
+        C=block_size,
     )
     sizes = dict(B=B, N=N, T=T, S=S)
     return BlockMask(kinds, mask_mod, block_size, sizes)
 
 
-def _block_kinds(tensors, *, template, B, N, K, T, S, C):
+def _block_kinds(tensors, variable_values=(), *, template, B, N, K, T, S, C):
     mask_mod = mods.as_function(mods.join(template, tensors))
+    if variable_values:  # JAX: the variables the mod holds, as this call's values
+        mask_mod = M.reading(mask_mod, tuple(zip(mods.variables_of(template), variable_values)))
     b_index = M.batch_index(B)
     # T and S as ints: JAX sizes the array of block kinds while tracing.
     return _chunked.kinds_of_blocks(mask_mod, b_index, N, K, T, S, C)
