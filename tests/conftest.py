@@ -180,6 +180,23 @@ def pytest_collection_modifyitems(config, items):
             if item.get_closest_marker("large"):
                 item.add_marker(skip)
 
+    # A test of what only TensorFlow has runs in the TensorFlow session alone: on another
+    # backend it is deselected (not skipped: a skip would hide a test that should run).
+    backend = os.environ.get("KERAS_BACKEND", "tensorflow")
+    tensorflow_only = []
+    for item in items:
+        mark = item.get_closest_marker("tensorflow_only")
+        if mark is None:
+            continue
+        if not (mark.args and isinstance(mark.args[0], str) and mark.args[0].strip()):
+            raise pytest.UsageError(f"{item.nodeid}: tensorflow_only needs its reason")
+        if backend != "tensorflow":
+            tensorflow_only.append(item)
+    if tensorflow_only:
+        config.hook.pytest_deselected(items=tensorflow_only)
+        left_out = {id(item) for item in tensorflow_only}
+        items[:] = [item for item in items if id(item) not in left_out]
+
     # `benchmarks/tiers.py` times the tiers before it writes the file that one test reads: it
     # names that test in this variable, which the sessions the tests start inherit (the
     # Quickstart's check of the docs is one). Never set in CI.

@@ -57,6 +57,34 @@ def test_the_backend_neutral_tests_pass_on_jax(request):
     assert passed and int(passed.group(1)) >= 100 and " skipped" not in output, output[-2000:]
 
 
+# The library's own test files, ported to keras.ops, NumPy and `tests/on_backend.py`: their
+# default cases run again on JAX in the large tier (the default tier cannot hold a second run
+# of them on two cores). Their tests of what only TensorFlow has carry `tensorflow_only`.
+LIBRARY = [
+    "tests/test_ops.py", "tests/test_chunked.py", "tests/test_mods.py",
+    "tests/test_core_features.py", "tests/test_decode.py", "tests/test_cache.py",
+    "tests/test_layer.py", "tests/test_layer_features.py", "tests/test_precision.py",
+]  # fmt: skip
+
+
+@pytest.mark.large  # a second run of the library's default cases, on JAX
+def test_the_library_tests_pass_on_jax():
+    """The library's test files, on JAX with float64 enabled (`JAX_ENABLE_X64`): their
+    references and finite differences compute in float64, which JAX otherwise rounds to
+    float32. (`tests/test_on_both_backends.py` runs in JAX's default float32 mode.)"""
+    args = [sys.executable, "-m", "pytest", *LIBRARY, "-q", "-n", "0", "-p",
+            "no:cacheprovider", "-o", "addopts=", "-W", "ignore::DeprecationWarning",
+            "-m", "not large"]  # fmt: skip
+    env = dict(_jax_env(), JAX_ENABLE_X64="1")
+    result = subprocess.run(
+        args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3000
+    )  # fmt: skip
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-6000:]
+    passed = re.search(r"(\d+) passed", output)
+    assert passed and int(passed.group(1)) >= 300 and " skipped" not in output, output[-2000:]
+
+
 NO_TENSORFLOW = """
 import sys
 sys.modules["tensorflow"] = None  # `import tensorflow` raises from here on

@@ -1,0 +1,101 @@
+"""What a test needs to hold on whichever backend Keras runs: tensors, NumPy views and
+autodiff, written once for TensorFlow and JAX.
+
+A test file written on `keras.ops`, NumPy and these helpers runs in the TensorFlow session and
+again on JAX (`tests/test_jax_backend.py`). A test that checks something only TensorFlow has
+(a `tf.function` signature, a SavedModel, `tf.distribute`) carries
+`@pytest.mark.tensorflow_only("why")`, and the JAX run deselects it (`tests/conftest.py`).
+"""
+
+import contextlib
+
+import keras
+import numpy as np
+
+BACKEND = keras.backend.backend()
+if BACKEND == "jax":
+    import jax
+
+
+def tensor(x, dtype=None):
+    """`x` as the backend's tensor, in `dtype` (`x`'s own when None)."""
+    x = np.asarray(x)
+    return keras.ops.convert_to_tensor(x, dtype or x.dtype.name)
+
+
+def numpy(x, dtype=None):
+    """A backend tensor (bfloat16 included) as a NumPy array, in `dtype` if given."""
+    x = keras.ops.convert_to_numpy(keras.ops.cast(x, dtype) if dtype else x)
+    return np.asarray(x)
+
+
+def gradients(fn, *args, x64=False):
+    """The gradient of the scalar `fn(*args)` to every arg, by the backend's autodiff, as
+    NumPy arrays. With `x64`, JAX computes in float64 (`jax.enable_x64`: JAX's default is
+    float32 at most); TensorFlow always keeps the args' dtypes."""
+    if BACKEND == "jax":
+        with jax.enable_x64(x64 or jax.config.jax_enable_x64):
+            args = [jax.numpy.asarray(a) for a in args]
+            return [np.asarray(g) for g in jax.grad(fn, argnums=tuple(range(len(args))))(*args)]
+    import tensorflow as tf
+
+    args = [tf.convert_to_tensor(a) for a in args]
+    with tf.GradientTape() as tape:
+        tape.watch(args)
+        value = fn(*args)
+    return [np.asarray(tf.convert_to_tensor(g)) for g in tape.gradient(value, args)]
+
+
+def value_and_gradients(fn, *args):
+    """`(fn(*args), its gradient to every arg)`, by the backend's autodiff, as NumPy."""
+    if BACKEND == "jax":
+        args = [jax.numpy.asarray(a) for a in args]
+        value, grads = jax.value_and_grad(fn, argnums=tuple(range(len(args))))(*args)
+        return np.asarray(value), [np.asarray(g) for g in grads]
+    import tensorflow as tf
+
+    args = [tf.convert_to_tensor(a) for a in args]
+    with tf.GradientTape() as tape:
+        tape.watch(args)
+        value = fn(*args)
+    grads = tape.gradient(value, args)
+    return np.asarray(value), [np.asarray(tf.convert_to_tensor(g)) for g in grads]
+
+
+def gradient_to_variables(fn, variables):
+    """The gradients of the scalar `fn()` to Keras variables, by the backend's autodiff: on
+    JAX through a `keras.StatelessScope` that reads each variable as a differentiated value."""
+    variables = list(variables)
+    if BACKEND == "jax":
+
+        def of_values(values):
+            with keras.StatelessScope(state_mapping=list(zip(variables, values))):
+                return fn()
+
+        grads = jax.grad(of_values)([v.value for v in variables])
+        return [np.asarray(g) for g in grads]
+    import tensorflow as tf
+
+    with tf.GradientTape() as tape:
+        value = fn()
+    grads = tape.gradient(value, [v.value for v in variables])
+    return [None if g is None else np.asarray(tf.convert_to_tensor(g)) for g in grads]
+
+
+def gradient_to_variable(fn, variable):
+    """The gradient of the scalar `fn()` to one Keras variable (`gradient_to_variables`)."""
+    return gradient_to_variables(fn, [variable])[0]
+
+
+def float64_context():
+    """Where float64 exists: everywhere on TensorFlow, under `jax.enable_x64` on JAX."""
+    return jax.enable_x64(True) if BACKEND == "jax" else contextlib.nullcontext()
+
+
+def jit(fn):
+    """`fn` compiled as a user compiles it: `jax.jit`, or `tf.function(jit_compile=True)`."""
+    if BACKEND == "jax":
+        return jax.jit(fn)
+    import tensorflow as tf
+
+    return tf.function(fn, jit_compile=True)
