@@ -202,8 +202,7 @@ def main(argv=None):
     if args.output:
         from features import replace_section
 
-        replace_section(args.output, START, END, text)
-        print(f"wrote {args.output}")
+        replace_section(args.output, START, END, text)  # prints where it wrote
     return 0
 
 

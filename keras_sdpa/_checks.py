@@ -70,7 +70,7 @@ def _check_inputs(query, key, value):
                 f"`{name}` must have rank 4, {layout}. Received: {name}.shape={tuple(tensor.shape)}"
             )
         dtype = keras.backend.standardize_dtype(tensor.dtype)
-        if not _is_float(dtype):
+        if not keras.backend.is_float_dtype(dtype):
             raise ValueError(f"`{name}` must be a floating tensor. Received: {name}.dtype={dtype}")
         if tensor.shape[2] is None:
             raise ValueError(
@@ -117,13 +117,9 @@ def _check_mask(mask, query, key):
 def _check_bias(bias, query, key):
     bias = kops.convert_to_tensor(bias)
     dtype = keras.backend.standardize_dtype(bias.dtype)
-    if not _is_float(dtype):
+    if not keras.backend.is_float_dtype(dtype):
         raise ValueError(f"`bias` must be a floating tensor. Received: bias.dtype={dtype}")
     return _broadcastable("bias", bias, query, key)
-
-
-def _is_float(dtype):
-    return dtype.startswith("float") or dtype == "bfloat16"
 
 
 def _broadcastable(name, x, query, key):

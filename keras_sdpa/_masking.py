@@ -269,8 +269,7 @@ def _learns(variable):
 
 
 def _is_float(x):
-    dtype = keras.backend.standardize_dtype(x.dtype)
-    return dtype.startswith("float") or dtype == "bfloat16"
+    return keras.backend.is_float_dtype(x.dtype)
 
 
 def mod_vjp(score_mod, raw, b, num_heads, q_pos, kv_pos, d_modded, params, variables):

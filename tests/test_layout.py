@@ -206,3 +206,26 @@ def test_no_library_module_is_over_about_700_lines():
         for m in LIBRARY_MODULES
     }
     assert max(sizes.values()) <= 760, sizes
+
+
+def test_the_library_test_files_import_no_tensorflow_at_the_top():
+    """The test files the JAX run repeats (`tests/test_jax_backend.py`) are written on
+    `keras.ops` and NumPy: TensorFlow is imported only inside a TensorFlow-only test or
+    branch, never at a module's top, where the JAX run would need it."""
+    from test_jax_backend import BOTH_BACKENDS, LIBRARY
+
+    files = [*LIBRARY, *BOTH_BACKENDS, "tests/on_backend.py"]
+    on_top = {}
+    for name in files:
+        tree = ast.parse(open(os.path.join(ROOT, name), encoding="utf-8").read(), name)
+        for node in tree.body:
+            if isinstance(node, ast.Import):
+                modules = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                modules = [node.module or ""]
+            else:
+                continue
+            if any(module.split(".")[0] == "tensorflow" for module in modules):
+                on_top.setdefault(name, []).append(node.lineno)
+    assert on_top == {}
+    assert len(files) >= 13

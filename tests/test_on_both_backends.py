@@ -13,6 +13,7 @@ import keras
 import numpy as np
 import pytest
 from keras import ops
+from on_backend import BACKEND, float64_context, gradient_to_variable, gradients
 
 from keras_sdpa import (
     ScaledDotProductAttention,
@@ -22,7 +23,6 @@ from keras_sdpa import (
 )
 from keras_sdpa import ops as ops_module
 
-BACKEND = keras.backend.backend()
 if BACKEND == "jax":
     import jax
 
@@ -64,22 +64,6 @@ def reference(q, k, v, mask=None, bias=None, causal=False, window=None, cap=None
     total = exp.sum(-1, keepdims=True)
     weights = exp / np.where(total > 0, total, 1)
     return np.einsum("bnts,bsnh->btnh", weights, v), weights
-
-
-def gradients(fn, *args, x64=False):
-    """The gradient of `fn(*args)` to every arg, by the backend's autodiff; with `x64`, JAX
-    computes in float64 (`jax.enable_x64`: JAX's default is float32 at most)."""
-    if BACKEND == "jax":
-        with jax.enable_x64(x64):
-            args = [jax.numpy.asarray(a) for a in args]
-            return [np.asarray(g) for g in jax.grad(fn, argnums=tuple(range(len(args))))(*args)]
-    import tensorflow as tf
-
-    args = [tf.convert_to_tensor(a) for a in args]
-    with tf.GradientTape() as tape:
-        tape.watch(args)
-        value = fn(*args)
-    return [np.asarray(tf.convert_to_tensor(g)) for g in tape.gradient(value, args)]
 
 
 def plain_attention(q, k, v, mask, bias):
@@ -253,13 +237,6 @@ def test_fit_lowers_the_loss():
     assert history.history["loss"][-1] < history.history["loss"][0]
 
 
-def float64_context():
-    """Where float64 exists: everywhere on TensorFlow, under `jax.enable_x64` on JAX."""
-    import contextlib
-
-    return jax.enable_x64(True) if BACKEND == "jax" else contextlib.nullcontext()
-
-
 CHUNKED_CASES = {
     "causal-gqa": dict(is_causal=True),
     "window-bias": dict(sliding_window=6, bias=True),
@@ -327,23 +304,6 @@ def test_chunked_path_matches_dense_outputs_and_gradients(case, monkeypatch):
         np.testing.assert_allclose(a, b, atol=tolerance)
     if "mask" in options:
         assert not chunked[0][1, 5].any()
-
-
-def gradient_to_variable(fn, variable):
-    """The gradient of `fn()` to a Keras variable, by the backend's autodiff: on JAX through
-    a `keras.StatelessScope` that reads the variable as the differentiated value."""
-    if BACKEND == "jax":
-
-        def of_value(value):
-            with keras.StatelessScope(state_mapping=[(variable, value)]):
-                return fn()
-
-        return np.asarray(jax.grad(of_value)(variable.value))
-    import tensorflow as tf
-
-    with tf.GradientTape() as tape:
-        value = fn()
-    return np.asarray(tf.convert_to_tensor(tape.gradient(value, variable.value)))
 
 
 @pytest.mark.parametrize("path", ["dense", "chunked"])
