@@ -160,10 +160,10 @@ class Positioned(mods.Mod):
         )  # fmt: skip
 
     def _tensors(self):
-        return (self.offset,) + mods.split(self.inner_mask)[1]
+        return (self.offset,) + tuple(mods.tensors_of(self.inner_mask))
 
     def _with_tensors(self, tensors):
-        inner = mods.join(mods.split(self.inner_mask)[0], tuple(tensors[1:]))
+        inner = mods.join(self.inner_mask, tuple(tensors[1:]))  # a template's too: no reads
         return type(self)(tensors[0], self.causal, self.window, inner, self.inner_score)
 
 

@@ -302,12 +302,12 @@ class _Combined(Mod):
         return (type(self), tuple(_static_key(mod) for mod in self.mask_mods))
 
     def _tensors(self):
-        return tuple(t for mod in self.mask_mods for t in split(mod)[1])
+        return tuple(t for mod in self.mask_mods for t in tensors_of(mod))
 
     def _with_tensors(self, tensors):
         mods, start = [], 0
         for mod in self.mask_mods:
-            count = len(split(mod)[1])
+            count = len(tensors_of(mod))  # a template's are placeholders: counted, not read
             mods.append(join(mod, tensors[start : start + count]))
             start += count
         return type(self)(*mods)
@@ -609,6 +609,11 @@ def as_function(mod):
 
 # Stands in for a tensor in a template: keeps the count, holds no data.
 _SLOT = "<tensor>"
+
+
+def tensors_of(mod):
+    """The tensors `mod` holds, as it holds them: a template's are `_SLOT` placeholders."""
+    return mod._tensors() if isinstance(mod, Mod) else ()
 
 
 def split(mod):

@@ -1,18 +1,27 @@
-"""The chunked (O(T) memory) core against the dense core, NumPy, and finite differences."""
+"""The chunked (O(T) memory) core against the dense core, NumPy, and finite differences.
+
+Written on `keras.ops`, NumPy and `on_backend`, so it runs on TensorFlow and on JAX.
+"""
+
+import math
 
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
+from keras import ops
+from on_backend import BACKEND, gradient_to_variables, numpy, tensor
 from test_ops import (
     MASKS,
     assert_gradients_match_finite_differences,
     core_kwargs,
     make_mask,
+    optimized_hlo,
+    outputs_and_gradients,
     reference,
 )
 
-from keras_sdpa import ScaledDotProductAttention, ops
+from keras_sdpa import ScaledDotProductAttention
+from keras_sdpa import ops as ops_module
 from keras_sdpa.ops import scaled_dot_product_attention
 
 B, N, H, HV = 2, 3, 6, 5
@@ -25,7 +34,7 @@ LENGTHS = [(8, 8), (11, 11), (7, 13), (13, 6), (3, 3)]
 def inputs(t, s, dtype="float32", seed=0):
     rng = np.random.default_rng(seed)
     shapes = [(B, t, N, H), (B, s, N, H), (B, s, N, HV)]
-    return [tf.constant(rng.normal(size=shape), dtype) for shape in shapes]
+    return [tensor(rng.normal(size=shape), dtype) for shape in shapes]
 
 
 def mask_for(kind, t, s):
@@ -36,18 +45,20 @@ def mask_for(kind, t, s):
 
 
 def run(implementation, q, k, v, mask, is_causal, scale=None):
-    """Output and the gradients of a loss that weighs every output element differently."""
-    weights = tf.cos(
-        tf.reshape(tf.range(tf.size(q[..., :1]) * HV, dtype=q.dtype), (*q.shape[:3], HV))
-    )
-    with tf.GradientTape() as tape:
-        tape.watch([q, k, v])
+    """Output and the gradients of a loss that weighs every output element differently (as
+    NumPy arrays)."""
+    size = math.prod(q.shape[:3]) * HV
+    weights = ops.cos(ops.reshape(ops.arange(size, dtype=q.dtype), (*q.shape[:3], HV)))
+
+    def loss(q, k, v):
         out = scaled_dot_product_attention(
             q, k, v, mask, is_causal=is_causal, scale=scale,
             implementation=implementation, chunk_size=CHUNK,
         )  # fmt: skip
-        loss = tf.reduce_sum(out * weights)
-    return [out, *tape.gradient(loss, [q, k, v])]
+        return ops.sum(out * weights), out
+
+    out, grads = outputs_and_gradients(loss, q, k, v)
+    return [out, *grads]
 
 
 @pytest.mark.default_cases(
@@ -76,7 +87,7 @@ def test_chunked_matches_numpy_reference(mask_kind, is_causal):
         q, k, v, mask, is_causal=is_causal, scale=0.7, implementation="chunked", chunk_size=CHUNK
     )
     want, _ = reference(q, k, v, mask, is_causal, 0.7)
-    np.testing.assert_allclose(out, want, atol=1e-12)
+    np.testing.assert_allclose(numpy(out), want, atol=1e-12)
 
 
 def test_chunked_bfloat16_equals_dense():
@@ -86,7 +97,7 @@ def test_chunked_bfloat16_equals_dense():
     chunked = run("chunked", q, k, v, mask, True)
     for a, b in zip(dense, chunked):
         np.testing.assert_allclose(
-            tf.cast(b, tf.float32), tf.cast(a, tf.float32), atol=1e-2, rtol=1e-2
+            np.asarray(b, np.float32), np.asarray(a, np.float32), atol=1e-2, rtol=1e-2
         )
 
 
@@ -116,7 +127,7 @@ def test_chunked_gradients_match_finite_differences(is_causal):
         out = scaled_dot_product_attention(
             q, k, v, mask, is_causal=is_causal, implementation="chunked", chunk_size=CHUNK
         )
-        return tf.reduce_sum(out * c)
+        return ops.sum(out * c)
 
     assert_gradients_match_finite_differences(loss, [q, k, v])
 
@@ -124,29 +135,33 @@ def test_chunked_gradients_match_finite_differences(is_causal):
 def test_chunked_path_is_one_xla_program_with_loops():
     q, k, v = inputs(11, 11)
     kwargs = core_kwargs(num_heads=N, num_kv_heads=N, is_causal=True, chunk_size=CHUNK)
-    hlo = ops._attention_xla.experimental_get_compiler_ir(
+    hlo = optimized_hlo(
         q, k, v, None, None, None, (), (), None, (), **{**kwargs, "path": "chunked"}
-    )(stage="optimized_hlo")
+    )
     assert "while" in hlo and " dot(" in hlo and "exponential(" in hlo
-    dense = ops._attention_xla.experimental_get_compiler_ir(
-        q, k, v, None, None, None, (), (), None, (), **kwargs
-    )(stage="optimized_hlo")
+    dense = optimized_hlo(q, k, v, None, None, None, (), (), None, (), **kwargs)
     assert "while" not in dense
 
 
 def test_auto_picks_chunked_only_for_large_scores_without_weights():
-    small = tf.zeros((1, 128, 4, 8))
-    large = tf.zeros((1, 8192, 4, 8))  # 1 * 4 * 8192^2 * 4 bytes = 1 GiB of scores
-    wide = tf.zeros((1024, 512, 4, 8))  # 4 GiB of scores, in sequences shorter than a block
-    unknown = tf.TensorSpec((None, None, 4, 8))
+    small = ops.zeros((1, 128, 4, 8))
+    large = ops.zeros((1, 8192, 4, 8))  # 1 * 4 * 8192^2 * 4 bytes = 1 GiB of scores
+    wide = ops.zeros((1024, 512, 4, 8))  # 4 GiB of scores, in sequences shorter than a block
+    unknown = keras.KerasTensor((None, None, 4, 8))  # lengths unknown while tracing
     block = 2048
-    assert ops._choose_path("auto", small, small, False, block) == "dense"
-    assert ops._choose_path("auto", large, large, False, block) == "chunked"
-    assert ops._choose_path("auto", wide, wide, False, block) == "dense"
-    assert ops._choose_path("auto", large, large, True, block) == "dense"  # weights need (T, S)
-    assert ops._choose_path("auto", unknown, unknown, False, block) == "auto"  # at run time
-    assert ops._choose_path("chunked", small, small, False, block) == "chunked"
-    assert ops._choose_path("dense", large, large, False, block) == "dense"
+    choose = ops_module._choose_path
+    assert choose("auto", small, small, False, block) == "dense"
+    assert choose("auto", large, large, False, block) == "chunked"
+    assert choose("auto", wide, wide, False, block) == "dense"
+    assert choose("auto", large, large, True, block) == "dense"  # weights need (T, S)
+    if BACKEND == "jax":
+        # JAX traces every call with its shapes known, always as inside a compiled program
+        # (`_inside_xla`): unknown lengths cannot wait for run time there, and stay dense.
+        assert choose("auto", unknown, unknown, False, block) == "dense"
+    else:
+        assert choose("auto", unknown, unknown, False, block) == "auto"  # at run time
+    assert choose("chunked", small, small, False, block) == "chunked"
+    assert choose("dense", large, large, False, block) == "dense"
 
 
 def test_dropout_and_weights_fall_back_to_dense():
@@ -155,7 +170,7 @@ def test_dropout_and_weights_fall_back_to_dense():
     dense = scaled_dot_product_attention(q, k, v, implementation="dense", **kwargs)
     chunked = scaled_dot_product_attention(q, k, v, implementation="chunked", **kwargs)
     for a, b in zip(dense, chunked):
-        np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(numpy(a), numpy(b))
 
 
 @pytest.mark.parametrize(
@@ -175,9 +190,9 @@ def test_bad_implementation_arguments(kwargs, match):
 
 def test_layer_results_do_not_depend_on_the_implementation():
     rng = np.random.default_rng(0)
-    query = tf.constant(rng.normal(size=(B, 11, 16)), tf.float32)
-    value = tf.constant(rng.normal(size=(B, 9, 12)), tf.float32)
-    mask = tf.constant(rng.random((B, 11, 9)) > 0.3)
+    query = tensor(rng.normal(size=(B, 11, 16)), "float32")
+    value = tensor(rng.normal(size=(B, 9, 12)), "float32")
+    mask = tensor(rng.random((B, 11, 9)) > 0.3)
     layers = {
         name: ScaledDotProductAttention(num_heads=2, key_dim=4, implementation=name, chunk_size=4)
         for name in ("dense", "chunked")
@@ -187,10 +202,14 @@ def test_layer_results_do_not_depend_on_the_implementation():
     layers["chunked"].set_weights(layers["dense"].get_weights())
     results = {}
     for name, layer in layers.items():
-        with tf.GradientTape() as tape:
+
+        def loss(layer=layer):
             out = layer(query, value, attention_mask=mask, use_causal_mask=True)
-            loss = tf.reduce_sum(out * tf.sin(out))
-        results[name] = [out, *tape.gradient(loss, layer.trainable_weights)]
+            return ops.sum(out * ops.sin(out))
+
+        # The output of the same call, outside the autodiff (no dropout: deterministic).
+        out = numpy(layer(query, value, attention_mask=mask, use_causal_mask=True))
+        results[name] = [out, *gradient_to_variables(loss, layer.trainable_weights)]
     for a, b in zip(results["dense"], results["chunked"]):
         np.testing.assert_allclose(b, a, atol=1e-5)
 
@@ -225,27 +244,27 @@ def test_layer_in_a_keras_model_trains_with_chunked_attention():
 def test_default_blocks_are_evened_out_over_the_length(monkeypatch):
     """Without a `chunk_size`, the blocks cover the length evenly in multiples of 128 (4,097
     tokens in 3 blocks of 1408, not 2048 + 2048 + a block of padding); a given one is kept."""
-    assert ops._balanced_chunk_size(4097, 2048) == 1408
-    assert ops._balanced_chunk_size(8192, 2048) == 2048
-    assert ops._balanced_chunk_size(3000, 2048) == 1536
-    assert ops._balanced_chunk_size(129, 128) == 128
+    assert ops_module._balanced_chunk_size(4097, 2048) == 1408
+    assert ops_module._balanced_chunk_size(8192, 2048) == 2048
+    assert ops_module._balanced_chunk_size(3000, 2048) == 1536
+    assert ops_module._balanced_chunk_size(129, 128) == 128
     seen = []
-    real = ops._attention_xla
+    real = ops_module._attention_xla
 
     def spy(*args, **kwargs):
         seen.append(kwargs["chunk_size"])
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(ops, "_attention_xla", spy)
-    monkeypatch.setattr(ops, "_default_chunk_size", lambda *args, **kwargs: 512)
+    monkeypatch.setattr(ops_module, "_attention_xla", spy)
+    monkeypatch.setattr(ops_module, "_default_chunk_size", lambda *args, **kwargs: 512)
     rng = np.random.default_rng(0)
-    q, k, v = (tf.constant(rng.standard_normal((1, 520, 1, 8)), tf.float32) for _ in range(3))
+    q, k, v = (tensor(rng.standard_normal((1, 520, 1, 8)), "float32") for _ in range(3))
     got = scaled_dot_product_attention(q, k, v, implementation="chunked")
     given = scaled_dot_product_attention(q, k, v, implementation="chunked", chunk_size=512)
     assert seen == [384, 512]  # 520 tokens: 2 blocks of 384, not 512 + 8; a given size kept
     want = scaled_dot_product_attention(q, k, v, implementation="dense")
-    np.testing.assert_allclose(got, want, atol=1e-5)
-    np.testing.assert_allclose(given, want, atol=1e-5)
+    np.testing.assert_allclose(numpy(got), numpy(want), atol=1e-5)
+    np.testing.assert_allclose(numpy(given), numpy(want), atol=1e-5)
 
 
 @pytest.mark.parametrize(
@@ -256,18 +275,20 @@ def test_evened_default_blocks_give_the_dense_result_and_gradients(case):
     grouped heads over keys of another length: outputs and gradients are the dense path's."""
     rng = np.random.default_rng(1)
     t, s, heads, kv_heads = (520, 700, 2, 1) if case == "gqa_cross" else (520, 520, 2, 2)
-    q = tf.constant(rng.standard_normal((1, t, heads, 8)), tf.float32)
-    k, v = (tf.constant(rng.standard_normal((1, s, kv_heads, 8)), tf.float32) for _ in range(2))
+    q = tensor(rng.standard_normal((1, t, heads, 8)), "float32")
+    k, v = (tensor(rng.standard_normal((1, s, kv_heads, 8)), "float32") for _ in range(2))
     kwargs = {"causal": dict(is_causal=True),
-              "mask": dict(mask=tf.constant(rng.random((1, 1, t, s)) > 0.3)),
+              "mask": dict(mask=tensor(rng.random((1, 1, t, s)) > 0.3)),
               "gqa_cross": {}}[case]  # fmt: skip
 
     def run(implementation):
-        with tf.GradientTape() as tape:
-            tape.watch([q, k, v])
+        def loss(q, k, v):
             out = scaled_dot_product_attention(q, k, v, implementation=implementation, **kwargs)
-            loss = tf.reduce_sum(out * tf.cos(tf.range(t, dtype=tf.float32))[None, :, None, None])
-        return [out] + tape.gradient(loss, [q, k, v])
+            weights = ops.cos(ops.arange(t, dtype="float32"))[None, :, None, None]
+            return ops.sum(out * weights), out
+
+        out, grads = outputs_and_gradients(loss, q, k, v)
+        return [out, *grads]
 
     for got, want in zip(run("chunked"), run("dense")):
         np.testing.assert_allclose(got, want, atol=2e-5)

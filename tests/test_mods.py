@@ -3,8 +3,10 @@ skipping, and the layer that holds them.
 
 Every built-in is checked on both paths, forward and gradient, against references that
 share no code with it: a float64 NumPy forward pass in which each mod is written again from
-its definition, and the gradient TensorFlow's autodiff derives from a plain float64 formula
-(the core's gradient goes through the mod by a tape inside its own hand-written one).
+its definition, and the gradient the backend's autodiff (a `tf.GradientTape` on TensorFlow,
+`jax.grad` on JAX) derives from a plain float64 formula on `keras.ops` (the core's gradient
+goes through the mod by the backend's autodiff inside its own hand-written one). Written on
+`keras.ops`, NumPy and `on_backend`: it runs on both backends.
 """
 
 import math
@@ -17,7 +19,8 @@ import hypothesis.strategies as st
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
+from keras import ops
+from on_backend import BACKEND, gradient_to_variable, gradients, jit, numpy, tensor
 
 import keras_sdpa
 from keras_sdpa import _chunked, mods
@@ -101,10 +104,8 @@ def make_mask(name):
         "causal_function": lambda: lambda b, h, q_idx, kv_idx: q_idx >= kv_idx,
         "sliding_window": lambda: mods.sliding_window(3),
         "prefix_lm_int": lambda: mods.prefix_lm(4),
-        "prefix_lm_rows": lambda: mods.prefix_lm(tf.constant(PREFIX)),
-        "document": lambda: mods.document(
-            tf.constant(SEGMENTS[:, :T]), kv_segment_ids=tf.constant(SEGMENTS)
-        ),
+        "prefix_lm_rows": lambda: mods.prefix_lm(tensor(PREFIX)),
+        "document": lambda: mods.document(tensor(SEGMENTS[:, :T]), kv_segment_ids=tensor(SEGMENTS)),
         "chunked_local": lambda: mods.chunked_local(4),
         "and_masks": lambda: mods.and_masks(mods.causal(), mods.sliding_window(3)),
         "or_masks": lambda: mods.or_masks(mods.chunked_local(4), lambda b, h, q, kv: kv < 2),
@@ -160,7 +161,7 @@ def reference(q, k, v, score=None, mask=None, bias=None):
 def inputs(seed=0, kv_heads=K, dtype="float32"):
     rng = np.random.default_rng(seed)
     shapes = [(B, T, N, H), (B, S, kv_heads, H), (B, S, kv_heads, H)]
-    return [tf.constant(rng.normal(size=shape), dtype) for shape in shapes]
+    return [tensor(rng.normal(size=shape), dtype) for shape in shapes]
 
 
 # ------------------------------------------------------------------------------ the core
@@ -178,7 +179,7 @@ def test_mask_mods_match_numpy_reference(name, path):
         q, k, v, mask_mod=make_mask(name), implementation=path, chunk_size=CHUNK
     )
     want = reference(q, k, v, mask=lambda *i: np_mask(name, *i))
-    np.testing.assert_allclose(out, want, atol=1e-5)
+    np.testing.assert_allclose(numpy(out), want, atol=1e-5)
 
 
 @pytest.mark.default_cases(
@@ -193,7 +194,7 @@ def test_score_mods_match_numpy_reference(name, path, kv_heads):
         q, k, v, score_mod=make_score(name), implementation=path, chunk_size=CHUNK
     )
     want = reference(q, k, v, score=lambda *a: np_score(name, *a))
-    np.testing.assert_allclose(out, want, atol=1e-5)
+    np.testing.assert_allclose(numpy(out), want, atol=1e-5)
 
 
 def test_alibi_slopes_are_the_papers():
@@ -204,22 +205,23 @@ def test_alibi_slopes_are_the_papers():
 @pytest.mark.parametrize("bidirectional", [True, False])
 def test_t5_buckets_match_the_definition(bidirectional):
     distances = np.arange(-300, 301)
-    got = mods.relative_position_bucket(tf.constant(distances), bidirectional, 32, 128)
+    got = mods.relative_position_bucket(tensor(distances), bidirectional, 32, 128)
     want = [np_t5_bucket(int(d), bidirectional, 32, 128) for d in distances]
-    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(numpy(got), want)
 
 
 def autodiff_reference(q, k, v, table, name):
-    """float64 TensorFlow: the formula with T5's bias looked up in `table` (NumPy buckets)."""
+    """float64 keras.ops: the formula with T5's bias looked up in `table` (NumPy buckets)."""
     groups = q.shape[2] // k.shape[2]
-    k, v = tf.repeat(k, groups, axis=2), tf.repeat(v, groups, axis=2)
-    logits = tf.einsum("btnh,bsnh->bnts", q, k) / np.sqrt(H)
+    k, v = ops.repeat(k, groups, axis=2), ops.repeat(v, groups, axis=2)
+    logits = ops.einsum("btnh,bsnh->bnts", q, k) / np.sqrt(H)
     b, h, qi, ki = indices()
     buckets = np.vectorize(lambda d: np_t5_bucket(d, name == "t5", 8, 20))(ki - qi)[0, 0]
-    logits = logits + tf.transpose(tf.gather(table, buckets), [2, 0, 1])[None]  # (1, N, T, S)
+    bias = ops.transpose(ops.take(table, buckets, axis=0), [2, 0, 1])[None]  # (1, N, T, S)
+    logits = logits + bias
     allowed = np.broadcast_to(np_mask("and_masks", b, h, qi, ki), logits.shape)
-    weights = tf.nn.softmax(tf.where(allowed, logits, -1e30), axis=-1)
-    return tf.einsum("bnts,bsnh->btnh", weights, v)
+    weights = ops.softmax(ops.where(allowed, logits, -1e30), axis=-1)
+    return ops.einsum("bnts,bsnh->btnh", weights, v)
 
 
 @pytest.mark.default_cases("t5-chunked", "t5_causal-dense")
@@ -228,27 +230,28 @@ def autodiff_reference(q, k, v, table, name):
 def test_gradients_reach_the_inputs_and_the_t5_table(path, name):
     q, k, v = inputs(kv_heads=K)
     mod = make_score(name)
-    weights = tf.constant(np.random.default_rng(9).normal(size=(B, T, N, H)), tf.float32)
-    with tf.GradientTape() as tape:
-        tape.watch([q, k, v])
+    weights = np.random.default_rng(9).normal(size=(B, T, N, H)).astype("float32")
+
+    def loss(q, k, v):
         out = scaled_dot_product_attention(
             q, k, v, score_mod=mod, mask_mod=make_mask("and_masks"), implementation=path,
             chunk_size=CHUNK,
         )  # fmt: skip
-        loss = tf.reduce_sum(out * weights)
-    got = tape.gradient(loss, [q, k, v, mod.table])
-    q64, k64, v64 = (tf.cast(x, tf.float64) for x in (q, k, v))
-    table = tf.Variable(TABLE)
-    with tf.GradientTape() as tape:
-        tape.watch([q64, k64, v64])
-        ref = autodiff_reference(q64, k64, v64, table, name)
-        loss = tf.reduce_sum(ref * tf.cast(weights, "float64"))
-    want = tape.gradient(loss, [q64, k64, v64, table])
+        return ops.sum(out * weights)
+
+    # The inputs' gradients by `gradients`, the table's (a Keras variable) by
+    # `gradient_to_variable`: the same loss, differentiated twice.
+    got = gradients(loss, q, k, v) + [gradient_to_variable(lambda: loss(q, k, v), mod.table)]
+    q64, k64, v64 = (numpy(x, "float64") for x in (q, k, v))
+
+    def ref_loss(q, k, v, table):
+        ref = autodiff_reference(q, k, v, table, name)
+        return ops.sum(ref * weights.astype("float64"))
+
+    want = gradients(ref_loss, q64, k64, v64, TABLE, x64=True)
     for name_, g, w in zip(["q", "k", "v", "table"], got, want):
-        np.testing.assert_allclose(
-            tf.convert_to_tensor(g), tf.convert_to_tensor(w), atol=2e-5, err_msg=name_
-        )
-    assert float(tf.reduce_max(tf.abs(got[3]))) > 1e-3  # the table's gradient is not zero
+        np.testing.assert_allclose(g, w, atol=2e-5, err_msg=name_)
+    assert float(np.max(np.abs(got[3]))) > 1e-3  # the table's gradient is not zero
 
 
 class Slopes(mods.Mod):
@@ -258,7 +261,8 @@ class Slopes(mods.Mod):
         self.slopes = slopes
 
     def __call__(self, score, b, h, q_idx, kv_idx):
-        return score - tf.gather(self.slopes, h) * tf.cast(tf.abs(q_idx - kv_idx), score.dtype)
+        distance = ops.cast(ops.abs(q_idx - kv_idx), score.dtype)
+        return score - ops.take(self.slopes, h, axis=0) * distance
 
     def _tensors(self):
         return (self.slopes,)
@@ -270,32 +274,54 @@ class Slopes(mods.Mod):
 @pytest.mark.default_cases("chunked")
 @pytest.mark.parametrize("path", PATHS)
 def test_gradients_reach_a_mods_tensor_and_a_captured_variable(path):
-    """The float tensor a `Mod` carries, a `tf.Variable` a plain function reads and a plain
+    """The float tensor a `Mod` carries, a Keras variable a plain function reads and a plain
     tensor a closure captures all get the gradient autodiff gives the same formula."""
     q, k, v = inputs(kv_heads=N)
-    slopes = tf.constant(ALIBI_6, tf.float32)
-    scale = tf.Variable(0.7)
+    slopes = tensor(ALIBI_6, "float32")
+    scale = keras.Variable(0.7)
 
     def plain(score, b, h, q_idx, kv_idx):
         return score * scale
 
-    for mod, watched in ((Slopes(slopes), slopes), (plain, scale)):
-        with tf.GradientTape() as tape:
-            tape.watch(slopes)
-            out = scaled_dot_product_attention(
-                q, k, v, score_mod=mod, implementation=path, chunk_size=CHUNK
-            )
-            loss = tf.reduce_sum(out * out)
-        got = tf.convert_to_tensor(tape.gradient(loss, watched))
-        with tf.GradientTape() as tape:
-            tape.watch(slopes)
-            b, h, qi, ki = (tf.constant(x) for x in indices())
-            logits = tf.einsum("btnh,bsnh->bnts", q, k) / np.sqrt(H)
-            logits = mod(logits, b, h, qi, ki)
-            ref = tf.einsum("bnts,bsnh->btnh", tf.nn.softmax(logits, -1), v)
-            loss = tf.reduce_sum(ref * ref)
-        want = tf.convert_to_tensor(tape.gradient(loss, watched))
+    def ours(mod):
+        out = scaled_dot_product_attention(
+            q, k, v, score_mod=mod, implementation=path, chunk_size=CHUNK
+        )
+        return ops.sum(out * out)
+
+    def formula(mod):
+        b, h, qi, ki = (tensor(x) for x in indices())
+        logits = ops.einsum("btnh,bsnh->bnts", q, k) / np.sqrt(H)
+        logits = mod(logits, b, h, qi, ki)
+        ref = ops.einsum("bnts,bsnh->btnh", ops.softmax(logits, -1), v)
+        return ops.sum(ref * ref)
+
+    def gradient(loss, mod):
+        """The gradient to the Mod's slopes (an argument of the loss) or to `scale`."""
+        if mod == "slopes":
+            return gradients(lambda slopes: loss(Slopes(slopes)), slopes)[0]
+        return gradient_to_variable(lambda: loss(plain), scale)
+
+    for mod in ("slopes", "scale"):
+        got, want = gradient(ours, mod), gradient(formula, mod)
+        if BACKEND == "jax" and mod == "scale":
+            # On JAX the core sees only the variables a mod holds: a plain function's
+            # outside variable is a constant of the trace and gets no gradient (as
+            # docs/backends.md says; there, `mods.with_tensors` or a layer's weight).
+            assert np.abs(want) > 1e-3
+            np.testing.assert_array_equal(got, 0.0)
+            continue
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def trace(fn):
+    """`fn` traced as `fit` traces a step: a `tf.function` (graph, no XLA of its own) on
+    TensorFlow; on JAX, where every trace is compiled, `jax.jit`."""
+    if BACKEND == "jax":
+        return jit(fn)
+    import tensorflow as tf
+
+    return tf.function(fn)
 
 
 @pytest.mark.default_cases("dense")
@@ -304,36 +330,33 @@ def test_gradients_reach_the_tensors_of_with_tensors(path):
     """`mods.with_tensors(fn, slopes)`, eagerly and inside a traced function (as in `fit`):
     `slopes` gets the gradient autodiff gives the same formula."""
     q, k, v = inputs(kv_heads=N)
-    slopes = tf.constant(ALIBI_6, tf.float32)
+    slopes = tensor(ALIBI_6, "float32")
 
     def alibi(score, b, h, q_idx, kv_idx, slopes):
-        return score - tf.gather(slopes, h) * tf.cast(tf.abs(q_idx - kv_idx), score.dtype)
+        return score - ops.take(slopes, h, axis=0) * ops.cast(ops.abs(q_idx - kv_idx), score.dtype)
 
     def with_closure(slopes, attend):
         out = attend(mods.with_tensors(alibi, slopes))
-        return tf.reduce_sum(out * out)
+        return ops.sum(out * out)
 
     def ours(mod):
         return scaled_dot_product_attention(q, k, v, score_mod=mod, implementation=path,
                                              chunk_size=CHUNK)  # fmt: skip
 
     def formula(mod):
-        logits = tf.einsum("btnh,bsnh->bnts", q, k) / np.sqrt(H)
-        logits = mod(logits, *(tf.constant(x) for x in indices()))
-        return tf.einsum("bnts,bsnh->btnh", tf.nn.softmax(logits, -1), v)
+        logits = ops.einsum("btnh,bsnh->bnts", q, k) / np.sqrt(H)
+        logits = mod(logits, *(tensor(x) for x in indices()))
+        return ops.einsum("bnts,bsnh->btnh", ops.softmax(logits, -1), v)
 
     grads = []
     for attend in (ours, formula, ours):
         traced = lambda slopes, attend=attend: with_closure(slopes, attend)  # noqa: E731
-        if len(grads) == 2:  # ours again, inside a tf.function
-            traced = tf.function(traced)
-        with tf.GradientTape() as tape:
-            tape.watch(slopes)
-            loss = traced(slopes)
-        grads.append(tf.convert_to_tensor(tape.gradient(loss, slopes)))
+        if len(grads) == 2:  # ours again, inside a traced function
+            traced = trace(traced)
+        grads.append(gradients(traced, slopes)[0])
     np.testing.assert_allclose(grads[0], grads[1], rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(grads[2], grads[1], rtol=1e-4, atol=1e-5)
-    assert float(tf.reduce_max(tf.abs(grads[0]))) > 1e-3
+    assert float(np.max(np.abs(grads[0]))) > 1e-3
 
 
 def test_captured_table_gradient_is_deterministic():
@@ -342,13 +365,14 @@ def test_captured_table_gradient_is_deterministic():
     mod = make_score("t5")
 
     def table_gradient():
-        with tf.GradientTape() as tape:
+        def loss():
             out = scaled_dot_product_attention(
                 q, k, v, score_mod=mod, mask_mod=mods.causal(), implementation="chunked",
                 chunk_size=CHUNK,
             )  # fmt: skip
-            loss = tf.reduce_sum(out * out)
-        return tf.convert_to_tensor(tape.gradient(loss, mod.table)).numpy()
+            return ops.sum(out * out)
+
+        return gradient_to_variable(loss, mod.table)
 
     first, second = table_gradient(), table_gradient()
     assert first.tobytes() == second.tobytes()
@@ -362,7 +386,7 @@ def test_mods_combine_with_the_built_in_arguments_in_the_documented_order(path):
     bias = rng.normal(size=(1, N, T, S))
     mask = rng.random((B, 1, T, S)) > 0.2
     out = scaled_dot_product_attention(
-        q, k, v, mask, bias=tf.constant(bias, tf.float32), is_causal=True,
+        q, k, v, mask, bias=tensor(bias, "float32"), is_causal=True,
         attn_logits_soft_cap=1.5, score_mod=make_score("alibi"),
         mask_mod=make_mask("document"), implementation=path, chunk_size=CHUNK,
     )  # fmt: skip
@@ -374,20 +398,23 @@ def test_mods_combine_with_the_built_in_arguments_in_the_documented_order(path):
     def allowed(b, h, qi, ki):
         return np_mask("document", b, h, qi, ki) & mask & (qi >= ki)
 
-    np.testing.assert_allclose(out, reference(q, k, v, score=score, mask=allowed), atol=1e-5)
+    want = reference(q, k, v, score=score, mask=allowed)
+    np.testing.assert_allclose(numpy(out), want, atol=1e-5)
 
 
 def test_fully_masked_rows_are_zero_with_finite_gradients():
     q, k, v = inputs(kv_heads=K)
-    never = lambda b, h, q_idx, kv_idx: tf.logical_and(q_idx != 3, kv_idx >= 0)  # noqa: E731
+    never = lambda b, h, q_idx, kv_idx: ops.logical_and(q_idx != 3, kv_idx >= 0)  # noqa: E731
     for path in PATHS:
-        with tf.GradientTape() as tape:
-            tape.watch([q, k, v])
-            out = scaled_dot_product_attention(
+
+        def attend(q, k, v, path=path):
+            return scaled_dot_product_attention(
                 q, k, v, mask_mod=never, implementation=path, chunk_size=CHUNK
             )
-        np.testing.assert_array_equal(out[:, 3], 0.0)
-        for grad in tape.gradient(out, [q, k, v]):
+
+        np.testing.assert_array_equal(numpy(attend(q, k, v))[:, 3], 0.0)
+        # The gradient of the sum of the outputs (what a tape gives for a tensor).
+        for grad in gradients(lambda q, k, v: ops.sum(attend(q, k, v)), q, k, v):
             assert np.isfinite(grad).all()
 
 
@@ -413,16 +440,19 @@ def test_block_kinds_match_brute_force(name):
     mask = np.broadcast_to(np_mask(name, b, h, qi, ki), (B, N, T, S))
     for c in (CHUNK, 2):
         got = keras_sdpa.create_block_mask(make_mask(name), B, N, T, S, block_size=c).kinds
-        np.testing.assert_array_equal(got, brute_force_kinds(mask, T, S, c), err_msg=f"C={c}")
+        np.testing.assert_array_equal(
+            numpy(got), brute_force_kinds(mask, T, S, c), err_msg=f"C={c}"
+        )
 
 
 def visits(mask_mod, t, s, c, block_kinds=None):
     """How many blocks the chunked forward computes, and in how many of them it calls the
     mask_mod (the loop's own counters)."""
-    q = tf.random.normal((1, 1, 1, t, 4))  # (B, K, G, T, H)
-    k = tf.random.normal((1, 1, s, 4))
+    rng = np.random.default_rng(t)
+    q = tensor(rng.normal(size=(1, 1, 1, t, 4)), "float32")  # (B, K, G, T, H)
+    k = tensor(rng.normal(size=(1, 1, s, 4)), "float32")
 
-    @tf.function(jit_compile=True)
+    @jit
     def run(q, k):
         kwargs = dict(
             mask_pattern=None, bias_pattern=None, is_causal=False, window=None, cap=None,
@@ -435,14 +465,14 @@ def visits(mask_mod, t, s, c, block_kinds=None):
 
 
 def _unaligned_documents():
-    return tf.constant(np.repeat(np.arange(11), 12)[None, :128])  # (1, 128): ragged
+    return tensor(np.repeat(np.arange(11), 12)[None, :128])  # (1, 128): ragged
 
 
 @pytest.mark.default_cases("document", "causal")
 @pytest.mark.parametrize(
     "make, expected",
     [
-        (lambda: mods.document(tf.constant(np.repeat(np.arange(8), 16)[None])), (8, 0)),
+        (lambda: mods.document(tensor(np.repeat(np.arange(8), 16)[None])), (8, 0)),
         (mods.causal, (36, 8)),
         (lambda: None, (64, 64)),
         (lambda: mods.sliding_window(16), (8 + 2 * 7, 2 * 7)),  # the diagonal: full
@@ -458,7 +488,7 @@ def test_the_chunked_loop_visits_only_non_empty_blocks(make, expected):
     mask_mod = make()
     count, with_mod = visits(mask_mod, 128, 128, 16)
     if expected is None:
-        kinds = keras_sdpa.create_block_mask(mask_mod, 1, 1, 128, 128, 16).kinds.numpy()
+        kinds = numpy(keras_sdpa.create_block_mask(mask_mod, 1, 1, 128, 128, 16).kinds)
         expected = (int(np.sum(kinds > 0)), int(np.sum(kinds == 1)))
     assert (count, with_mod) == expected
 
@@ -477,16 +507,16 @@ def test_the_chunked_loop_visits_only_non_empty_blocks(make, expected):
 def test_causal_and_window_mods_run_as_the_built_in_arguments(monkeypatch, mask_mod, lowered):
     """What the compiled core receives: `is_causal`, `sliding_window`, and a mask_mod only
     for what is left (an `or` is never split)."""
-    from keras_sdpa import ops
+    from keras_sdpa import ops as sdpa_ops
 
     seen = []
-    compiled = ops._attention_xla
+    compiled = sdpa_ops._attention_xla
 
     def spy(*args, **kwargs):
         seen.append((kwargs["is_causal"], kwargs["window"], kwargs["mask_mod"] is not None))
         return compiled(*args, **kwargs)
 
-    monkeypatch.setattr(ops, "_attention_xla", spy)
+    monkeypatch.setattr(sdpa_ops, "_attention_xla", spy)
     q, k, v = inputs(kv_heads=K)
     scaled_dot_product_attention(q, k, v, mask_mod=mask_mod, implementation="chunked")
     assert seen == [lowered]
@@ -502,7 +532,7 @@ def test_a_shared_block_mask_gives_the_same_result_and_must_match_its_mod():
     own = scaled_dot_product_attention(
         q, k, v, mask_mod=mod, implementation="chunked", chunk_size=CHUNK
     )
-    np.testing.assert_array_equal(shared, own)
+    np.testing.assert_array_equal(numpy(shared), numpy(own))
     with pytest.raises(ValueError, match="same `mask_mod`"):
         scaled_dot_product_attention(q, k, v, mask_mod=mods.causal(), block_mask=block_mask)
     # Made for other sizes, its map would skip blocks of another batch or length.
@@ -515,10 +545,10 @@ def test_a_shared_block_mask_gives_the_same_result_and_must_match_its_mod():
     upper = make_mask("causal_function")
     shared = keras_sdpa.create_block_mask(upper, 1, 1, T, S, block_size=CHUNK)
     np.testing.assert_array_equal(
-        scaled_dot_product_attention(q, k, v, mask_mod=upper, block_mask=shared,
-                                     implementation="chunked"),
-        scaled_dot_product_attention(q, k, v, mask_mod=upper, implementation="chunked",
-                                     chunk_size=CHUNK),
+        numpy(scaled_dot_product_attention(q, k, v, mask_mod=upper, block_mask=shared,
+                                           implementation="chunked")),
+        numpy(scaled_dot_product_attention(q, k, v, mask_mod=upper, implementation="chunked",
+                                           chunk_size=CHUNK)),
     )  # fmt: skip
     with pytest.raises(ValueError, match="chunk_size=4, block_mask.block_size=3"):
         scaled_dot_product_attention(q, k, v, mask_mod=mod, block_mask=block_mask, chunk_size=4)
@@ -542,13 +572,13 @@ def test_random_band_and_segment_masks_match_on_both_paths(bands, cuts, combine,
         segments[:, cut:] += 1
 
     def band(lo, width):
-        return lambda b, h, q, kv: tf.logical_and(q - kv >= lo, q - kv < lo + width)
+        return lambda b, h, q, kv: ops.logical_and(q - kv >= lo, q - kv < lo + width)
 
     parts = [band(lo, width) for lo, width in bands]
     np_parts = [lambda b, h, q, kv, lo=lo, w=w: (q - kv >= lo) & (q - kv < lo + w)
                 for lo, w in bands]  # fmt: skip
     if cuts:
-        parts.append(mods.document(tf.constant(segments[:, :t]), tf.constant(segments[:, :S])))
+        parts.append(mods.document(tensor(segments[:, :t]), tensor(segments[:, :S])))
         np_parts.append(lambda b, h, q, kv: segments[b, q] == segments[b, kv])
     mask_mod = (mods.and_masks if combine == "and" else mods.or_masks)(*parts)
     op = np.logical_and if combine == "and" else np.logical_or
@@ -560,28 +590,36 @@ def test_random_band_and_segment_masks_match_on_both_paths(bands, cuts, combine,
         return result
 
     rng = np.random.default_rng(t)
-    q = tf.constant(rng.normal(size=(B, t, N, H)), tf.float32)
+    q = tensor(rng.normal(size=(B, t, N, H)), "float32")
     _, k, v = inputs(kv_heads=K)
     want = reference(q, k, v, mask=np_mask_mod)
     for path in PATHS:
         out = scaled_dot_product_attention(
             q, k, v, mask_mod=mask_mod, implementation=path, chunk_size=CHUNK
         )
-        np.testing.assert_allclose(out, want, atol=1e-5, err_msg=path)
+        np.testing.assert_allclose(numpy(out), want, atol=1e-5, err_msg=path)
+
+
+def tracing_count(compiled):
+    """How many programs a compiled function has traced: TensorFlow's count, or on JAX the
+    size of `jax.jit`'s cache (one entry per trace; no public count)."""
+    if BACKEND == "jax":
+        return compiled._cache_size()
+    return compiled.experimental_get_tracing_count()
 
 
 def test_new_segment_ids_do_not_trace_a_new_program():
-    from keras_sdpa import ops
+    from keras_sdpa import ops as sdpa_ops
 
     q, k, v = inputs(kv_heads=K)
-    mod = mods.document(tf.constant(SEGMENTS[:, :T]), tf.constant(SEGMENTS))
+    mod = mods.document(tensor(SEGMENTS[:, :T]), tensor(SEGMENTS))
     scaled_dot_product_attention(q, k, v, mask_mod=mod, implementation="chunked", chunk_size=3)
-    before = ops._attention_xla.experimental_get_tracing_count()
+    before = tracing_count(sdpa_ops._attention_xla)
     for shift in range(3):
         ids = (SEGMENTS + shift) % 4
-        mod = mods.document(tf.constant(ids[:, :T]), tf.constant(ids))
+        mod = mods.document(tensor(ids[:, :T]), tensor(ids))
         scaled_dot_product_attention(q, k, v, mask_mod=mod, implementation="chunked", chunk_size=3)
-    assert ops._attention_xla.experimental_get_tracing_count() == before
+    assert tracing_count(sdpa_ops._attention_xla) == before
 
 
 @pytest.mark.parametrize(
@@ -589,7 +627,7 @@ def test_new_segment_ids_do_not_trace_a_new_program():
     [
         (dict(score_mod=3), "`score_mod` must be None or a callable"),
         (dict(mask_mod="causal"), "`mask_mod` must be None or a callable"),
-        (dict(mask_mod=lambda b, h, q, kv: tf.cast(q - kv, tf.float32)), "must return booleans"),
+        (dict(mask_mod=lambda b, h, q, kv: ops.cast(q - kv, "float32")), "must return booleans"),
         (dict(block_mask="blocks"), "`block_mask` must be a BlockMask"),
     ],
     ids=["score_mod", "mask_mod", "non_boolean", "block_mask"],
@@ -606,7 +644,7 @@ def test_bad_mod_arguments(kwargs, match):
         (lambda: mods.sliding_window(0), r"`window` must be a positive int. Received: window=0"),
         (lambda: mods.chunked_local(2.5), r"`chunk` must be a positive int"),
         (lambda: mods.prefix_lm(-1), r"prefix_length=-1"),
-        (lambda: mods.document(tf.constant([1, 2])), r"`segment_ids` must be a \(B, length\)"),
+        (lambda: mods.document(tensor([1, 2], "int32")), r"`segment_ids` must be a \(B, length\)"),
         (lambda: mods.soft_cap(0), r"`cap` must be a positive number. Received: cap=0"),
         (lambda: mods.alibi(0), r"num_heads=0"),
         (lambda: mods.relative_position_bias(4, num_buckets=2), r"num_buckets=2"),
@@ -666,32 +704,37 @@ def test_an_unregistered_function_is_refused_at_save_time(tmp_path):
     with pytest.raises(ValueError, match=refused):
         layer.get_config()
     with pytest.raises(ValueError, match="per-row prefix lengths"):
-        per_row = mods.prefix_lm(tf.constant([1, 2]))
+        per_row = mods.prefix_lm(tensor([1, 2], "int32"))
         keras_sdpa.ScaledDotProductAttention(mask_mod=per_row).get_config()
+
+
+def random_normal(shape, seed=0):
+    """A float32 tensor of standard normal draws (what `tf.random.normal` gave)."""
+    return tensor(np.random.default_rng(seed).normal(size=shape), "float32")
 
 
 def test_segment_ids_need_a_document_mask():
     layer = keras_sdpa.ScaledDotProductAttention(num_heads=2, key_dim=4, mask_mod=mods.causal())
-    x = tf.random.normal((B, T, 8))
+    x = random_normal((B, T, 8))
     with pytest.raises(ValueError, match="`segment_ids` are read by a `keras_sdpa.mods.document"):
-        layer(x, x, segment_ids=tf.zeros((B, T), tf.int32))
+        layer(x, x, segment_ids=ops.zeros((B, T), "int32"))
     layer = keras_sdpa.ScaledDotProductAttention(num_heads=2, key_dim=4, mask_mod=mods.document())
     with pytest.raises(ValueError, match=r"`segment_ids` must be a \(B, T\) integer tensor"):
-        layer(x, x, segment_ids=tf.zeros((B, T)))
+        layer(x, x, segment_ids=ops.zeros((B, T)))
 
 
 def test_segment_ids_of_another_size_are_refused():
     """XLA clamps an id gathered past the end: ids of the wrong length used to mask by the
     last id silently. With a cache they are one per cached position."""
     layer = keras_sdpa.ScaledDotProductAttention(num_heads=2, key_dim=4, mask_mod=mods.document())
-    x = tf.random.normal((B, T, 8))
+    x = random_normal((B, T, 8))
     for shape, match in (((B, T - 2), f"the query's length {T}"), ((B + 1, T), f"batch size {B}")):
         with pytest.raises(ValueError, match=match):
-            layer(x, x, segment_ids=tf.zeros(shape, tf.int32))
-    cache = tf.zeros((B, 2, 12, 2, 4))
+            layer(x, x, segment_ids=ops.zeros(shape, "int32"))
+    cache = ops.zeros((B, 2, 12, 2, 4))
     with pytest.raises(ValueError, match=r"the cache's length 12.*shape \(2, 7\)"):
-        layer(x, x, segment_ids=tf.zeros((B, T), tf.int32), cache=cache, cache_update_index=0)
-    layer(x, x, segment_ids=tf.zeros((B, 12), tf.int32), cache=cache, cache_update_index=0)
+        layer(x, x, segment_ids=ops.zeros((B, T), "int32"), cache=cache, cache_update_index=0)
+    layer(x, x, segment_ids=ops.zeros((B, 12), "int32"), cache=cache, cache_update_index=0)
 
 
 @pytest.mark.parametrize(
@@ -713,18 +756,18 @@ def test_a_mod_made_for_other_heads_is_refused(mod):
 
 def test_layer_with_mods_matches_keras_mha_with_the_same_weights_and_mask():
     """A document mask as mask_mod gives MultiHeadAttention's output with the same mask."""
-    x = tf.random.normal((B, T, 12))
-    ids = tf.constant(SEGMENTS[:, :T])
+    x = random_normal((B, T, 12))
+    ids = tensor(SEGMENTS[:, :T])
     ours = keras_sdpa.ScaledDotProductAttention(num_heads=3, key_dim=4, mask_mod=mods.document())
     mha = keras.layers.MultiHeadAttention(num_heads=3, key_dim=4)
     mha(x, x)
     ours(x, x, segment_ids=ids)
     ours.set_weights(mha.get_weights())
-    mask = ids[:, :, None] == ids[:, None, :]  # (B, T, T)
+    mask = ops.equal(ids[:, :, None], ids[:, None, :])  # (B, T, T)
     for path in ("dense", "chunked"):
         ours.implementation = path
         np.testing.assert_allclose(
-            ours(x, x, segment_ids=ids), mha(x, x, attention_mask=mask), atol=1e-5
+            numpy(ours(x, x, segment_ids=ids)), numpy(mha(x, x, attention_mask=mask)), atol=1e-5
         )
 
 
@@ -748,7 +791,7 @@ def t5_document_model(tmp_path_factory):
     rng = np.random.default_rng(0)
     data = [rng.integers(0, 40, (64, length)), np.sort(rng.integers(0, 3, (64, length)), axis=1)]
     target = (data[0][:, :1] > 20).astype("float32")
-    before = attention.score_mod.table.numpy().copy()
+    before = numpy(attention.score_mod.table).copy()
     history = model.fit(data, target, epochs=3, batch_size=16, verbose=0)
     folder = tmp_path_factory.mktemp("t5_document")
     model.save(folder / "model.keras")
@@ -759,7 +802,7 @@ def test_a_t5_document_model_trains_under_fit(t5_document_model):
     model, attention, before, history, _, _ = t5_document_model
     losses = history.history["loss"]
     assert losses[-1] < losses[0]
-    assert np.abs(attention.score_mod.table.numpy() - before).max() > 1e-3
+    assert np.abs(numpy(attention.score_mod.table) - before).max() > 1e-3
     assert attention.weights[-1] is attention.score_mod.table  # after the projections
 
 
@@ -772,7 +815,10 @@ def test_a_t5_document_model_reloads_from_keras_file(t5_document_model):
 
 
 @pytest.mark.large  # a process without this package; the layer's own: tests/test_layer.py
+@pytest.mark.tensorflow_only("a SavedModel served by TensorFlow's loader")
 def test_a_t5_document_model_serves_without_this_package(t5_document_model):
+    import tensorflow as tf
+
     model, _, _, _, data, folder = t5_document_model
     export = keras.export.ExportArchive()
     export.track(model)
@@ -814,7 +860,7 @@ def test_t5_table_trains_under_fit_with_the_automatic_path(jit_compile):
     model.compile(keras.optimizers.Adam(0.01), "mse", jit_compile=jit_compile)
     rng = np.random.default_rng(0)
     model.fit(rng.integers(0, 30, (16, 12)), rng.normal(size=(16, 1)), epochs=2, verbose=0)
-    assert np.abs(bias.table.numpy()).max() > 1e-3  # the table starts at zeros
+    assert np.abs(numpy(bias.table)).max() > 1e-3  # the table starts at zeros
 
 
 @pytest.mark.default_cases("dense")
@@ -826,30 +872,31 @@ def test_dropout_with_a_score_mod_and_a_mask_mod_matches_finite_differences(path
     from test_ops import assert_gradients_match_finite_differences
 
     rng = np.random.default_rng(31)
-    q, k, v = (tf.constant(rng.normal(size=(B, t, n, 3))) for t, n in ((5, N), (7, K), (7, K)))
-    c = tf.constant(rng.normal(size=(B, 5, N, 3)))
-    ids = tf.constant(SEGMENTS[:, :7])
+    q, k, v = (tensor(rng.normal(size=(B, t, n, 3))) for t, n in ((5, N), (7, K), (7, K)))
+    c = tensor(rng.normal(size=(B, 5, N, 3)))
+    ids = tensor(SEGMENTS[:, :7])
 
     def loss(q, k, v):
         out = scaled_dot_product_attention(
             q, k, v, dropout_rate=0.4, training=True, seed=11, score_mod=mods.alibi(N),
             mask_mod=mods.document(ids[:, :5], ids), implementation=path, chunk_size=CHUNK,
         )  # fmt: skip
-        return tf.reduce_sum(out * c)
+        return ops.sum(out * c)
 
     assert_gradients_match_finite_differences(loss, [q, k, v])
 
 
-def tf_score(name, score, b, h, q, kv):
-    """The score mods again, in float64 TensorFlow, for autodiff."""
-    distance = tf.cast(tf.abs(q - kv), score.dtype)
+def ops_score(name, score, b, h, q, kv):
+    """The score mods again, in float64 keras.ops, for autodiff."""
+    dtype = keras.backend.standardize_dtype(score.dtype)
+    distance = ops.cast(ops.abs(q - kv), dtype)
     if name == "alibi":
-        return score - tf.gather(tf.constant(ALIBI_6, score.dtype), h) * distance
+        return score - ops.take(tensor(ALIBI_6, dtype), h, axis=0) * distance
     if name == "soft_cap":
-        return 2.0 * tf.tanh(score / 2.0)
+        return 2.0 * ops.tanh(score / 2.0)
     buckets = np.vectorize(lambda d: np_t5_bucket(d, name == "t5", 8, 20))(kv - q)[0, 0]
-    table = tf.gather(tf.constant(TABLE, score.dtype), buckets)  # (T, S, N)
-    return score + tf.transpose(table, [2, 0, 1])[None]
+    table = ops.take(tensor(TABLE, dtype), buckets, axis=0)  # (T, S, N)
+    return score + ops.transpose(table, [2, 0, 1])[None]
 
 
 @pytest.mark.default_cases("dense-t5", "chunked-and_masks", "chunked-alibi")
@@ -860,33 +907,35 @@ def tf_score(name, score, b, h, q, kv):
 )
 @pytest.mark.parametrize("path", PATHS)
 def test_every_built_in_has_the_gradient_autodiff_gives(score, mask, path):
-    """d q, d k, d v of every built-in, against TensorFlow's autodiff of the float64 formula
-    with the mod written again (NumPy masks, TensorFlow scores)."""
+    """d q, d k, d v of every built-in, against the backend's autodiff of the float64 formula
+    with the mod written again (NumPy masks, keras.ops scores)."""
     q, k, v = inputs(kv_heads=K)
-    c = tf.constant(np.random.default_rng(8).normal(size=(B, T, N, H)), tf.float32)
-    with tf.GradientTape() as tape:
-        tape.watch([q, k, v])
+    c = np.random.default_rng(8).normal(size=(B, T, N, H)).astype("float32")
+
+    def loss(q, k, v):
         out = scaled_dot_product_attention(
             q, k, v, score_mod=make_score(score) if score else None,
             mask_mod=make_mask(mask) if mask else None, implementation=path, chunk_size=CHUNK,
         )  # fmt: skip
-        loss = tf.reduce_sum(out * c)
-    got = tape.gradient(loss, [q, k, v])
-    q64, k64, v64 = (tf.cast(x, tf.float64) for x in (q, k, v))
-    with tf.GradientTape() as tape:
-        tape.watch([q64, k64, v64])
-        kk, vv = tf.repeat(k64, N // K, axis=2), tf.repeat(v64, N // K, axis=2)
-        logits = tf.einsum("btnh,bsnh->bnts", q64, kk) / np.sqrt(H)
+        return ops.sum(out * c)
+
+    got = gradients(loss, q, k, v)
+    q64, k64, v64 = (numpy(x, "float64") for x in (q, k, v))
+
+    def ref_loss(q64, k64, v64):
+        kk, vv = ops.repeat(k64, N // K, axis=2), ops.repeat(v64, N // K, axis=2)
+        logits = ops.einsum("btnh,bsnh->bnts", q64, kk) / np.sqrt(H)
         b, h, qi, ki = indices()
         if score:
-            logits = tf_score(score, logits, b, h, qi, ki)
+            logits = ops_score(score, logits, b, h, qi, ki)
         allowed = np.ones(logits.shape, bool)
         if mask:
             allowed = np.broadcast_to(np_mask(mask, b, h, qi, ki), logits.shape)
-        weights = tf.nn.softmax(tf.where(allowed, logits, -1e30), axis=-1)
-        weights = tf.where(allowed.any(-1, keepdims=True), weights, 0.0)
-        ref = tf.einsum("bnts,bsnh->btnh", weights, vv)
-        loss = tf.reduce_sum(ref * tf.cast(c, tf.float64))
-    want = tape.gradient(loss, [q64, k64, v64])
+        weights = ops.softmax(ops.where(allowed, logits, -1e30), axis=-1)
+        weights = ops.where(allowed.any(-1, keepdims=True), weights, 0.0)
+        ref = ops.einsum("bnts,bsnh->btnh", weights, vv)
+        return ops.sum(ref * c.astype("float64"))
+
+    want = gradients(ref_loss, q64, k64, v64, x64=True)
     for name, g, w in zip("qkv", got, want):
         np.testing.assert_allclose(g, w, atol=2e-5, err_msg=name)

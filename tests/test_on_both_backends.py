@@ -161,6 +161,22 @@ def test_score_and_mask_mods_match_their_masks():
     np.testing.assert_allclose(ops.convert_to_numpy(out), want, atol=1e-5)
 
 
+@pytest.mark.parametrize("path", ["dense", "chunked"])
+def test_a_plain_mask_mod_and_one_with_tensors_combine(path):
+    """`and_masks` of a plain function and a mod that holds tensors: the combined mod's
+    template holds placeholders for the tensors, which are counted, never read (JAX refused
+    to convert the placeholder)."""
+    q, k, v = random((B, T, N, H), 15), random((B, T, N, H), 16), random((B, T, N, HV), 17)
+    ids = np.array([[0, 0, 1, 1, 1], [0, 1, 1, 2, 2]], "int32")
+    near = lambda b, h, q_idx, kv_idx: kv_idx < q_idx + 2  # noqa: E731
+    mask_mod = mods.and_masks(near, mods.document(ids))
+    out = scaled_dot_product_attention(q, k, v, mask_mod=mask_mod, implementation=path)
+    same = ids[:, None, :, None] == ids[:, None, None, :]
+    near = np.arange(T)[None, :] < np.arange(T)[:, None] + 2
+    want, _ = reference(q, k, v, same & near)
+    np.testing.assert_allclose(ops.convert_to_numpy(out), want, atol=1e-5)
+
+
 def test_decode_path_matches_numpy():
     q, k, v = random((B, 1, N, H), 18), random((B, S, K, H), 19), random((B, S, K, HV), 20)
     out = scaled_dot_product_attention(q, k, v, implementation="decode")

@@ -1,12 +1,20 @@
-"""The XLA core against a NumPy reference, Keras, eager execution and finite differences."""
+"""The XLA core against a NumPy reference, Keras, eager execution and finite differences.
+
+Written on `keras.ops`, NumPy and `on_backend`, so it runs on TensorFlow and on JAX; the
+checks of what only TensorFlow has (AutoGraph) are `tensorflow_only`.
+"""
 
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
+from keras import ops
+from on_backend import BACKEND, gradients, numpy, tensor
 
-from keras_sdpa import ops
+from keras_sdpa import ops as ops_module
 from keras_sdpa.ops import scaled_dot_product_attention
+
+if BACKEND == "jax":
+    import jax
 
 # Pairwise-distinct sizes, so a swapped axis cannot pass.
 B, T, S, N, H, HV = 2, 3, 5, 4, 6, 7
@@ -38,7 +46,7 @@ def random_inputs(dtype="float32", t=T, s=S, seed=0):
     q = rng.normal(size=(B, t, N, H))
     k = rng.normal(size=(B, s, N, H))
     v = rng.normal(size=(B, s, N, HV))
-    return [tf.constant(x, dtype) for x in (q, k, v)]
+    return [tensor(x, dtype) for x in (q, k, v)]
 
 
 def make_mask(kind, t=T, s=S, seed=1):
@@ -78,8 +86,8 @@ def test_matches_numpy_reference(mask_kind, is_causal, scale):
     )
     want_out, want_weights = reference(q, k, v, mask, is_causal, scale)
     assert out.shape == (B, T, N, HV) and weights.shape == (B, N, T, S)
-    np.testing.assert_allclose(out, want_out, atol=1e-5)
-    np.testing.assert_allclose(weights, want_weights, atol=1e-5)
+    np.testing.assert_allclose(numpy(out), want_out, atol=1e-5)
+    np.testing.assert_allclose(numpy(weights), want_weights, atol=1e-5)
 
 
 @pytest.mark.parametrize(
@@ -90,10 +98,11 @@ def test_dtypes(dtype, atol):
     q, k, v = random_inputs(dtype)
     mask = make_mask("fully_masked_rows")
     out, weights = scaled_dot_product_attention(q, k, v, mask, return_weights=True)
-    assert out.dtype == dtype and weights.dtype == dtype
-    want_out, want_weights = reference(*(tf.cast(x, "float64") for x in (q, k, v)), mask)
-    np.testing.assert_allclose(tf.cast(out, "float64"), want_out, atol=atol, rtol=atol)
-    np.testing.assert_allclose(tf.cast(weights, "float64"), want_weights, atol=atol)
+    standardize = keras.backend.standardize_dtype
+    assert standardize(out.dtype) == dtype and standardize(weights.dtype) == dtype
+    want_out, want_weights = reference(*(numpy(x, "float64") for x in (q, k, v)), mask)
+    np.testing.assert_allclose(numpy(out, "float64"), want_out, atol=atol, rtol=atol)
+    np.testing.assert_allclose(numpy(weights, "float64"), want_weights, atol=atol)
 
 
 def test_half_precision_scores_do_not_overflow():
@@ -101,11 +110,11 @@ def test_half_precision_scores_do_not_overflow():
     q, k, v = random_inputs("float32")
     q, k = q * 100.0, k * 100.0
     out = scaled_dot_product_attention(
-        tf.cast(q, "float16"), tf.cast(k, "float16"), tf.cast(v, "float16"), scale=1.0
+        ops.cast(q, "float16"), ops.cast(k, "float16"), ops.cast(v, "float16"), scale=1.0
     )
     want, _ = reference(q, k, v, scale=1.0)
-    assert np.isfinite(out.numpy()).all()
-    np.testing.assert_allclose(tf.cast(out, "float32"), want, atol=2e-2)
+    assert np.isfinite(numpy(out)).all()
+    np.testing.assert_allclose(numpy(out, "float32"), want, atol=2e-2)
 
 
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
@@ -116,12 +125,12 @@ def test_matches_keras_dot_product_attention(mask_kind, is_causal):
     v = v[..., :H]  # keras.ops.dot_product_attention wants Hv == H
     mask = make_mask(mask_kind, t=S)
     ours = scaled_dot_product_attention(q, k, v, mask, is_causal=is_causal)
-    theirs = keras.ops.dot_product_attention(q, k, v, mask=mask, is_causal=is_causal)
-    np.testing.assert_allclose(ours, theirs, atol=1e-5)
+    theirs = ops.dot_product_attention(q, k, v, mask=mask, is_causal=is_causal)
+    np.testing.assert_allclose(numpy(ours), numpy(theirs), atol=1e-5)
 
 
 def core_kwargs(**overrides):
-    """The static arguments of the private compiled core, `ops._attention_xla`."""
+    """The static arguments of the private compiled core, `keras_sdpa.ops._attention_xla`."""
     kwargs = dict(
         num_heads=N,
         num_kv_heads=N,
@@ -146,21 +155,28 @@ def core_kwargs(**overrides):
 def test_xla_matches_eager(mask_kind):
     q, k, v = random_inputs()
     mask = make_mask(mask_kind)
-    mask = None if mask is None else tf.constant(mask)
+    mask = None if mask is None else tensor(mask)
     kwargs = core_kwargs(is_causal=True, scale=0.5, return_weights=True)
     kwargs["mask_pattern"] = None if mask is None else (True,) * 4
-    mask = None if mask is None else tf.broadcast_to(mask, (B, N, T, S))
-    eager = ops._attention(q, k, v, mask, None, None, **kwargs)
-    xla = ops._attention_xla(q, k, v, mask, None, None, **kwargs)
+    mask = None if mask is None else ops.broadcast_to(mask, (B, N, T, S))
+    eager = ops_module._attention(q, k, v, mask, None, None, **kwargs)
+    xla = ops_module._attention_xla(q, k, v, mask, None, None, **kwargs)
     for a, b in zip(eager, xla):
-        np.testing.assert_allclose(a, b, atol=1e-6)
+        np.testing.assert_allclose(numpy(a), numpy(b), atol=1e-6)
+
+
+def optimized_hlo(*args, **kwargs):
+    """The HLO text of `_attention_xla` for these arguments after XLA's optimizations: on
+    TensorFlow by `experimental_get_compiler_ir`, on JAX by `jax.jit`'s lower and compile."""
+    if BACKEND == "jax":
+        return ops_module._attention_xla.lower(*args, **kwargs).compile().as_text()
+    compiler_ir = ops_module._attention_xla.experimental_get_compiler_ir(*args, **kwargs)
+    return compiler_ir(stage="optimized_hlo")
 
 
 def test_core_is_compiled_by_xla():
     q, k, v = random_inputs()
-    hlo = ops._attention_xla.experimental_get_compiler_ir(
-        q, k, v, None, None, None, (), (), None, (), **core_kwargs(path="dense")
-    )(stage="optimized_hlo")
+    hlo = optimized_hlo(q, k, v, None, None, None, (), (), None, (), **core_kwargs(path="dense"))
     # The whole computation is one XLA module: the two matmuls, the exp of the softmax.
     assert "HloModule" in hlo
     assert hlo.count(" dot(") >= 2
@@ -171,7 +187,7 @@ def test_rows_sum_to_one_and_masked_weights_are_zero():
     q, k, v = random_inputs()
     mask = make_mask("fully_masked_rows")
     _, weights = scaled_dot_product_attention(q, k, v, mask, is_causal=True, return_weights=True)
-    weights = weights.numpy()
+    weights = numpy(weights)
     allowed = np.broadcast_to(mask, weights.shape) & (
         np.arange(T)[:, None] >= np.arange(S)[None, :]
     )
@@ -188,8 +204,8 @@ def test_fully_masked_rows_give_zeros_not_nan(return_weights, dropout_rate):
     q, k, v = random_inputs()
     mask = np.zeros((B, 1, T, S), bool)
     mask[:, :, 1:, :2] = True  # query 0 sees nothing
-    with tf.GradientTape() as tape:
-        tape.watch([q, k, v])
+
+    def loss(q, k, v):
         result = scaled_dot_product_attention(
             q,
             k,
@@ -201,29 +217,48 @@ def test_fully_masked_rows_give_zeros_not_nan(return_weights, dropout_rate):
             seed=3,
         )
         out = result[0] if return_weights else result
-        loss = tf.reduce_sum(out**2)
-    grads = tape.gradient(loss, [q, k, v])
-    assert (out.numpy()[:, 0] == 0).all()
-    assert np.isfinite(out.numpy()).all()
+        return ops.sum(out**2), result
+
+    result, grads = outputs_and_gradients(loss, q, k, v)
+    out = result[0] if return_weights else result
+    assert (out[:, 0] == 0).all()
+    assert np.isfinite(out).all()
     for g in grads:
-        assert np.isfinite(g.numpy()).all()
+        assert np.isfinite(g).all()
     if return_weights:
-        assert (result[1].numpy()[:, :, 0] == 0).all()
+        assert (result[1][:, :, 0] == 0).all()
+
+
+def outputs_and_gradients(fn, *args):
+    """For `fn(*args) -> (loss, outputs)`: the outputs and the gradient of the scalar loss to
+    every arg, from one call under the backend's autodiff (a `tf.GradientTape`, or
+    `jax.value_and_grad` with `has_aux`), as NumPy."""
+    if BACKEND == "jax":
+        args = [jax.numpy.asarray(a) for a in args]
+        grad_fn = jax.value_and_grad(fn, argnums=tuple(range(len(args))), has_aux=True)
+        (_, outputs), grads = grad_fn(*args)
+    else:
+        import tensorflow as tf
+
+        args = [tf.convert_to_tensor(a) for a in args]
+        with tf.GradientTape() as tape:
+            tape.watch(args)
+            loss, outputs = fn(*args)
+        grads = tape.gradient(loss, args)
+    return keras.tree.map_structure(np.asarray, outputs), [np.asarray(g) for g in grads]
 
 
 def assert_gradients_match_finite_differences(loss, tensors):
-    """The tape's gradient of `loss(*tensors)` against central differences, per argument."""
-    with tf.GradientTape() as tape:
-        tape.watch(tensors)
-        value = loss(*tensors)
-    grads = tape.gradient(value, tensors)
-    arrays = [t.numpy() for t in tensors]
+    """The backend's autodiff gradient of `loss(*tensors)` (`on_backend.gradients`) against
+    central differences, per argument."""
+    grads = gradients(loss, *tensors)
+    arrays = [np.asarray(t) for t in tensors]
     for i, grad in enumerate(grads):
 
         def f(x, i=i):
             args = list(arrays)
             args[i] = x
-            return float(loss(*(tf.constant(a) for a in args)))
+            return float(loss(*(tensor(a) for a in args)))
 
         np.testing.assert_allclose(grad, numeric_gradient(f, arrays[i]), atol=1e-7, rtol=1e-6)
 
@@ -264,8 +299,8 @@ def test_gradients_match_finite_differences(mask_kind, return_weights, dropout_r
             seed=5,
         )
         if return_weights:
-            return tf.reduce_sum(result[0] * c_out) + tf.reduce_sum(result[1] * c_weights)
-        return tf.reduce_sum(result * c_out)
+            return ops.sum(result[0] * c_out) + ops.sum(result[1] * c_weights)
+        return ops.sum(result * c_out)
 
     assert_gradients_match_finite_differences(loss, [q, k, v])
 
@@ -274,21 +309,21 @@ def test_dropout_drops_weights_and_rescales_the_rest():
     rate = 0.4
     q, k, _ = random_inputs(s=64)
     # With V = identity over keys, the output row is the applied weight row itself.
-    v = tf.tile(tf.eye(64)[None, :, None, :], [B, 1, N, 1])  # (B, S, N, S)
+    v = ops.tile(ops.eye(64, dtype="float32")[None, :, None, :], [B, 1, N, 1])  # (B, S, N, S)
     out, weights = scaled_dot_product_attention(
         q, k, v, dropout_rate=rate, training=True, seed=11, return_weights=True
     )
-    applied = np.transpose(out.numpy(), (0, 2, 1, 3))  # (B, N, T, S)
+    applied = np.transpose(numpy(out), (0, 2, 1, 3))  # (B, N, T, S)
     dropped = applied == 0
     assert abs(dropped.mean() - rate) < 0.05  # 3072 draws: 4 standard deviations
-    np.testing.assert_allclose(applied[~dropped], weights.numpy()[~dropped] / (1 - rate), rtol=1e-5)
+    np.testing.assert_allclose(applied[~dropped], numpy(weights)[~dropped] / (1 - rate), rtol=1e-5)
 
 
 def test_dropout_is_seedable_and_only_in_training():
     q, k, v = random_inputs()
 
     def run(**kwargs):
-        return scaled_dot_product_attention(q, k, v, dropout_rate=0.5, **kwargs).numpy()
+        return numpy(scaled_dot_product_attention(q, k, v, dropout_rate=0.5, **kwargs))
 
     np.testing.assert_array_equal(run(training=True, seed=1), run(training=True, seed=1))
     assert not np.allclose(run(training=True, seed=1), run(training=True, seed=2))
@@ -366,16 +401,16 @@ def test_bfloat16_keeps_float32_scores_and_softmax(path):
     logit rounded to 8 bits of mantissa is off by up to `exp(1)`.
     """
     rng = np.random.default_rng(21)
-    q = tf.constant(rng.normal(size=(B, 16, N, H)) * 12.0, "bfloat16")
-    k = tf.constant(rng.normal(size=(B, 24, N, H)) * 12.0, "bfloat16")
-    v = tf.constant(rng.normal(size=(B, 24, N, HV)), "bfloat16")
+    q = tensor(rng.normal(size=(B, 16, N, H)) * 12.0, "bfloat16")
+    k = tensor(rng.normal(size=(B, 24, N, H)) * 12.0, "bfloat16")
+    v = tensor(rng.normal(size=(B, 24, N, HV)), "bfloat16")
     out = scaled_dot_product_attention(q, k, v, implementation=path, chunk_size=8)
-    assert out.dtype == tf.bfloat16
-    want, _ = reference(*(tf.cast(x, "float64") for x in (q, k, v)))
-    want_bf16 = tf.cast(tf.cast(want, "bfloat16"), "float64").numpy()
+    assert keras.backend.standardize_dtype(out.dtype) == "bfloat16"
+    want, _ = reference(*(numpy(x, "float64") for x in (q, k, v)))
+    want_bf16 = numpy(ops.cast(tensor(want), "bfloat16"), "float64")
     magnitude = np.maximum(np.abs(want_bf16), 2.0**-20)
     ulp = 2.0 ** (np.floor(np.log2(magnitude)) - 7)  # bfloat16 keeps 8 significant bits
-    error = np.abs(tf.cast(out, "float64").numpy() - want_bf16)
+    error = np.abs(numpy(out, "float64") - want_bf16)
     assert (error <= ulp).all(), f"{(error / ulp).max():.1f} ulps"
 
 
@@ -390,42 +425,49 @@ def test_dropout_applies_one_mask_to_the_weights_before_the_values():
     kwargs = dict(dropout_rate=rate, training=True, seed=11, implementation="dense")
     out = scaled_dot_product_attention(q, k, v, **kwargs)
     _, weights = scaled_dot_product_attention(q, k, v, return_weights=True)
-    eye = tf.tile(tf.eye(32)[None, :, None, :], [B, 1, N, 1])  # (B, S, N, S)
-    applied = np.transpose(scaled_dot_product_attention(q, k, eye, **kwargs), (0, 2, 1, 3))
+    eye = ops.tile(ops.eye(32, dtype="float32")[None, :, None, :], [B, 1, N, 1])  # (B, S, N, S)
+    applied = np.transpose(numpy(scaled_dot_product_attention(q, k, eye, **kwargs)), (0, 2, 1, 3))
     keep = applied != 0  # (B, N, T, S)
-    want = np.einsum("bnts,bsnh->btnh", weights.numpy() * keep / (1 - rate), v.numpy())
-    np.testing.assert_allclose(out, want, atol=1e-5)
+    want = np.einsum("bnts,bsnh->btnh", numpy(weights) * keep / (1 - rate), numpy(v))
+    np.testing.assert_allclose(numpy(out), want, atol=1e-5)
     assert 0.3 < 1 - keep.mean() < 0.5
 
 
 def spy_on_paths(monkeypatch, argument="path"):
     """Records one static argument (default: the path) of every call into the compiled
-    core, `ops._attention_xla`."""
+    core, `keras_sdpa.ops._attention_xla`."""
     seen = []
-    compiled = ops._attention_xla
+    compiled = ops_module._attention_xla
 
     def spy(*args, **kwargs):
         seen.append(kwargs[argument])
         return compiled(*args, **kwargs)
 
-    monkeypatch.setattr(ops, "_attention_xla", spy)
+    monkeypatch.setattr(ops_module, "_attention_xla", spy)
     return seen
 
 
 def test_public_call_runs_the_xla_compiled_program(monkeypatch):
-    """The public function reaches `_attention_xla`, a `tf.function(jit_compile=True)`.
+    """The public function reaches `_attention_xla`, a `tf.function(jit_compile=True)` on
+    TensorFlow and a `jax.jit` on JAX.
 
     That this function is one XLA program is `test_core_is_compiled_by_xla`.
     """
-    compiled = ops._attention_xla
-    assert isinstance(compiled, tf.types.experimental.PolymorphicFunction)
-    assert compiled._jit_compile is True
+    compiled = ops_module._attention_xla
+    if BACKEND == "jax":
+        assert isinstance(compiled, jax.stages.Wrapped)  # what jax.jit returns
+    else:
+        import tensorflow as tf
+
+        assert isinstance(compiled, tf.types.experimental.PolymorphicFunction)
+        assert compiled._jit_compile is True
     paths = spy_on_paths(monkeypatch)
     q, k, v = random_inputs()
     scaled_dot_product_attention(q, k, v)
     assert paths == ["dense"]
 
 
+@pytest.mark.tensorflow_only("AutoGraph and a caller's tf.function exist only on TensorFlow")
 def test_a_callers_tf_function_runs_this_package_as_written():
     """A caller's `tf.function` converts what it calls with AutoGraph; the two entry points are
     `do_not_convert` (their branches are on static values), so the first trace does not pay
@@ -434,6 +476,8 @@ def test_a_callers_tf_function_runs_this_package_as_written():
     Seen from the mods, which run inside both: of the functions above them, only the caller's
     own is AutoGraph's code."""
     import inspect
+
+    import tensorflow as tf
 
     stacks = []
 
@@ -450,7 +494,7 @@ def test_a_callers_tf_function_runs_this_package_as_written():
 
     @tf.function
     def attend(q, k, v):
-        block_mask = ops.create_block_mask(causal, B, N, T, S, block_size=2)
+        block_mask = ops_module.create_block_mask(causal, B, N, T, S, block_size=2)
         return scaled_dot_product_attention(
             q, k, v, score_mod=score, mask_mod=causal, block_mask=block_mask,
             implementation="chunked",
@@ -458,8 +502,8 @@ def test_a_callers_tf_function_runs_this_package_as_written():
 
     q, k, v = random_inputs()
     got = attend(q, k, v)
-    np.testing.assert_allclose(got, reference(q, k, v, is_causal=True, scale=2 / H**0.5)[0],
-                               atol=1e-5)  # fmt: skip
+    np.testing.assert_allclose(numpy(got), reference(q, k, v, is_causal=True,
+                               scale=2 / H**0.5)[0], atol=1e-5)  # fmt: skip
     assert len(stacks) >= 2
     for stack in stacks:
         assert stack and set(stack) == {"tf__attend"}, stack
@@ -485,7 +529,7 @@ def test_which_path_the_public_call_takes(kwargs, want, monkeypatch):
 
 def test_auto_takes_the_chunked_path_for_large_scores(monkeypatch):
     paths = spy_on_paths(monkeypatch)
-    monkeypatch.setattr(ops, "_AUTO_CHUNKED_BYTES", B * N * T * S * 4 - 1)
+    monkeypatch.setattr(ops_module, "_AUTO_CHUNKED_BYTES", B * N * T * S * 4 - 1)
     q, k, v = random_inputs()
     scaled_dot_product_attention(q, k, v, chunk_size=2)
     assert paths == ["chunked"]
@@ -503,4 +547,4 @@ def test_chunked_blocks_are_never_longer_than_the_sequences(monkeypatch):
     got = scaled_dot_product_attention(q, k, v, implementation="chunked")
     scaled_dot_product_attention(q, k, v, implementation="chunked", chunk_size=2)
     assert sizes == [2048, max(T, S), 2]
-    np.testing.assert_allclose(got, expected, atol=1e-5)
+    np.testing.assert_allclose(numpy(got), numpy(expected), atol=1e-5)
