@@ -66,6 +66,8 @@ def check_index(index, query, size):
     """`cache_update_index` as a `(B,)` int32 tensor for `query` `(B, T, E)`, checked where its
     value is known: while tracing when it is static (an int, an eager tensor, a constant of the
     graph), else when the graph runs."""
+    # An int or a NumPy value is known here; inside `jax.jit` its tensor would be a tracer.
+    known = np.asarray(index) if isinstance(index, (int, np.integer, np.ndarray)) else None
     index = keras.ops.convert_to_tensor(index)
     dtype = keras.backend.standardize_dtype(index.dtype)
     if not keras.backend.is_int_dtype(dtype) or len(index.shape) not in (0, 1):
@@ -82,7 +84,7 @@ def check_index(index, query, size):
     count = "" if length is None else f"{length} "
     room = f"must leave room for the {count}new positions in a cache of {size}"
     shims = _backend.get()
-    values = shims.static_value(index)  # before the cast to int32, which would wrap it
+    values = known if known is not None else shims.static_value(index)  # before the cast
     if values is not None:
         values = np.asarray(values)
         last = np.iinfo("int32").max if size is None else size - (length or 0)
@@ -189,8 +191,8 @@ class PositionedScore(Positioned):
         return (type(self), mods._static_key(self.inner_score))
 
     def _tensors(self):
-        return (self.offset,) + mods.split(self.inner_score)[1]
+        return (self.offset,) + tuple(mods.tensors_of(self.inner_score))
 
     def _with_tensors(self, tensors):
-        inner = mods.join(mods.split(self.inner_score)[0], tuple(tensors[1:]))
+        inner = mods.join(self.inner_score, tuple(tensors[1:]))  # a template's too: no reads
         return PositionedScore(tensors[0], None, None, None, inner)

@@ -105,7 +105,7 @@ def logits(raw, bias, cap):
     if bias is not None:
         raw = raw + bias
     if cap is not None:
-        raw = cap * ops.tanh(raw / cap)
+        raw = cap * _backend.get().tanh(raw / cap)  # float64 stays float64
     return raw
 
 

@@ -48,6 +48,8 @@ import keras
 import numpy as np
 from keras import ops
 
+from keras_sdpa import _backend
+
 _PACKAGE = "keras_sdpa"
 
 
@@ -340,7 +342,7 @@ class SoftCap(Mod):
         self.cap = float(cap)
 
     def __call__(self, score, b, h, q_idx, kv_idx):
-        return self.cap * ops.tanh(score / self.cap)
+        return self.cap * _backend.get().tanh(score / self.cap)  # float64 stays float64
 
     def get_config(self):
         return {"cap": self.cap}

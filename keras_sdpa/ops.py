@@ -393,8 +393,8 @@ def _choose_path(implementation, query, key, return_weights, chunk_size):
         return "dense"
     if implementation in ("chunked", "decode"):
         return implementation
-    sizes = [query.shape[0], query.shape[2], query.shape[1], key.shape[1]]  # B, N, T, S
-    if any(size is None for size in sizes):
+    sizes = [_known(d) for d in (query.shape[0], query.shape[2], query.shape[1], key.shape[1])]
+    if any(size is None for size in sizes):  # B, N, T, S
         if _inside_xla():
             # Inside a caller's XLA program (`model.compile(jit_compile=True)`) a run-time
             # choice cannot compile: the gradient of its `tf.cond` needs shapes that XLA
@@ -429,10 +429,16 @@ def _lower_mask_mod(mask_mod, is_causal, sliding_window):
     return left, is_causal, sliding_window
 
 
+def _known(size):
+    """A size known while tracing, else None: JAX's shape inference of a functional model
+    traces a custom layer's call with a symbolic batch size, which is not an int."""
+    return size if isinstance(size, int) else None
+
+
 def _choose_path_from_one_example(query, key, chunk_size):
     """Chunked when one example's float32 scores pass 32 MiB and a sequence is longer than a
     block; dense otherwise, and for lengths unknown while tracing."""
-    n, t, s = query.shape[2], query.shape[1], key.shape[1]
+    n, t, s = query.shape[2], _known(query.shape[1]), _known(key.shape[1])
     if t is None or s is None:
         return "dense"
     large = n * t * s * 4 > _AUTO_CHUNKED_BYTES_PER_EXAMPLE

@@ -1,7 +1,8 @@
 """The key/value cache: keras-hub's `CachedMultiHeadAttention` contract, with per-row positions.
 
 Cached decoding is checked token by token against the same layer recomputing full causal
-attention over the whole sequence, which shares none of the cache's code paths.
+attention over the whole sequence, which shares none of the cache's code paths. Written on
+`keras.ops` and NumPy: it runs on TensorFlow and JAX.
 """
 
 import os
@@ -11,7 +12,8 @@ import sys
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
+from keras import ops
+from on_backend import BACKEND, jit, numpy, tensor
 
 from keras_sdpa import ScaledDotProductAttention, mods
 
@@ -19,7 +21,7 @@ B, L, E, H = 3, 12, 16, 4
 
 
 def sequences(seed=0, length=L):
-    return tf.constant(np.random.default_rng(seed).normal(size=(B, length, E)), tf.float32)
+    return tensor(np.random.default_rng(seed).normal(size=(B, length, E)), "float32")
 
 
 def layer_for(kind, **kwargs):
@@ -32,7 +34,7 @@ def layer_for(kind, **kwargs):
 
 
 def empty_cache(layer, length=L):
-    return tf.zeros((B, 2, length, layer._kv_heads, H))
+    return ops.zeros((B, 2, length, layer._kv_heads, H))
 
 
 PROMPT, STEPS = 6, 64
@@ -40,11 +42,11 @@ PROMPT, STEPS = 6, 64
 
 def even_keys_and_the_diagonal(b, h, q_idx, kv_idx):
     """A user mask_mod: a query sees the even positions and itself."""
-    return tf.logical_or(kv_idx % 2 == 0, kv_idx == q_idx)
+    return ops.logical_or(kv_idx % 2 == 0, kv_idx == q_idx)
 
 
 def distance_penalty(score, b, h, q_idx, kv_idx, slope):
-    return score - slope * tf.cast(tf.abs(q_idx - kv_idx), score.dtype)
+    return score - slope * ops.cast(ops.abs(q_idx - kv_idx), score.dtype)
 
 
 @pytest.mark.default_cases(
@@ -59,7 +61,8 @@ def distance_penalty(score, b, h, q_idx, kv_idx, slope):
         ("gqa", dict(sliding_window=3), False),
         ("mha", dict(score_mod=mods.alibi(4)), False),
         ("gqa", dict(mask_mod=even_keys_and_the_diagonal), False),
-        ("mha", dict(score_mod=mods.with_tensors(distance_penalty, tf.constant(0.3))), False),
+        ("mha", dict(score_mod=mods.with_tensors(distance_penalty, tensor(0.3, "float32"))),
+         False),
         ("gqa", {}, True),
         ("mha", dict(implementation="chunked", chunk_size=16), False),
     ],
@@ -74,8 +77,8 @@ def test_prefill_then_one_token_a_step_equals_full_recomputation(kind, kwargs, b
     x = sequences(length=length)
     bias = None
     if biased:
-        bias = tf.constant(np.random.default_rng(9).normal(size=(B, 4, length, length)),
-                           tf.float32)  # fmt: skip
+        bias = tensor(np.random.default_rng(9).normal(size=(B, 4, length, length)),
+                      "float32")  # fmt: skip
 
     def rows(start, stop):  # the bias of queries start..stop-1, over the whole cache
         return None if bias is None else bias[:, :, start:stop]
@@ -84,13 +87,15 @@ def test_prefill_then_one_token_a_step_equals_full_recomputation(kind, kwargs, b
     out, cache = layer(x[:, :PROMPT], x[:, :PROMPT], use_causal_mask=True,
                        attention_bias=rows(0, PROMPT), cache=empty_cache(layer, length),
                        cache_update_index=0)  # fmt: skip
-    np.testing.assert_allclose(out, full[:, :PROMPT], atol=1e-5)
+    np.testing.assert_allclose(numpy(out), numpy(full)[:, :PROMPT], atol=1e-5)
     for position in range(PROMPT, length):
         token = x[:, position : position + 1]
         out, cache = layer(token, token, use_causal_mask=True,
                            attention_bias=rows(position, position + 1), cache=cache,
                            cache_update_index=position)  # fmt: skip
-        np.testing.assert_allclose(out[:, 0], full[:, position], atol=1e-5, err_msg=str(position))
+        np.testing.assert_allclose(
+            numpy(out)[:, 0], numpy(full)[:, position], atol=1e-5, err_msg=str(position)
+        )
 
 
 def test_per_row_positions_decode_ragged_prompts():
@@ -104,11 +109,11 @@ def test_per_row_positions_decode_ragged_prompts():
                      cache_update_index=0)  # fmt: skip
     for step in range(L - 7):
         positions = prompts + step
-        token = tf.gather(x, positions[:, None], axis=1, batch_dims=1)  # (B, 1, E)
+        token = ops.take_along_axis(x, positions[:, None, None], axis=1)  # (B, 1, E)
         out, cache = layer(token, token, use_causal_mask=True, cache=cache,
-                           cache_update_index=tf.constant(positions))  # fmt: skip
-        want = tf.gather(full, positions[:, None], axis=1, batch_dims=1)
-        np.testing.assert_allclose(out, want, atol=1e-5, err_msg=str(step))
+                           cache_update_index=tensor(positions))  # fmt: skip
+        want = ops.take_along_axis(full, positions[:, None, None], axis=1)
+        np.testing.assert_allclose(numpy(out), numpy(want), atol=1e-5, err_msg=str(step))
 
 
 def test_a_compiled_generate_step_equals_eager():
@@ -117,9 +122,9 @@ def test_a_compiled_generate_step_equals_eager():
     x = sequences(2)
     cache = empty_cache(layer)
     _, cache = layer(x[:, :4], x[:, :4], use_causal_mask=True, cache=cache, cache_update_index=0)
-    index = tf.constant([4, 4, 4])
+    index = tensor([4, 4, 4], "int32")
 
-    @tf.function(jit_compile=True)
+    @jit
     def step(token, cache, index):
         return layer(token, token, use_causal_mask=True, cache=cache, cache_update_index=index)
 
@@ -127,7 +132,7 @@ def test_a_compiled_generate_step_equals_eager():
     compiled = step(token, cache, index)
     eager = layer(token, token, use_causal_mask=True, cache=cache, cache_update_index=index)
     for a, b in zip(compiled, eager):
-        np.testing.assert_allclose(a, b, atol=1e-5)
+        np.testing.assert_allclose(numpy(a), numpy(b), atol=1e-5)
 
 
 def test_a_static_cache_is_cross_attention_to_what_it_holds():
@@ -137,9 +142,9 @@ def test_a_static_cache_is_cross_attention_to_what_it_holds():
     query, memory = sequences(3)[:, :4], sequences(4)
     keys = layer._key_dense(memory)
     values = layer._value_dense(memory)
-    cache = tf.stack([keys, values], axis=1)  # (B, 2, S, K, H)
-    out, returned = layer(query, tf.zeros_like(query), cache=cache)
-    np.testing.assert_allclose(out, layer(query, memory), atol=1e-5)
+    cache = ops.stack([keys, values], axis=1)  # (B, 2, S, K, H)
+    out, returned = layer(query, ops.zeros_like(query), cache=cache)
+    np.testing.assert_allclose(numpy(out), numpy(layer(query, memory)), atol=1e-5)
     assert returned is cache or np.array_equal(returned, cache)
 
 
@@ -150,8 +155,8 @@ def test_scores_come_back_with_the_cache():
                                cache=empty_cache(layer), cache_update_index=0,
                                return_attention_scores=True)  # fmt: skip
     assert scores.shape == (B, 4, 3, L) and cache.shape == (B, 2, L, 4, H)
-    np.testing.assert_array_equal(scores[:, :, :, 3:], 0.0)  # past each row's position
-    np.testing.assert_allclose(tf.reduce_sum(scores, -1), 1.0, atol=1e-6)
+    np.testing.assert_array_equal(numpy(scores)[:, :, :, 3:], 0.0)  # past each row's position
+    np.testing.assert_allclose(numpy(ops.sum(scores, -1)), 1.0, atol=1e-6)
 
 
 @pytest.mark.parametrize(
@@ -162,15 +167,15 @@ def test_scores_come_back_with_the_cache():
             "`cache_update_index` needs a `cache`",
         ),
         (
-            lambda layer, x: layer(x, x, cache=tf.zeros((B, 2, L, 2, H)), cache_update_index=0),
+            lambda layer, x: layer(x, x, cache=ops.zeros((B, 2, L, 2, H)), cache_update_index=0),
             r"`cache` must be \(B, 2, S, K, H\) with K = num_key_value_heads = 4",
         ),
         (
-            lambda layer, x: layer(x, x, cache=tf.zeros((B, L, 4, H)), cache_update_index=0),
+            lambda layer, x: layer(x, x, cache=ops.zeros((B, L, 4, H)), cache_update_index=0),
             r"Received: cache.shape=\(3, 12, 4, 4\)",
         ),
         (
-            lambda layer, x: layer(x, x, cache=tf.zeros((B, 2, L, 4, H)), cache_update_index=11),
+            lambda layer, x: layer(x, x, cache=ops.zeros((B, 2, L, 4, H)), cache_update_index=11),
             r"must leave room for the 2 new positions in a cache of 12: each row's index in "
             r"\[0, 10\]. Received: cache_update_index=11\b",
         ),
@@ -188,13 +193,17 @@ def test_a_score_mods_tensors_are_those_of_its_own_layer_in_decode():
     with its own: the tensors are arguments of the program, not baked into the first trace."""
     x = sequences(5)
     for slope in (0.3, 2.0):
-        layer = layer_for("mha", score_mod=mods.with_tensors(distance_penalty, tf.constant(slope)))
+        layer = layer_for(
+            "mha", score_mod=mods.with_tensors(distance_penalty, tensor(slope, "float32"))
+        )
         full = layer(x, x, use_causal_mask=True)
         _, cache = layer(x[:, :6], x[:, :6], use_causal_mask=True, cache=empty_cache(layer),
                          cache_update_index=0)  # fmt: skip
         out, _ = layer(x[:, 6:7], x[:, 6:7], use_causal_mask=True, cache=cache,
                        cache_update_index=6)  # fmt: skip
-        np.testing.assert_allclose(out[:, 0], full[:, 6], atol=1e-5, err_msg=str(slope))
+        np.testing.assert_allclose(
+            numpy(out)[:, 0], numpy(full)[:, 6], atol=1e-5, err_msg=str(slope)
+        )
 
 
 def decoding_error(layer, x, prompt=4):
@@ -251,19 +260,24 @@ def test_a_tensor_cache_index_past_the_end_is_refused():
     cache = empty_cache(layer)
     message = r"index in \[0, 10\]. Received: cache_update_index=\[11, 0, 0\]"
     with pytest.raises(ValueError, match=message):
-        layer(x, x, cache=cache, cache_update_index=tf.constant([11, 0, 0]))
+        layer(x, x, cache=cache, cache_update_index=tensor([11, 0, 0], "int32"))
     with pytest.raises(ValueError, match=r"Received: cache_update_index=-1\b"):
-        layer(x, x, cache=cache, cache_update_index=tf.constant(-1))
-    step = tf.function(lambda x, cache, index: layer(x, x, cache=cache, cache_update_index=index))
-    with pytest.raises(tf.errors.InvalidArgumentError, match="must leave room for the 2 new"):
-        step(x, cache, tf.constant([3, 11, 0]))
-    step(x, cache, tf.constant([3, 10, 0]))
+        layer(x, x, cache=cache, cache_update_index=tensor(-1, "int32"))
+    if BACKEND == "tensorflow":  # JAX has no run-time check to raise: it has no graph mode
+        import tensorflow as tf
+
+        step = tf.function(
+            lambda x, cache, index: layer(x, x, cache=cache, cache_update_index=index)
+        )
+        with pytest.raises(tf.errors.InvalidArgumentError, match="must leave room for the 2 new"):
+            step(x, cache, tensor([3, 11, 0], "int32"))
+        step(x, cache, tensor([3, 10, 0], "int32"))
     # A constant of the graph is refused while tracing, inside an XLA program too (where the
-    # run-time asserts are dropped and the write past the end was lost).
-    compiled = tf.function(
-        lambda x, cache: layer(x, x, cache=cache, cache_update_index=tf.constant(11)),
-        jit_compile=True,
-    )
+    # run-time asserts are dropped and the write past the end was lost). Inside `jax.jit` an
+    # array made in the program is a tracer with no value while tracing (JAX 0.10): there the
+    # constant a program knows while tracing is a Python int.
+    eleven = (lambda: ops.convert_to_tensor(11)) if BACKEND == "tensorflow" else (lambda: 11)
+    compiled = jit(lambda x, cache: layer(x, x, cache=cache, cache_update_index=eleven()))
     with pytest.raises(ValueError, match=r"index in \[0, 10\]. Received: cache_update_index=11\b"):
         compiled(x, cache)
 
@@ -272,9 +286,9 @@ def test_a_tensor_cache_index_past_the_end_is_refused():
     "index, match",
     [
         (2**32 + 3, r"Received: cache_update_index=4294967299\b"),  # int32 would wrap it to 3
-        (tf.constant([1, 2]), r"one position per row of the batch \(3\). Received: "
-                              r"cache_update_index with shape \(2,\)"),
-        (tf.constant([1]), r"Received: cache_update_index with shape \(1,\)"),
+        (tensor([1, 2], "int32"), r"one position per row of the batch \(3\). Received: "
+                                  r"cache_update_index with shape \(2,\)"),
+        (tensor([1], "int32"), r"Received: cache_update_index with shape \(1,\)"),
     ],
     ids=["past_int32", "two_rows_of_three", "one_row_of_three"],
 )  # fmt: skip
@@ -285,9 +299,12 @@ def test_cache_indexes_that_would_write_elsewhere_are_refused(index, match):
         layer(x, x, cache=empty_cache(layer), cache_update_index=index)
 
 
+@pytest.mark.tensorflow_only("a query length unknown while tracing (tf.function signature)")
 def test_a_static_cache_index_is_checked_when_the_query_length_is_unknown():
     """With the new positions' count unknown while tracing, a static index is still refused
     when it is negative or past the cache, and a graph checks the rest when it runs."""
+    import tensorflow as tf
+
     layer = layer_for("mha")
     cache = empty_cache(layer)
     spec = tf.TensorSpec((B, None, E), tf.float32)
@@ -324,13 +341,13 @@ def test_the_cached_call_drops_weights_in_training():
     layer = layer_for("mha", dropout=0.5)
     x = sequences(8)[:, :4]
     kwargs = dict(use_causal_mask=True, cache=empty_cache(layer), cache_update_index=0)
-    want, scores, _ = layer(x, x, return_attention_scores=True, **kwargs)
-    draws = np.stack([layer(x, x, training=True, **kwargs)[0] for _ in range(100)])
+    want, scores, _ = (numpy(t) for t in layer(x, x, return_attention_scores=True, **kwargs))
+    draws = np.stack([numpy(layer(x, x, training=True, **kwargs)[0]) for _ in range(100)])
     assert np.abs(draws[0] - want).max() > 0.1 and np.abs(draws[0] - draws[1]).max() > 0.1
     error = 5 * draws.std(0) / np.sqrt(len(draws))  # five standard errors of the mean
     assert np.all(np.abs(draws.mean(0) - want) <= error + 1e-6)
     _, dropped_scores, _ = layer(x, x, training=True, return_attention_scores=True, **kwargs)
-    np.testing.assert_allclose(dropped_scores, scores, atol=1e-6)
+    np.testing.assert_allclose(numpy(dropped_scores), numpy(scores), atol=1e-6)
 
 
 JAX_CACHE_CHECK = """

@@ -2,19 +2,24 @@
 
 Every feature is checked on both paths, forward and gradient, against references
 that share no code with the core: a float64 NumPy forward pass, and the gradient
-TensorFlow's autodiff derives from a plain float64 TensorFlow formula (the core's
-gradients are hand-written, so this compares two independent derivations).
+the backend's autodiff (a `tf.GradientTape` or `jax.grad`) derives from a plain float64
+formula on `keras.ops` (the core's gradients are hand-written, so this compares two
+independent derivations). Written on `keras.ops` and NumPy: it runs on TensorFlow and JAX.
 """
 
 import hypothesis
 import hypothesis.strategies as st
 import numpy as np
 import pytest
-import tensorflow as tf
+from keras import ops
+from on_backend import BACKEND, gradients, jit, numpy, tensor
 from test_ops import assert_gradients_match_finite_differences
 
 from keras_sdpa import _chunked
 from keras_sdpa.ops import scaled_dot_product_attention
+
+if BACKEND == "jax":
+    import jax
 
 # Pairwise-distinct sizes: batch, query/key length, query heads, key heads, head sizes.
 B, T, S, N, K, H, HV = 2, 7, 9, 6, 2, 5, 3
@@ -49,15 +54,24 @@ def reference(q, k, v, mask=None, bias=None, is_causal=False, window=None, cap=N
     return np.einsum("bnts,bsnh->btnh", weights, v), weights
 
 
+def tanh(x):
+    """`tanh` in `x`'s own dtype. On JAX, `jax.numpy.tanh`: Keras 3.15's `ops.tanh` returns
+    float32 for a float64 `x` there (its type promotion maps 64-bit results to 32-bit on
+    every backend but TensorFlow), which would leave the float64 reference float32-precise."""
+    if BACKEND == "jax":
+        return jax.numpy.tanh(x)
+    return ops.tanh(x)
+
+
 def autodiff_reference(q, k, v, mask=None, bias=None, is_causal=False, window=None, cap=None):
-    """The same formula as plain float64 TensorFlow, for the gradient autodiff derives."""
+    """The same formula on plain float64 `keras.ops`, for the gradient autodiff derives."""
     groups = q.shape[2] // k.shape[2]
-    k, v = tf.repeat(k, groups, axis=2), tf.repeat(v, groups, axis=2)
-    logits = tf.einsum("btnh,bsnh->bnts", q, k) / np.sqrt(q.shape[-1])
+    k, v = ops.repeat(k, groups, axis=2), ops.repeat(v, groups, axis=2)
+    logits = ops.einsum("btnh,bsnh->bnts", q, k) / np.sqrt(q.shape[-1])
     if bias is not None:
         logits = logits + bias
     if cap is not None:
-        logits = cap * tf.tanh(logits / cap)
+        logits = cap * tanh(logits / cap)
     allowed = np.ones(logits.shape, bool)
     if mask is not None:
         allowed &= np.broadcast_to(mask, logits.shape)
@@ -66,15 +80,15 @@ def autodiff_reference(q, k, v, mask=None, bias=None, is_causal=False, window=No
         allowed &= offset >= 0
     if window is not None:
         allowed &= np.abs(offset) < window
-    weights = tf.nn.softmax(tf.where(allowed, logits, -1e30), axis=-1)
-    weights = tf.where(allowed.any(-1, keepdims=True), weights, 0.0)  # fully masked rows
-    return tf.einsum("bnts,bsnh->btnh", weights, v)
+    weights = ops.softmax(ops.where(allowed, logits, -1e30), axis=-1)
+    weights = ops.where(allowed.any(-1, keepdims=True), weights, 0.0)  # fully masked rows
+    return ops.einsum("bnts,bsnh->btnh", weights, v)
 
 
 def inputs(seed=0, t=T, s=S, n=N, k=K, dtype="float64"):
     rng = np.random.default_rng(seed)
     shapes = [(B, t, n, H), (B, s, k, H), (B, s, k, HV)]
-    return [tf.constant(rng.normal(size=shape), dtype) for shape in shapes]
+    return [tensor(rng.normal(size=shape), dtype) for shape in shapes]
 
 
 def padding_and_holes(t=T, s=S, seed=1):
@@ -101,7 +115,7 @@ def feature_args(spec, seed=3):
     spec = dict(spec)
     rng = np.random.default_rng(seed)
     if "bias" in spec:
-        spec["bias"] = tf.constant(rng.normal(size=spec["bias"]) * 2.0)
+        spec["bias"] = tensor(rng.normal(size=spec["bias"]) * 2.0)
     if spec.get("mask"):
         spec["mask"] = padding_and_holes()
     return spec
@@ -135,7 +149,7 @@ def test_forward_matches_numpy_reference(feature, path, kv_heads):
     spec = feature_args(FEATURES[feature])
     out = core_call(q, k, v, path, spec)
     want, _ = reference(q, k, v, **spec)
-    np.testing.assert_allclose(out, want, atol=1e-10)
+    np.testing.assert_allclose(numpy(out), want, atol=1e-10)
 
 
 @pytest.mark.default_cases(
@@ -146,16 +160,20 @@ def test_forward_matches_numpy_reference(feature, path, kv_heads):
 def test_gradients_match_autodiff_of_the_formula(feature, path):
     q, k, v = inputs(k=K)
     spec = feature_args(FEATURES[feature])
-    c = tf.constant(np.random.default_rng(9).normal(size=(B, T, N, HV)))
+    c = tensor(np.random.default_rng(9).normal(size=(B, T, N, HV)))
     watched = [q, k, v] + ([spec["bias"]] if "bias" in spec else [])
-    with tf.GradientTape() as tape:
-        tape.watch(watched)
-        ours = tf.reduce_sum(core_call(q, k, v, path, spec) * c)
-    got = tape.gradient(ours, watched)
-    with tf.GradientTape() as tape:
-        tape.watch(watched)
-        theirs = tf.reduce_sum(autodiff_reference(q, k, v, **spec) * c)
-    want = tape.gradient(theirs, watched)
+
+    def with_bias(bias):  # the spec, its bias (if any) the differentiated one
+        return {**spec, **dict(zip(["bias"], bias))}
+
+    def ours(q, k, v, *bias):
+        return ops.sum(core_call(q, k, v, path, with_bias(bias)) * c)
+
+    def theirs(q, k, v, *bias):
+        return ops.sum(autodiff_reference(q, k, v, **with_bias(bias)) * c)
+
+    got = gradients(ours, *watched)
+    want = gradients(theirs, *watched)
     for name, a, b in zip(["d_query", "d_key", "d_value", "d_bias"], got, want):
         assert a.shape == b.shape, name
         np.testing.assert_allclose(a, b, atol=1e-10, err_msg=name)
@@ -167,16 +185,16 @@ def test_gradients_match_autodiff_of_the_formula(feature, path):
 def test_bias_gradient_matches_finite_differences(path, shape):
     """`d bias` is summed over the axes the bias broadcasts on, on both paths."""
     q, k, v = inputs(4, k=K)
-    bias = tf.constant(np.random.default_rng(5).normal(size=shape))
+    bias = tensor(np.random.default_rng(5).normal(size=shape))
     mask = padding_and_holes()
-    c = tf.constant(np.random.default_rng(6).normal(size=(B, T, N, HV)))
+    c = tensor(np.random.default_rng(6).normal(size=(B, T, N, HV)))
 
     def loss(bias):
         out = scaled_dot_product_attention(
             q, k, v, mask, bias=bias, is_causal=True, sliding_window=5,
             attn_logits_soft_cap=3.0, implementation=path, chunk_size=CHUNK,
         )  # fmt: skip
-        return tf.reduce_sum(out * c)
+        return ops.sum(out * c)
 
     assert_gradients_match_finite_differences(loss, [bias])
 
@@ -186,13 +204,13 @@ def test_alibi_bias_matches_reference_in_float32():
     q, k, v = inputs(8, t=T, s=T, dtype="float32")
     slopes = 2.0 ** (-8.0 * np.arange(1, N + 1) / N)  # (N,)
     distance = np.arange(T)[None, :] - np.arange(T)[:, None]  # (T, S): s - t
-    alibi = tf.constant((slopes[:, None, None] * distance)[None], "float32")  # (1, N, T, S)
+    alibi = tensor((slopes[:, None, None] * distance)[None], "float32")  # (1, N, T, S)
     for path in PATHS:
         out = scaled_dot_product_attention(
             q, k, v, bias=alibi, is_causal=True, implementation=path, chunk_size=CHUNK
         )
         want, _ = reference(q, k, v, bias=alibi, is_causal=True)
-        np.testing.assert_allclose(out, want, atol=1e-5)
+        np.testing.assert_allclose(numpy(out), want, atol=1e-5)
 
 
 def test_soft_cap_bounds_the_logits():
@@ -202,8 +220,15 @@ def test_soft_cap_bounds_the_logits():
         q * 1000.0, k, v, attn_logits_soft_cap=1.0, return_weights=True
     )
     # Logits within [-1, 1] bound any weight ratio in a row by e^2.
-    ratio = tf.reduce_max(weights, -1) / tf.reduce_min(weights, -1)
-    assert float(tf.reduce_max(ratio)) <= np.exp(2.0) + 1e-9
+    ratio = ops.max(weights, -1) / ops.min(weights, -1)
+    assert float(ops.max(ratio)) <= np.exp(2.0) + 1e-9
+
+
+def optimized_hlo(fn, *args):
+    """The optimized HLO text of `fn(*args)` compiled as a user compiles it (`jit`)."""
+    if BACKEND == "jax":
+        return jit(fn).lower(*args).compile().as_text()
+    return jit(fn).experimental_get_compiler_ir(*args)(stage="optimized_hlo")
 
 
 @pytest.mark.default_cases("chunked")
@@ -211,11 +236,10 @@ def test_soft_cap_bounds_the_logits():
 def test_grouped_keys_are_not_repeated_in_memory(path):
     """The compiled program never materializes N-head keys: no tensor has N * S * H keys."""
     q, k, v = inputs(k=1, t=64, s=80, dtype="float32")
-    compiled = tf.function(
+    hlo = optimized_hlo(
         lambda q, k, v: scaled_dot_product_attention(q, k, v, implementation=path, chunk_size=32),
-        jit_compile=True,
-    )
-    hlo = compiled.experimental_get_compiler_ir(q, k, v)(stage="optimized_hlo")
+        q, k, v,
+    )  # fmt: skip
     repeated = f"f32[{B},{N},80,{H}]"  # keys broadcast to N heads, in the core's layout
     assert repeated not in hlo
     assert f"f32[{B},1,80,{H}]" in hlo or f"f32[{B},80,1,{H}]" in hlo
@@ -256,27 +280,27 @@ def test_chunked_loops_visit_exactly_the_blocks_that_meet_the_band(t, s, is_caus
 def test_chunked_dropout_gradient_redraws_the_same_mask():
     """Finite differences through seeded chunked dropout: the gradient's mask is the forward's."""
     q, k, v = inputs(23, t=5, s=7, k=K)
-    c = tf.constant(np.random.default_rng(24).normal(size=(B, 5, N, HV)))
+    c = tensor(np.random.default_rng(24).normal(size=(B, 5, N, HV)))
 
     def loss(q, k, v):
         out = scaled_dot_product_attention(
             q, k, v, is_causal=True, dropout_rate=0.4, training=True, seed=11,
             implementation="chunked", chunk_size=CHUNK,
         )  # fmt: skip
-        return tf.reduce_sum(out * c)
+        return ops.sum(out * c)
 
     assert_gradients_match_finite_differences(loss, [q, k, v])
 
 
 def dropout_keep_mask(seed, t=40, s=48, rate=0.3, path="chunked"):
     """The keep-mask, read off the output: uniform weights (q = 0) and one-hot values."""
-    q = tf.zeros((1, t, 1, 4), "float64")
-    k = tf.zeros((1, s, 1, 4), "float64")
-    v = tf.constant(np.eye(s)[None, :, None, :])  # (1, S, 1, S): value s is e_s
+    q = ops.zeros((1, t, 1, 4), "float64")
+    k = ops.zeros((1, s, 1, 4), "float64")
+    v = tensor(np.eye(s)[None, :, None, :])  # (1, S, 1, S): value s is e_s
     out = scaled_dot_product_attention(
         q, k, v, dropout_rate=rate, training=True, seed=seed, implementation=path, chunk_size=16
     )
-    scaled = out.numpy()[0, :, 0, :] * (1.0 - rate) * s  # 1 where kept, 0 where dropped
+    scaled = numpy(out)[0, :, 0, :] * (1.0 - rate) * s  # 1 where kept, 0 where dropped
     np.testing.assert_allclose(scaled, np.round(scaled), atol=1e-9)
     return np.round(scaled).astype(bool)  # (T, S)
 
@@ -347,4 +371,4 @@ def test_property_every_combination_matches_the_reference(sizes, options, seed):
         q, k, v, mask=mask, bias=bias, is_causal=options["is_causal"],
         window=options["window"], cap=options["cap"],
     )  # fmt: skip
-    np.testing.assert_allclose(out, want, atol=1e-10)
+    np.testing.assert_allclose(numpy(out), want, atol=1e-10)

@@ -3,13 +3,16 @@
 The layer takes it (`implementation="decode"`) for a cached call with one new token, a
 generating decoder's step; "auto" never does, since its autodiff gradient is slower than the
 dense path's in training. It is checked against the float64 NumPy reference of
-`test_core_features.py`, against TensorFlow's autodiff of the formula for the gradients, and
-against the dense path for the mods.
+`test_core_features.py`, against the backend's autodiff of the formula for the gradients, and
+against the dense path for the mods. Written on `keras.ops` and NumPy: it runs on TensorFlow
+and JAX.
 """
 
+import keras
 import numpy as np
 import pytest
-import tensorflow as tf
+from keras import ops
+from on_backend import BACKEND, gradients, jit, numpy, tensor
 from test_core_features import HV, B, K, N, S, autodiff_reference, inputs, reference
 
 from keras_sdpa import ScaledDotProductAttention, _decode, mods
@@ -24,7 +27,7 @@ def mask_with_an_empty_row(seed=1):
 
 
 def bias(shape, seed=3):
-    return tf.constant(np.random.default_rng(seed).normal(size=shape) * 2.0)
+    return tensor(np.random.default_rng(seed).normal(size=shape) * 2.0)
 
 
 FEATURES = {
@@ -70,19 +73,19 @@ def decode_spy(monkeypatch):
 def test_the_layer_decodes_one_cached_token_and_nothing_else(decode_spy):
     """A cached call with one new token takes the decode path; "auto" elsewhere, a cached call
     of several tokens, and a layer asked for "dense" do not."""
-    x = tf.random.normal((2, 5, 16))
+    x = tensor(np.random.default_rng(0).normal(size=(2, 5, 16)), "float32")
     layer = ScaledDotProductAttention(num_heads=4, key_dim=4, num_key_value_heads=2)
     dense = ScaledDotProductAttention(num_heads=4, key_dim=4, implementation="dense")
     for each in (layer, dense):
         each(x, x)
-    cache = tf.zeros((2, 2, 13, 2, 4))
+    cache = ops.zeros((2, 2, 13, 2, 4))
     _, cache = layer(x, x, use_causal_mask=True, cache=cache, cache_update_index=0)
     layer(x[:, :1], x[:, :1], cache=cache, cache_update_index=5)
     assert len(decode_spy) == 1
     layer(x[:, :1], x)  # one query row, no cache
     q, k, v = inputs(t=1, s=S + 4, k=K, dtype="float32")
     scaled_dot_product_attention(q, k, v)  # "auto"
-    dense(x[:, :1], x[:, :1], cache=tf.zeros((2, 2, 13, 4, 4)), cache_update_index=5)
+    dense(x[:, :1], x[:, :1], cache=ops.zeros((2, 2, 13, 4, 4)), cache_update_index=5)
     assert len(decode_spy) == 1
 
 
@@ -91,7 +94,7 @@ def test_dropout_runs_dense_with_the_same_keep_mask(decode_spy):
     args = dict(dropout_rate=0.5, training=True, seed=7)
     auto = scaled_dot_product_attention(q, k, v, implementation="decode", **args)
     dense = scaled_dot_product_attention(q, k, v, implementation="dense", **args)
-    np.testing.assert_array_equal(auto, dense)
+    np.testing.assert_array_equal(numpy(auto), numpy(dense))
     assert not decode_spy
 
 
@@ -101,7 +104,7 @@ def test_forward_matches_numpy_reference(feature, kv_heads):
     spec = FEATURES[feature]
     q, k, v = inputs(t=rows(spec), k=kv_heads)
     want, _ = reference(q, k, v, **spec)
-    np.testing.assert_allclose(decode_call(q, k, v, spec), want, atol=1e-10)
+    np.testing.assert_allclose(numpy(decode_call(q, k, v, spec)), want, atol=1e-10)
 
 
 @pytest.mark.default_cases("everything", "mask")
@@ -109,16 +112,15 @@ def test_forward_matches_numpy_reference(feature, kv_heads):
 def test_gradients_match_autodiff_of_the_formula(feature):
     spec = FEATURES[feature]
     q, k, v = inputs(t=rows(spec), k=K)
-    c = tf.constant(np.random.default_rng(9).normal(size=(B, rows(spec), N, HV)))
+    c = tensor(np.random.default_rng(9).normal(size=(B, rows(spec), N, HV)))
     watched = [q, k, v] + ([spec["bias"]] if "bias" in spec else [])
     grads = []
-    for attention in (lambda: decode_call(q, k, v, spec), lambda: autodiff_reference(
-        q, k, v, **spec
-    )):  # fmt: skip
-        with tf.GradientTape() as tape:
-            tape.watch(watched)
-            loss = tf.reduce_sum(attention() * c)
-        grads.append(tape.gradient(loss, watched))
+    for attention in (decode_call, lambda q, k, v, spec: autodiff_reference(q, k, v, **spec)):
+
+        def loss(q, k, v, *bias, attention=attention):  # the bias, if any, differentiated
+            return ops.sum(attention(q, k, v, {**spec, **dict(zip(["bias"], bias))}) * c)
+
+        grads.append(gradients(loss, *watched))
     for name, a, b in zip(["d_query", "d_key", "d_value", "d_bias"], *grads):
         np.testing.assert_allclose(a, b, atol=1e-10, err_msg=name)
 
@@ -134,7 +136,7 @@ def skip_every_third_key(b, h, q_idx, kv_idx):
         dict(score_mod=mods.alibi(N)),
         dict(score_mod=mods.soft_cap(1.0)),
         dict(mask_mod=skip_every_third_key),
-        dict(mask_mod=mods.document(tf.constant([[0] * 4 + [1] * (S - 4)] * B))),
+        dict(mask_mod=mods.document(tensor([[0] * 4 + [1] * (S - 4)] * B, "int32"))),
         dict(score_mod=mods.alibi(N), mask_mod=skip_every_third_key),
     ],
     ids=["alibi", "soft_cap", "mask_fn", "document", "both"],
@@ -143,11 +145,15 @@ def test_mods_match_the_dense_path_forward_and_gradient(mod):
     q, k, v = inputs(t=1, k=K)
     results = []
     for implementation in ("decode", "dense"):
-        with tf.GradientTape() as tape:
-            tape.watch([q, k, v])
-            out = scaled_dot_product_attention(q, k, v, implementation=implementation, **mod)
-            loss = tf.reduce_sum(out * tf.range(HV, dtype=out.dtype))
-        results.append([out, *tape.gradient(loss, [q, k, v])])
+
+        def attention(q, k, v, implementation=implementation):
+            return scaled_dot_product_attention(q, k, v, implementation=implementation, **mod)
+
+        def loss(q, k, v, attention=attention):
+            out = attention(q, k, v)
+            return ops.sum(out * ops.arange(HV, dtype=out.dtype))
+
+        results.append([numpy(attention(q, k, v)), *gradients(loss, q, k, v)])
     for name, a, b in zip(["out", "d_query", "d_key", "d_value"], *results):
         np.testing.assert_allclose(a, b, atol=1e-10, err_msg=name)
 
@@ -165,22 +171,34 @@ def test_a_causal_decode_row_is_refused_not_aligned_to_key_0():
 def test_a_bfloat16_cache_is_read_as_it_is_and_multiplied_in_float32():
     q, k, v = inputs(t=1, s=64, k=K)
     want, _ = reference(q, k, v)
-    half = [tf.cast(x, tf.bfloat16) for x in (q, k, v)]
+    half = [ops.cast(x, "bfloat16") for x in (q, k, v)]
     out = scaled_dot_product_attention(*half, implementation="decode")
-    assert out.dtype == tf.bfloat16
-    rounded, _ = reference(*[tf.cast(x, tf.float64) for x in half])  # the inputs' rounding
-    np.testing.assert_allclose(tf.cast(out, tf.float64), rounded, atol=1e-2)
-    np.testing.assert_allclose(tf.cast(out, tf.float64), want, atol=5e-2)
+    assert keras.backend.standardize_dtype(out.dtype) == "bfloat16"
+    rounded, _ = reference(*[numpy(x, "float64") for x in half])  # the inputs' rounding
+    np.testing.assert_allclose(numpy(out, "float64"), rounded, atol=1e-2)
+    np.testing.assert_allclose(numpy(out, "float64"), want, atol=5e-2)
 
 
 def test_inside_a_compiled_step_with_an_unknown_batch(decode_spy):
-    """The decode path compiles inside a caller's XLA program with the batch unknown."""
+    """The decode path compiles inside a caller's XLA program with the batch unknown (on
+    TensorFlow; JAX traces every shape known, so there it compiles inside `jax.jit`)."""
     q, k, v = inputs(t=1, k=K, dtype="float32")
-    step = tf.function(
-        lambda q, k, v: scaled_dot_product_attention(q, k, v, implementation="decode"),
-        jit_compile=True,
-        input_signature=[tf.TensorSpec((None,) + tuple(x.shape[1:]), x.dtype) for x in (q, k, v)],
-    )
+
+    def attention(q, k, v):
+        return scaled_dot_product_attention(q, k, v, implementation="decode")
+
+    if BACKEND == "tensorflow":
+        import tensorflow as tf
+
+        step = tf.function(
+            attention,
+            jit_compile=True,
+            input_signature=[
+                tf.TensorSpec((None,) + tuple(x.shape[1:]), x.dtype) for x in (q, k, v)
+            ],
+        )
+    else:  # a batch unknown while tracing does not exist on JAX
+        step = jit(attention)
     want, _ = reference(q, k, v)
-    np.testing.assert_allclose(step(q, k, v), want, atol=1e-5)
+    np.testing.assert_allclose(numpy(step(q, k, v)), want, atol=1e-5)
     assert len(decode_spy) == 1

@@ -7,7 +7,9 @@ import textwrap
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
+from keras import ops as kops
+from keras.src.backend.common.masking import get_keras_mask  # no public name in Keras 3.15
+from on_backend import BACKEND, gradient_to_variables, gradients, numpy, tensor
 
 from keras_sdpa import ScaledDotProductAttention, ops
 
@@ -18,10 +20,26 @@ E_Q, E_K, E_V = 9, 10, 11
 
 def inputs(seed=0, dtype="float32"):
     rng = np.random.default_rng(seed)
-    query = tf.constant(rng.normal(size=(B, T, E_Q)), dtype)
-    value = tf.constant(rng.normal(size=(B, S, E_V)), dtype)
-    key = tf.constant(rng.normal(size=(B, S, E_K)), dtype)
+    query = tensor(rng.normal(size=(B, T, E_Q)), dtype)
+    value = tensor(rng.normal(size=(B, S, E_V)), dtype)
+    key = tensor(rng.normal(size=(B, S, E_K)), dtype)
     return query, value, key
+
+
+def keras_call(mha, *args, **kwargs):
+    """`mha(*args, **kwargs)`, a Keras MultiHeadAttention's call, as the reference.
+
+    On JAX, Keras 3.15's MultiHeadAttention fails when `value_dim` differs from `key_dim` and
+    it returns no scores: its fused path, `jax.nn.dot_product_attention`, takes one head size
+    ("cannot reshape array of shape (2, 3, 4, 1, 7) ... into shape (2, 3, 4, 6)"). Its
+    einsum path, which it takes when it returns scores, computes the same output there."""
+    if (
+        BACKEND == "jax"
+        and mha._value_dim != mha._key_dim
+        and not kwargs.get("return_attention_scores")
+    ):
+        return mha(*args, return_attention_scores=True, **kwargs)[0]
+    return mha(*args, **kwargs)
 
 
 def twin_layers(**kwargs):
@@ -29,7 +47,7 @@ def twin_layers(**kwargs):
     query, value, key = inputs()
     mha = keras.layers.MultiHeadAttention(N, H, value_dim=HV, **kwargs)
     ours = ScaledDotProductAttention(N, H, value_dim=HV, **kwargs)
-    mha(query, value, key)
+    keras_call(mha, query, value, key)
     ours(query, value, key)
     # Random biases too, so a missing bias cannot pass.
     ours.set_weights(
@@ -65,10 +83,10 @@ def test_self_attention_matches_keras():
     query, _, _ = inputs(3)
     mha = keras.layers.MultiHeadAttention(N, H, value_dim=HV, output_shape=8)
     ours = ScaledDotProductAttention(N, H, value_dim=HV, output_shape=8)
-    mha(query, query)
+    keras_call(mha, query, query)
     ours(query, query)
     ours.set_weights(mha.get_weights())
-    want = mha(query, query, use_causal_mask=True)
+    want = keras_call(mha, query, query, use_causal_mask=True)
     got = ours(query, query, use_causal_mask=True)
     assert got.shape == (B, T, 8)
     np.testing.assert_allclose(got, want, atol=1e-5)
@@ -81,10 +99,10 @@ def test_activity_regularizer_applies_to_the_projections_as_in_keras():
     kwargs = dict(value_dim=HV, activity_regularizer=keras.regularizers.L2(0.01))
     mha = keras.layers.MultiHeadAttention(N, H, **kwargs)
     ours = ScaledDotProductAttention(N, H, **kwargs)
-    mha(query, value)
+    keras_call(mha, query, value)
     ours(query, value)
     ours.set_weights(mha.get_weights())
-    mha(query, value)
+    keras_call(mha, query, value)
     ours(query, value)
     want = [float(loss) for loss in mha.losses]
     assert len(want) == 4
@@ -98,8 +116,8 @@ def test_single_head_is_the_derivation(scale):
     """num_heads=1 without W_O: softmax(X W_Q (X W_K)^T / sqrt(d_k)) X W_V, in NumPy."""
     query, value, key = inputs(4, "float64")
     layer = ScaledDotProductAttention(key_dim=H, value_dim=HV, scale=scale, dtype="float64")
-    out = layer(query, value, key).numpy()
-    w_q, b_q, w_k, b_k, w_v, b_v = (w.numpy() for w in layer.weights)
+    out = numpy(layer(query, value, key))
+    w_q, b_q, w_k, b_k, w_v, b_v = (numpy(w) for w in layer.weights)
     q = np.einsum("bte,eh->bth", query, w_q[:, 0]) + b_q[0]
     k = np.einsum("bse,eh->bsh", key, w_k[:, 0]) + b_k[0]
     v = np.einsum("bse,eh->bsh", value, w_v[:, 0]) + b_v[0]
@@ -126,12 +144,12 @@ def test_implicit_masks_from_embedding():
     got, scores = ours(x, x, return_attention_scores=True)
     real = tokens != 0
     # Real query rows agree with Keras; padded keys get no weight.
-    np.testing.assert_allclose(got.numpy()[real], want.numpy()[real], atol=1e-5)
-    assert (scores.numpy()[0, :, :, 3:] == 0).all()
+    np.testing.assert_allclose(numpy(got)[real], numpy(want)[real], atol=1e-5)
+    assert (numpy(scores)[0, :, :, 3:] == 0).all()
     # Padded query rows attend to nothing: zero weights, where Keras spreads them uniformly.
-    assert (scores.numpy()[0, :, 3:, :] == 0).all()
+    assert (numpy(scores)[0, :, 3:, :] == 0).all()
     # The query's mask carries on to the output, for pooling downstream.
-    np.testing.assert_array_equal(got._keras_mask, real)
+    np.testing.assert_array_equal(numpy(get_keras_mask(got)), real)
 
 
 def test_functional_model_declares_cross_attention_score_shape():
@@ -161,16 +179,32 @@ LABELS = np.array([1.0, 0.0, 1.0, 0.0], np.float32)
 def test_fit_step_with_jit_compile(monkeypatch):
     # Whether the layer was traced inside an XLA program: the step Keras compiled.
     contexts = []
-    inside_xla = ops._inside_xla
-    monkeypatch.setattr(ops, "_inside_xla", lambda: contexts.append(inside_xla()) or contexts[-1])
+    if BACKEND == "jax":
+        # JAX knows every shape while tracing, so the layer never asks `_inside_xla` (always
+        # True on JAX): each call into the compiled core records whether it is traced under
+        # a `jax.jit`, the step Keras compiled.
+        from jax._src import core as jax_core  # `unsafe_am_i_under_a_jit` has no public name
+
+        compiled = ops._compiled("_attention_xla")
+
+        def spy(*args, **kwargs):
+            contexts.append(jax_core.unsafe_am_i_under_a_jit())
+            return compiled(*args, **kwargs)
+
+        monkeypatch.setattr(ops, "_attention_xla", spy)
+    else:
+        inside_xla = ops._inside_xla
+        monkeypatch.setattr(
+            ops, "_inside_xla", lambda: contexts.append(inside_xla()) or contexts[-1]
+        )
     model = small_model()
     model.compile(keras.optimizers.Adam(0.05), "binary_crossentropy", jit_compile=True)
-    before = [w.numpy() for w in model.trainable_weights]
+    before = [numpy(w) for w in model.trainable_weights]
     first = model.evaluate(TOKENS, LABELS, verbose=0)
     contexts.clear()
     model.fit(TOKENS, LABELS, epochs=5, verbose=0)
     assert contexts and all(contexts), "the training step was not compiled by XLA"
-    after = [w.numpy() for w in model.trainable_weights]
+    after = [numpy(w) for w in model.trainable_weights]
     names = [w.path for w in model.trainable_weights]
     for name, b, a in zip(names, before, after):
         if "scaled_dot_product_attention" in name:
@@ -214,6 +248,7 @@ def test_keras_file_round_trip(tmp_path):
 
 # A process without this package (export and reload in this one: test_layer_features).
 @pytest.mark.large
+@pytest.mark.tensorflow_only("a SavedModel, TFSMLayer and tf.saved_model.load")
 def test_saved_model_export_loads_without_keras_sdpa(tmp_path):
     model = small_model()
     path = str(tmp_path / "exported")
@@ -238,6 +273,7 @@ def test_saved_model_export_loads_without_keras_sdpa(tmp_path):
 
 
 @pytest.mark.large  # tf.distribute with two logical CPUs
+@pytest.mark.tensorflow_only("tf.distribute.MirroredStrategy")
 def test_mirrored_replicas_draw_their_own_dropout_masks():
     """Two replicas on two logical CPUs, the same input: different masks in training,
     the same output in inference, and the mirrored weights identical on both."""
@@ -280,33 +316,31 @@ def test_gradients_match_finite_differences():
     mask = np.random.default_rng(6).random((B, T, S)) > 0.3
     c = np.random.default_rng(7).normal(size=(B, T, E_Q))
 
-    def loss():
+    def loss_of(query, value, key):
         out = layer(query, value, key, attention_mask=mask, use_causal_mask=True)
-        return tf.reduce_sum(out * c)
+        return kops.sum(out * c)
 
-    with tf.GradientTape() as tape:
-        tape.watch([query, value, key])
-        value_ = loss()
-    targets = {
-        "query": query,
-        "value": value,
-        "key": key,
-        "W_Q": layer.query_kernel,
-        "W_K": layer.key_kernel,
-        "W_V": layer.value_kernel,
-    }
-    grads = dict(zip(targets, tape.gradient(value_, list(targets.values()))))
+    def loss():
+        return loss_of(query, value, key)
+
+    loss()  # builds the layer
+    inputs_ = {"query": query, "value": value, "key": key}
+    kernels = {"W_Q": layer.query_kernel, "W_K": layer.key_kernel, "W_V": layer.value_kernel}
+    targets = {**inputs_, **kernels}
+    # The backend's autodiff: to the inputs, and to the kernels (Keras variables).
+    grads = dict(zip(inputs_, gradients(loss_of, query, value, key)))
+    grads.update(zip(kernels, gradient_to_variables(loss, kernels.values())))
     eps = 1e-6
     for name, target in targets.items():
-        base = target.numpy()
+        base = numpy(target)
         numeric = np.zeros_like(base)
         for i in np.ndindex(base.shape):
             for sign in (1, -1):
                 bumped = base.copy()
                 bumped[i] += sign * eps
-                if isinstance(target, tf.Tensor):
-                    kwargs = {"query": query, "value": value, "key": key}
-                    kwargs[name] = tf.constant(bumped)
+                if name in inputs_:
+                    kwargs = dict(inputs_)
+                    kwargs[name] = tensor(bumped)
                     out = layer(
                         kwargs["query"],
                         kwargs["value"],
@@ -314,7 +348,7 @@ def test_gradients_match_finite_differences():
                         attention_mask=mask,
                         use_causal_mask=True,
                     )
-                    f = float(tf.reduce_sum(out * c))
+                    f = float(kops.sum(out * c))
                 else:
                     target.assign(bumped)
                     f = float(loss())
@@ -326,10 +360,10 @@ def test_gradients_match_finite_differences():
 def test_dropout_only_in_training_and_seeded():
     query, value, key = inputs()
     layer = ScaledDotProductAttention(N, H, dropout=0.5, seed=3)
-    inference = layer(query, value, key).numpy()
+    inference = numpy(layer(query, value, key))
     np.testing.assert_array_equal(layer(query, value, key, training=False), inference)
-    first = layer(query, value, key, training=True).numpy()
-    second = layer(query, value, key, training=True).numpy()
+    first = numpy(layer(query, value, key, training=True))
+    second = numpy(layer(query, value, key, training=True))
     assert not np.allclose(first, inference) and not np.allclose(first, second)
     # Two new layers with the same seed and weights drop the same weights.
     twins = [ScaledDotProductAttention(N, H, dropout=0.5, seed=3) for _ in range(2)]
@@ -353,10 +387,10 @@ def test_mixed_precision(policy):
         keras.config.set_dtype_policy("float32")
     layer.set_weights(reference.get_weights())
     out, scores = layer(query, value, key, return_attention_scores=True)
-    assert out.dtype == policy.split("_")[1]
+    assert keras.backend.standardize_dtype(out.dtype) == policy.split("_")[1]
     assert layer.query_kernel.dtype == "float32"
-    np.testing.assert_allclose(tf.cast(out, "float32"), want, atol=5e-2, rtol=5e-2)
-    np.testing.assert_allclose(tf.reduce_sum(tf.cast(scores, "float32"), -1), 1.0, atol=2e-2)
+    np.testing.assert_allclose(numpy(out, "float32"), want, atol=5e-2, rtol=5e-2)
+    np.testing.assert_allclose(numpy(scores, "float32").sum(-1), 1.0, atol=2e-2)
 
 
 @pytest.mark.parametrize(
@@ -407,7 +441,7 @@ def test_bad_call_inputs():
     with pytest.raises(ValueError, match=r"`value` and `key`, except the last.*\(2, 4, 10\)"):
         layer(query, value, key[:, :4])
     with pytest.raises(ValueError, match=r"`query` must be a floating tensor.*int32"):
-        layer(tf.cast(query, "int32"), value, key)
+        layer(kops.cast(query, "int32"), value, key)
     with pytest.raises(ValueError, match=r"`mask` must broadcast.*\(2, 1, 3, 4\)"):
         layer(query, value, key, attention_mask=np.ones((B, T, S - 1), bool))
     with pytest.raises(ValueError, match=r"`attention_mask` must have rank 4 or less.*\(1, 2,"):
@@ -433,12 +467,17 @@ def test_query_padding_zeroes_rows_as_a_full_mask_does(causal):
     layer(query, value)
 
     def run(**masks):
-        with tf.GradientTape() as tape:
-            out, scores = layer(
+        def call():
+            return layer(
                 query, value, return_attention_scores=True, use_causal_mask=causal, **masks
             )
-            loss = tf.reduce_sum(out**2) + tf.reduce_sum(scores**2)
-        return [out, scores] + tape.gradient(loss, layer.trainable_variables)
+
+        def loss():
+            out, scores = call()
+            return kops.sum(out**2) + kops.sum(scores**2)
+
+        out, scores = call()
+        return [numpy(out), numpy(scores)] + gradient_to_variables(loss, layer.trainable_variables)
 
     whole = query_mask[:, :, None] & value_mask[:, None, :]  # (B, T, S)
     for got, want in zip(
@@ -446,5 +485,7 @@ def test_query_padding_zeroes_rows_as_a_full_mask_does(causal):
     ):
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
     out, scores = run(query_mask=query_mask, value_mask=value_mask)[:2]
-    assert (scores.numpy()[1, :, 2:, :] == 0).all()
-    np.testing.assert_allclose(out[1, 2:], np.broadcast_to(layer.output_dense.bias, (T - 2, E_Q)))
+    assert (scores[1, :, 2:, :] == 0).all()
+    np.testing.assert_allclose(
+        out[1, 2:], np.broadcast_to(numpy(layer.output_dense.bias), (T - 2, E_Q))
+    )

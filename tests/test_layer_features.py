@@ -11,7 +11,8 @@ set, empty batches, and the run-time choice of path under unknown lengths.
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
+from keras import ops as kops
+from on_backend import BACKEND, gradient_to_variables, gradients, jit, numpy, tensor
 from test_core_features import reference
 from test_ops import spy_on_paths
 
@@ -134,7 +135,7 @@ def test_matches_group_query_attention(kv_heads, causal, path):
 
 def single_head_numpy(layer, query, value, bias=None, cap=None):
     """The layer's own weights, the formula in float64 NumPy (one head, no W_O)."""
-    w_q, b_q, w_k, b_k, w_v, b_v = (w.numpy().astype(np.float64) for w in layer.weights)
+    w_q, b_q, w_k, b_k, w_v, b_v = (numpy(w).astype(np.float64) for w in layer.weights)
     q = np.einsum("bte,enh->btnh", query, w_q) + b_q
     k = np.einsum("bse,enh->bsnh", value, w_k) + b_k
     v = np.einsum("bse,enh->bsnh", value, w_v) + b_v
@@ -165,7 +166,7 @@ class RelativePositionAttention(keras.layers.Layer):
 
     def call(self, x):
         offsets = np.arange(self.length)[None, :] - np.arange(self.length)[:, None]
-        bias = tf.gather(self.table, offsets + self.length - 1, axis=1)  # (N, T, S)
+        bias = kops.take(self.table, offsets + self.length - 1, axis=1)  # (N, T, S)
         return self.attention(x, x, attention_bias=bias[None])
 
 
@@ -178,7 +179,7 @@ def test_learned_relative_position_bias_trains():
     model.compile(keras.optimizers.Adam(0.05), "mse")
     table = model.layers[1].table
     model.fit(x, y, epochs=3, verbose=0)
-    assert np.abs(table.numpy()).max() > 1e-3
+    assert np.abs(numpy(table)).max() > 1e-3
 
 
 ALL_ARGUMENTS = dict(
@@ -227,7 +228,10 @@ def test_keras_file_round_trips_every_argument(tmp_path):
     assert loaded.layers[1].get_config() == model.layers[1].get_config()
 
 
+@pytest.mark.tensorflow_only("a SavedModel: model.export and tf.saved_model.load")
 def test_saved_model_round_trips_every_argument(tmp_path):
+    import tensorflow as tf
+
     model = all_arguments_model()
     x = random((B, 3, 4, E), 17)
     model.export(str(tmp_path / "exported"), verbose=False)
@@ -249,22 +253,31 @@ def test_empty_sizes_give_empty_or_zero_outputs(query_shape, value_shape, path):
     assert out.shape == query_shape
     if value_shape[1] == 0:
         # No key to attend to: a zero attention output, then W_O's bias.
-        bias = layer.output_dense.bias.numpy()
+        bias = numpy(layer.output_dense.bias)
         np.testing.assert_allclose(out, np.broadcast_to(bias, query_shape), atol=1e-7)
     else:
         assert mha(query, value).shape == query_shape
-    # Inside a graph with unknown sizes too, as a serving signature runs it.
-    spec = [tf.TensorSpec((None, None, E)), tf.TensorSpec((None, None, E))]
-    graph_out = tf.function(lambda q, v: layer(q, v), input_signature=spec)(query, value)
+    if BACKEND == "tensorflow":
+        import tensorflow as tf
+
+        # Inside a graph with unknown sizes too, as a serving signature runs it.
+        spec = [tf.TensorSpec((None, None, E)), tf.TensorSpec((None, None, E))]
+        graph_out = tf.function(lambda q, v: layer(q, v), input_signature=spec)(query, value)
+    else:
+        # JAX traces every size as known (it has no unknown dimensions): inside `jax.jit`.
+        graph_out = jit(lambda q, v: layer(q, v))(query, value)
     np.testing.assert_allclose(graph_out, out, atol=1e-7)
 
 
+@pytest.mark.tensorflow_only("lengths unknown while tracing: a tf.function input_signature")
 def test_auto_decides_at_run_time_for_unknown_lengths(monkeypatch):
     """Traced with unknown lengths, `"auto"` still takes the chunked program for long inputs.
 
     Dropout shows which program ran: the dense and the chunked path draw their
     keep-masks differently, so with the same seed each path has its own output.
     """
+    import tensorflow as tf
+
     monkeypatch.setattr(ops, "_AUTO_CHUNKED_BYTES", 4 * B * 2 * 32 * 32)  # chunked past T=32
     spec = [tf.TensorSpec((B, None, 2, 4))] * 3
 
@@ -292,6 +305,7 @@ def test_auto_decides_at_run_time_for_unknown_lengths(monkeypatch):
 
 
 @pytest.mark.large  # a fit; the choice itself: test_auto_decides_at_run_time_for_unknown_lengths
+@pytest.mark.tensorflow_only("lengths unknown while tracing: Keras's JAX trainer knows them")
 def test_auto_under_fit_with_unknown_lengths(monkeypatch):
     """A functional model with `Input((None, E))` trains; "auto" is left to run time there.
 
@@ -317,10 +331,13 @@ def test_auto_under_fit_with_unknown_lengths(monkeypatch):
 
 
 @pytest.mark.large  # a jit-compiled fit; the choice itself: test_auto_decides_at_run_time
+@pytest.mark.tensorflow_only("a batch unknown while tracing: Keras's JAX trainer knows it")
 def test_auto_goes_chunked_inside_a_jit_compiled_fit_with_a_fixed_length(monkeypatch):
     """`Input((T, E))` under `jit_compile=True`: Keras traces `fit` with an unknown batch, and
     "auto" chooses from one example's scores. Past the bar it trains on the chunked path,
     to the same weights as the dense path (one epoch, 1e-5)."""
+    import tensorflow as tf
+
     chosen = []
     choose = ops._choose_path
     monkeypatch.setattr(ops, "_choose_path", lambda *a: chosen.append(choose(*a)) or chosen[-1])
@@ -388,18 +405,23 @@ def test_short_queries_fold_the_projections_and_match(kwargs, length):
     unfolded = _Unfolded(**layer_kwargs)
     unfolded(query, value)
     unfolded.set_weights(ours.get_weights())
-    assert ours._folds_projections(tf.constant(query), False, False)
-    assert not ours._folds_projections(tf.constant(random((3, 3, width), 3)), False, False)
+    assert ours._folds_projections(tensor(query), False, False)
+    assert not ours._folds_projections(tensor(random((3, 3, width), 3)), False, False)
 
     def run(layer, rows=slice(None)):
-        variables = layer.trainable_variables
-        with tf.GradientTape() as tape:
+        def outputs():
             out, scores = layer(
                 query[rows], value[rows], attention_mask=mask[rows], return_attention_scores=True
             )
             plain = layer(query[rows], value[rows], attention_mask=mask[rows])
-            loss = tf.reduce_sum(out * plain) + tf.reduce_sum(scores**2)
-        return [out, scores, plain] + tape.gradient(loss, variables)
+            return out, scores, plain
+
+        def loss():
+            out, scores, plain = outputs()
+            return kops.sum(out * plain) + kops.sum(scores**2)
+
+        grads = gradient_to_variables(loss, layer.trainable_variables)
+        return [numpy(x) for x in outputs()] + grads
 
     def close(got, want):
         # float32 sums in two orders: the error grows with the tensor's scale (its gradients
@@ -448,18 +470,33 @@ def test_pooling_query_with_lengths_unknown_until_run_time(kv_heads):
     want = pooling.attention(np.repeat(query, 2, axis=0), value, value_mask=mask)
     np.testing.assert_allclose(model.predict([value, mask], verbose=0), want, atol=1e-6)
 
-    def gradient(v, m):
-        with tf.GradientTape() as tape:
-            tape.watch(v)
-            loss = tf.reduce_sum(pooling(v, mask=m) ** 2)
-        return tape.gradient(loss, v)
+    def loss(v, m):
+        return kops.sum(pooling(v, mask=m) ** 2)
 
-    unknown = tf.function(
-        gradient,
-        input_signature=[tf.TensorSpec((None, None, 64)), tf.TensorSpec((None, None), tf.bool)],
-    )
-    want = gradient(tf.constant(value), tf.constant(mask))
-    np.testing.assert_allclose(unknown(value, mask), want, atol=1e-6)
+    (want,) = gradients(lambda v: loss(v, tensor(mask)), tensor(value))
+    if BACKEND == "tensorflow":
+        import tensorflow as tf
+
+        def gradient(v, m):
+            with tf.GradientTape() as tape:
+                tape.watch(v)
+                value_ = loss(v, m)
+            return tape.gradient(value_, v)
+
+        unknown = tf.function(
+            gradient,
+            input_signature=[
+                tf.TensorSpec((None, None, 64)), tf.TensorSpec((None, None), tf.bool)
+            ],
+        )  # fmt: skip
+        got = unknown(value, mask)
+    else:
+        import jax
+
+        # JAX traces every length as known (it has no unknown dimensions): the gradient
+        # inside `jax.jit`.
+        got = jit(jax.grad(loss))(value, mask)
+    np.testing.assert_allclose(got, want, atol=1e-6)
 
 
 @pytest.mark.default_cases("T_S")
@@ -478,13 +515,18 @@ def test_short_queries_fold_with_every_mask_shape(mask_shape):
     ours(query, value)
     unfolded(query, value)
     unfolded.set_weights(ours.get_weights())
-    assert ours._folds_projections(tf.constant(query), False, False)
+    assert ours._folds_projections(tensor(query), False, False)
 
     def run(layer):
-        with tf.GradientTape() as tape:
-            out, scores = layer(query, value, attention_mask=mask, return_attention_scores=True)
-            loss = tf.reduce_sum(out**2) + tf.reduce_sum(scores**2)
-        return [out, scores] + tape.gradient(loss, layer.trainable_variables)
+        def outputs():
+            return layer(query, value, attention_mask=mask, return_attention_scores=True)
+
+        def loss():
+            out, scores = outputs()
+            return kops.sum(out**2) + kops.sum(scores**2)
+
+        grads = gradient_to_variables(loss, layer.trainable_variables)
+        return [numpy(x) for x in outputs()] + grads
 
     for got, want in zip(run(ours), run(unfolded)):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-5)

@@ -24,6 +24,11 @@ def inside_compiled():
     return True
 
 
+def tanh(x):
+    """`tanh` in `x`'s float type: Keras 3.15's `ops.tanh` gives float32 for float64 on JAX."""
+    return jnp.tanh(x)
+
+
 def matmul(a, b, operand, transpose_a, transpose_b):
     """`a @ b` over the leading axes; with `operand`, in that precision into float32."""
     rank = a.ndim

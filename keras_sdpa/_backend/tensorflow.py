@@ -36,6 +36,11 @@ def inside_compiled():
     return control_flow_util.GraphOrParentsInXlaContext(tf_ops.get_default_graph())
 
 
+def tanh(x):
+    """`tanh` in `x`'s float type (as `ops.tanh` is on TensorFlow)."""
+    return tf.math.tanh(x)
+
+
 def matmul(a, b, operand, transpose_a, transpose_b):
     """`a @ b` over the leading axes; with `operand`, in that precision into float32."""
     if operand is None:
