@@ -496,7 +496,10 @@ def test_pooling_query_with_lengths_unknown_until_run_time(kv_heads):
         # JAX traces every length as known (it has no unknown dimensions): the gradient
         # inside `jax.jit`.
         got = jit(jax.grad(loss))(value, mask)
-    np.testing.assert_allclose(got, want, atol=1e-6)
+    # On TensorFlow both run the projections and the core as compiled programs; on JAX the
+    # eager reference runs the projections op by op, and XLA's fused sums round differently
+    # in float32 (2.3e-6 apart on values near 0.4, the folded case).
+    np.testing.assert_allclose(got, want, atol=1e-6 if BACKEND == "tensorflow" else 1e-5)
 
 
 @pytest.mark.default_cases("T_S")
