@@ -66,8 +66,13 @@ def check_index(index, query, size):
     """`cache_update_index` as a `(B,)` int32 tensor for `query` `(B, T, E)`, checked where its
     value is known: while tracing when it is static (an int, an eager tensor, a constant of the
     graph), else when the graph runs."""
-    # An int or a NumPy value is known here; inside `jax.jit` its tensor would be a tracer.
-    known = np.asarray(index) if isinstance(index, (int, np.integer, np.ndarray)) else None
+    # An int, a NumPy value or a list of ints is known here; inside `jax.jit` its tensor
+    # would be a tracer, whose value is unknown until the program runs.
+    known = None
+    if isinstance(index, (int, np.integer, np.ndarray, list, tuple)):
+        known = np.asarray(index)
+        if known.dtype.kind not in "iu":
+            known = None  # the checks below name what is wrong
     index = keras.ops.convert_to_tensor(index)
     dtype = keras.backend.standardize_dtype(index.dtype)
     if not keras.backend.is_int_dtype(dtype) or len(index.shape) not in (0, 1):

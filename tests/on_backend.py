@@ -46,25 +46,13 @@ def gradients(fn, *args, x64=False):
     return [np.asarray(tf.convert_to_tensor(g)) for g in tape.gradient(value, args)]
 
 
-def value_and_gradients(fn, *args):
-    """`(fn(*args), its gradient to every arg)`, by the backend's autodiff, as NumPy."""
-    if BACKEND == "jax":
-        args = [jax.numpy.asarray(a) for a in args]
-        value, grads = jax.value_and_grad(fn, argnums=tuple(range(len(args))))(*args)
-        return np.asarray(value), [np.asarray(g) for g in grads]
-    import tensorflow as tf
-
-    args = [tf.convert_to_tensor(a) for a in args]
-    with tf.GradientTape() as tape:
-        tape.watch(args)
-        value = fn(*args)
-    grads = tape.gradient(value, args)
-    return np.asarray(value), [np.asarray(tf.convert_to_tensor(g)) for g in grads]
-
-
-def gradient_to_variables(fn, variables):
+def gradient_to_variables(fn, variables, nonzero=True):
     """The gradients of the scalar `fn()` to Keras variables, by the backend's autodiff: on
-    JAX through a `keras.StatelessScope` that reads each variable as a differentiated value."""
+    JAX through a `keras.StatelessScope` that reads each variable as a differentiated value.
+
+    A variable the loss never reads gets None from TensorFlow but zeros from JAX, and two
+    zero gradients compare equal: with `nonzero`, every gradient but a bias's (a key bias's
+    is zero by the math: it shifts a whole row of logits) must have a non-zero entry."""
     variables = list(variables)
     if BACKEND == "jax":
 
@@ -72,19 +60,34 @@ def gradient_to_variables(fn, variables):
             with keras.StatelessScope(state_mapping=list(zip(variables, values))):
                 return fn()
 
-        grads = jax.grad(of_values)([v.value for v in variables])
-        return [np.asarray(g) for g in grads]
-    import tensorflow as tf
+        grads = [np.asarray(g) for g in jax.grad(of_values)([v.value for v in variables])]
+    else:
+        import tensorflow as tf
 
-    with tf.GradientTape() as tape:
-        value = fn()
-    grads = tape.gradient(value, [v.value for v in variables])
-    return [None if g is None else np.asarray(tf.convert_to_tensor(g)) for g in grads]
+        with tf.GradientTape() as tape:
+            value = fn()
+        grads = tape.gradient(value, [v.value for v in variables])
+        grads = [None if g is None else np.asarray(tf.convert_to_tensor(g)) for g in grads]
+    if nonzero:
+        unreached = [
+            v.path for v, g in zip(variables, grads)
+            if v.name != "bias" and (g is None or not np.any(g))
+        ]  # fmt: skip
+        assert not unreached, f"no gradient reaches {unreached}"
+    return grads
 
 
-def gradient_to_variable(fn, variable):
+def gradient_to_variable(fn, variable, nonzero=True):
     """The gradient of the scalar `fn()` to one Keras variable (`gradient_to_variables`)."""
-    return gradient_to_variables(fn, [variable])[0]
+    return gradient_to_variables(fn, [variable], nonzero)[0]
+
+
+def tanh(x):
+    """`tanh` in `x`'s float type, for float64 references: Keras 3.15's `ops.tanh` (and its
+    other trigonometric ops) give float32 for float64 on JAX."""
+    if BACKEND == "jax":
+        return jax.numpy.tanh(x)
+    return keras.ops.tanh(x)
 
 
 def float64_context():

@@ -280,6 +280,10 @@ def test_a_tensor_cache_index_past_the_end_is_refused():
     compiled = jit(lambda x, cache: layer(x, x, cache=cache, cache_update_index=eleven()))
     with pytest.raises(ValueError, match=r"index in \[0, 10\]. Received: cache_update_index=11\b"):
         compiled(x, cache)
+    # A list of ints is known while tracing on both backends, as an int is.
+    listed = jit(lambda x, cache: layer(x, x, cache=cache, cache_update_index=[3, 11, 0]))
+    with pytest.raises(ValueError, match=r"Received: cache_update_index=\[3, 11, 0\]"):
+        listed(x, cache)
 
 
 @pytest.mark.parametrize(

@@ -12,14 +12,11 @@ import hypothesis.strategies as st
 import numpy as np
 import pytest
 from keras import ops
-from on_backend import BACKEND, gradients, jit, numpy, tensor
+from on_backend import BACKEND, gradients, jit, numpy, tanh, tensor
 from test_ops import assert_gradients_match_finite_differences
 
 from keras_sdpa import _chunked
 from keras_sdpa.ops import scaled_dot_product_attention
-
-if BACKEND == "jax":
-    import jax
 
 # Pairwise-distinct sizes: batch, query/key length, query heads, key heads, head sizes.
 B, T, S, N, K, H, HV = 2, 7, 9, 6, 2, 5, 3
@@ -52,15 +49,6 @@ def reference(q, k, v, mask=None, bias=None, is_causal=False, window=None, cap=N
     total = exp.sum(-1, keepdims=True)
     weights = exp / np.where(total > 0, total, 1.0)
     return np.einsum("bnts,bsnh->btnh", weights, v), weights
-
-
-def tanh(x):
-    """`tanh` in `x`'s own dtype. On JAX, `jax.numpy.tanh`: Keras 3.15's `ops.tanh` returns
-    float32 for a float64 `x` there (its type promotion maps 64-bit results to 32-bit on
-    every backend but TensorFlow), which would leave the float64 reference float32-precise."""
-    if BACKEND == "jax":
-        return jax.numpy.tanh(x)
-    return ops.tanh(x)
 
 
 def autodiff_reference(q, k, v, mask=None, bias=None, is_causal=False, window=None, cap=None):

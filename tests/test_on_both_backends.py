@@ -225,6 +225,37 @@ def test_layer_matches_keras_multi_head_attention():
     np.testing.assert_allclose(a, b, atol=1e-5)
 
 
+class _Wrapper(keras.layers.Layer):
+    """A custom layer that calls the attention inside: on JAX, Keras infers its output shape
+    in a functional model by tracing `call` with a symbolic batch size."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.attention = ScaledDotProductAttention(num_heads=2, key_dim=4)
+
+    def call(self, x):
+        return self.attention(x, x)
+
+
+def test_a_custom_layer_around_the_attention_builds_in_a_functional_model():
+    """"auto" once compared a symbolic batch size with its threshold on JAX and raised
+    `InconclusiveDimensionOperation` while the model was built."""
+    wrapper = _Wrapper()
+    inputs = keras.Input((T, 8))
+    model = keras.Model(inputs, wrapper(inputs))
+    x = random((B, T, 8), 30)
+    out = np.asarray(model(x))
+    q, k, v = (
+        np.einsum("bte,enh->btnh", x, np.asarray(dense.kernel)) + np.asarray(dense.bias)
+        for dense in (wrapper.attention.query_dense, wrapper.attention.key_dense,
+                      wrapper.attention.value_dense)
+    )  # fmt: skip
+    heads, _ = reference(q, k, v)
+    output = wrapper.attention.output_dense
+    want = np.einsum("btnh,nhe->bte", heads, np.asarray(output.kernel)) + np.asarray(output.bias)
+    np.testing.assert_allclose(out, want, atol=1e-5)
+
+
 def test_keras_file_round_trip(tmp_path):
     model = _small_model()
     path = os.path.join(tmp_path, "model.keras")
