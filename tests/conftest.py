@@ -105,13 +105,14 @@ def _seeded_by_test_name(request):
 
 # The module groups, slowest first: each is one unit of work for one worker, so the longest
 # start first and the single tests fill the other worker around them. In the large tier
-# distribute's group is ~300 s of one worker (three app runs, one of them two processes); in
+# distribute's group is ~300 s of one worker (three app runs, one of them two processes) and
+# jax_library's ~230 s (the library's test files again, on JAX); in
 # the default tier app's group trains the session's tiny run (~60 s) and reads it back, and
 # the other groups take under a minute each. `--no-loadscope-reorder` (pyproject.toml) keeps
 # this order; xdist's own reorder puts the groups with the most tests first, whatever they cost.
 GROUPS_SLOWEST_FIRST = (
-    "test_distribute", "test_app", "test_viewer", "test_serving", "test_math_verified",
-    "test_faithfulness", "test_packaging",
+    "test_distribute", "test_app", "jax_library", "test_viewer", "test_serving",
+    "test_math_verified", "test_faithfulness", "test_packaging",
 )  # fmt: skip
 
 

@@ -14,11 +14,12 @@ import textwrap
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# The test files written on keras.ops and NumPy, which hold on both backends: this package's,
-# Keras's MHA and GQA suites, and the swap into keras-hub's models (GPT-2's greedy tokens).
-BOTH_BACKENDS = [
-    "tests/test_on_both_backends.py", "tests/test_keras_suites.py", "tests/test_swap.py",
-]
+# The test files written on keras.ops and NumPy, which hold on both backends: this package's
+# (default tier), and Keras's MHA and GQA suites and the swap into keras-hub's models (GPT-2's
+# greedy tokens) (large tier: on two cores the default tier cannot hold them twice).
+ON_BOTH = ["tests/test_on_both_backends.py"]
+KERAS_AND_SWAP = ["tests/test_keras_suites.py", "tests/test_swap.py"]
+BOTH_BACKENDS = ON_BOTH + KERAS_AND_SWAP
 # What does not run on JAX, and why.
 NOT_ON_JAX = {
     "tests/test_swap.py::test_a_tf_checkpoint_saves_and_restores_the_new_layers":
@@ -44,17 +45,30 @@ def _run(args, timeout):
     return result.returncode, result.stdout + result.stderr
 
 
-def test_the_backend_neutral_tests_pass_on_jax(request):
-    """`tests/test_on_both_backends.py` and Keras's MHA and GQA suites, under JAX."""
-    args = [sys.executable, "-m", "pytest", *BOTH_BACKENDS, "-q", "-n", "0", "-p",
-            "no:cacheprovider", "-o", "addopts=", "-W", "ignore::DeprecationWarning"]
-    args += [f"--deselect={test}" for test in NOT_ON_JAX]
-    if request.config.getoption("--run-large"):
-        args.append("--run-large")
-    code, output = _run(args, timeout=1200)
-    assert code == 0, output[-6000:]
+def _pytest_on_jax(files, at_least, *options, env=None, timeout=1200):
+    """Runs pytest on `files` in a JAX process (their default cases); all must pass, none be
+    skipped, and at least `at_least` run."""
+    args = [sys.executable, "-m", "pytest", *files, "-q", "-n", "0", "-p", "no:cacheprovider",
+            "-o", "addopts=", "-W", "ignore::DeprecationWarning", "-m", "not large",
+            *options]  # fmt: skip
+    result = subprocess.run(
+        args, cwd=ROOT, env=env or _jax_env(), capture_output=True, text=True, timeout=timeout
+    )  # fmt: skip
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-6000:]
     passed = re.search(r"(\d+) passed", output)
-    assert passed and int(passed.group(1)) >= 100 and " skipped" not in output, output[-2000:]
+    assert passed and int(passed.group(1)) >= at_least and " skipped" not in output, output[-2000:]
+
+
+def test_the_backend_neutral_tests_pass_on_jax():
+    """`tests/test_on_both_backends.py`, under JAX in its default float32 mode."""
+    _pytest_on_jax(ON_BOTH, 38)
+
+
+@pytest.mark.large  # a second run of Keras's suites and the swap tests, on JAX
+def test_keras_suites_and_the_swap_pass_on_jax():
+    """Keras's MHA and GQA suites on this layer, and the swap into keras-hub's models."""
+    _pytest_on_jax(KERAS_AND_SWAP, 90, *(f"--deselect={test}" for test in NOT_ON_JAX))
 
 
 # The library's own test files, ported to keras.ops, NumPy and `tests/on_backend.py`: their
@@ -68,21 +82,12 @@ LIBRARY = [
 
 
 @pytest.mark.large  # a second run of the library's default cases, on JAX
+@pytest.mark.xdist_group("jax_library")  # beside the other JAX runs, on the other worker
 def test_the_library_tests_pass_on_jax():
     """The library's test files, on JAX with float64 enabled (`JAX_ENABLE_X64`): their
     references and finite differences compute in float64, which JAX otherwise rounds to
     float32. (`tests/test_on_both_backends.py` runs in JAX's default float32 mode.)"""
-    args = [sys.executable, "-m", "pytest", *LIBRARY, "-q", "-n", "0", "-p",
-            "no:cacheprovider", "-o", "addopts=", "-W", "ignore::DeprecationWarning",
-            "-m", "not large"]  # fmt: skip
-    env = dict(_jax_env(), JAX_ENABLE_X64="1")
-    result = subprocess.run(
-        args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3000
-    )  # fmt: skip
-    output = result.stdout + result.stderr
-    assert result.returncode == 0, output[-6000:]
-    passed = re.search(r"(\d+) passed", output)
-    assert passed and int(passed.group(1)) >= 300 and " skipped" not in output, output[-2000:]
+    _pytest_on_jax(LIBRARY, 360, env=dict(_jax_env(), JAX_ENABLE_X64="1"), timeout=3000)
 
 
 NO_TENSORFLOW = """
