@@ -29,6 +29,7 @@ Everything here is `keras.ops`, the same on both backends; what differs lives in
 """
 
 import copy
+import warnings
 
 import keras
 from keras import ops
@@ -251,15 +252,34 @@ class ScoreMod:
 
 
 def reading(fn, scope):
-    """`fn`, reading each variable of `scope` (pairs of a variable and a value) as that value."""
-    if not scope:
+    """`fn`, reading each variable of `scope` (pairs of a variable and a value) as that value.
+
+    On JAX a variable the mod reads from outside what it holds is a constant of the trace:
+    its later values are not read and it gets no gradient. That warns, naming it."""
+    if not scope and keras.backend.backend() != "jax":
         return fn
 
     def call(*args):
-        with keras.StatelessScope(state_mapping=list(scope)):
+        with _Reading(state_mapping=list(scope)):
             return fn(*args)
 
     return call
+
+
+class _Reading(keras.StatelessScope):
+    """A `keras.StatelessScope` that warns when a variable outside its mapping is read."""
+
+    def get_current_value(self, variable):
+        value = super().get_current_value(variable)
+        if value is None and keras.backend.backend() == "jax":
+            warnings.warn(
+                f"A score_mod or mask_mod read the variable {variable.path!r}, which it does "
+                "not hold: on JAX its value is fixed when the attention is traced, later "
+                "values are not read and it gets no gradient. Hold it in a Keras layer mod, "
+                "or pass it with `mods.with_tensors` (see docs/backends.md).",
+                stacklevel=2,
+            )
+        return value
 
 
 def _learns(variable):
