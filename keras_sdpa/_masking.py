@@ -271,7 +271,7 @@ class _Reading(keras.StatelessScope):
 
     def get_current_value(self, variable):
         value = super().get_current_value(variable)
-        if value is None and keras.backend.backend() == "jax":
+        if value is None:  # (`reading` uses this scope on JAX only)
             warnings.warn(
                 f"A score_mod or mask_mod read the variable {variable.path!r}, which it does "
                 "not hold: on JAX its value is fixed when the attention is traced, later "

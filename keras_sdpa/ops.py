@@ -719,8 +719,8 @@ def create_block_mask(mask_mod, B, N, T, S, block_size=None, num_kv_heads=None):
 
 def _block_kinds(tensors, variable_values=(), *, template, B, N, K, T, S, C):
     mask_mod = mods.as_function(mods.join(template, tensors))
-    if variable_values:  # JAX: the variables the mod holds, as this call's values
-        mask_mod = M.reading(mask_mod, tuple(zip(mods.variables_of(template), variable_values)))
+    # JAX: the variables the mod holds, as this call's values (and a warning for others).
+    mask_mod = M.reading(mask_mod, tuple(zip(mods.variables_of(template), variable_values)))
     b_index = M.batch_index(B)
     # T and S as ints: JAX sizes the array of block kinds while tracing.
     return _chunked.kinds_of_blocks(mask_mod, b_index, N, K, T, S, C)

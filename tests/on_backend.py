@@ -90,6 +90,15 @@ def tanh(x):
     return keras.ops.tanh(x)
 
 
+def optimized_hlo(compiled, *args, **kwargs):
+    """The HLO text of a compiled function (`jit`'s, or the core's) for these arguments after
+    XLA's optimizations: `experimental_get_compiler_ir` on TensorFlow, lower and compile on
+    JAX."""
+    if BACKEND == "jax":
+        return compiled.lower(*args, **kwargs).compile().as_text()
+    return compiled.experimental_get_compiler_ir(*args, **kwargs)(stage="optimized_hlo")
+
+
 def float64_context():
     """Where float64 exists: everywhere on TensorFlow, under `jax.enable_x64` on JAX."""
     return jax.enable_x64(True) if BACKEND == "jax" else contextlib.nullcontext()

@@ -9,13 +9,12 @@ import keras
 import numpy as np
 import pytest
 from keras import ops
-from on_backend import BACKEND, gradient_to_variables, numpy, tensor
+from on_backend import BACKEND, gradient_to_variables, numpy, optimized_hlo, tensor
 from test_ops import (
     MASKS,
     assert_gradients_match_finite_differences,
     core_kwargs,
     make_mask,
-    optimized_hlo,
     outputs_and_gradients,
     reference,
 )
@@ -135,11 +134,12 @@ def test_chunked_gradients_match_finite_differences(is_causal):
 def test_chunked_path_is_one_xla_program_with_loops():
     q, k, v = inputs(11, 11)
     kwargs = core_kwargs(num_heads=N, num_kv_heads=N, is_causal=True, chunk_size=CHUNK)
+    core = ops_module._attention_xla
     hlo = optimized_hlo(
-        q, k, v, None, None, None, (), (), None, (), **{**kwargs, "path": "chunked"}
+        core, q, k, v, None, None, None, (), (), None, (), **{**kwargs, "path": "chunked"}
     )
     assert "while" in hlo and " dot(" in hlo and "exponential(" in hlo
-    dense = optimized_hlo(q, k, v, None, None, None, (), (), None, (), **kwargs)
+    dense = optimized_hlo(core, q, k, v, None, None, None, (), (), None, (), **kwargs)
     assert "while" not in dense
 
 

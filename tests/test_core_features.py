@@ -12,7 +12,7 @@ import hypothesis.strategies as st
 import numpy as np
 import pytest
 from keras import ops
-from on_backend import BACKEND, gradients, jit, numpy, tanh, tensor
+from on_backend import gradients, jit, numpy, optimized_hlo, tanh, tensor
 from test_ops import assert_gradients_match_finite_differences
 
 from keras_sdpa import _chunked
@@ -212,22 +212,15 @@ def test_soft_cap_bounds_the_logits():
     assert float(ops.max(ratio)) <= np.exp(2.0) + 1e-9
 
 
-def optimized_hlo(fn, *args):
-    """The optimized HLO text of `fn(*args)` compiled as a user compiles it (`jit`)."""
-    if BACKEND == "jax":
-        return jit(fn).lower(*args).compile().as_text()
-    return jit(fn).experimental_get_compiler_ir(*args)(stage="optimized_hlo")
-
-
 @pytest.mark.default_cases("chunked")
 @pytest.mark.parametrize("path", PATHS)
 def test_grouped_keys_are_not_repeated_in_memory(path):
     """The compiled program never materializes N-head keys: no tensor has N * S * H keys."""
     q, k, v = inputs(k=1, t=64, s=80, dtype="float32")
-    hlo = optimized_hlo(
-        lambda q, k, v: scaled_dot_product_attention(q, k, v, implementation=path, chunk_size=32),
-        q, k, v,
-    )  # fmt: skip
+    attention = jit(
+        lambda q, k, v: scaled_dot_product_attention(q, k, v, implementation=path, chunk_size=32)
+    )
+    hlo = optimized_hlo(attention, q, k, v)
     repeated = f"f32[{B},{N},80,{H}]"  # keys broadcast to N heads, in the core's layout
     assert repeated not in hlo
     assert f"f32[{B},1,80,{H}]" in hlo or f"f32[{B},80,1,{H}]" in hlo

@@ -522,3 +522,20 @@ def test_a_cached_step_reads_a_learned_tables_new_weights():
         out, _ = layer(x[:, 5:6], x[:, 5:6], cache=filled, cache_update_index=positions,
                        use_causal_mask=True)  # fmt: skip
         np.testing.assert_allclose(ops.convert_to_numpy(out)[:, 0], full[:, 5], atol=1e-5)
+
+
+def test_a_mask_mod_reading_a_variable_it_does_not_hold_warns_on_jax():
+    """On JAX such a variable is a constant of the trace: `create_block_mask` and the core
+    warn, naming it; on TensorFlow it is read by reference, and nothing warns."""
+    import warnings
+
+    limit = keras.Variable(3, dtype="int32", name="limit")
+    near = lambda b, h, q_idx, kv_idx: kv_idx < limit  # noqa: E731
+    q = random((B, T, N, H), 31)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        create_block_mask(near, B, N, T, T, block_size=4)
+        scaled_dot_product_attention(q, q, q, mask_mod=near)
+    named = [w for w in caught if "read the variable 'limit'" in str(w.message)]
+    assert len(named) >= (2 if BACKEND == "jax" else 0)
+    assert BACKEND == "jax" or not named

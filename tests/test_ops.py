@@ -8,7 +8,7 @@ import keras
 import numpy as np
 import pytest
 from keras import ops
-from on_backend import BACKEND, gradients, numpy, tensor
+from on_backend import BACKEND, gradients, numpy, optimized_hlo, tensor
 
 from keras_sdpa import ops as ops_module
 from keras_sdpa.ops import scaled_dot_product_attention
@@ -165,18 +165,10 @@ def test_xla_matches_eager(mask_kind):
         np.testing.assert_allclose(numpy(a), numpy(b), atol=1e-6)
 
 
-def optimized_hlo(*args, **kwargs):
-    """The HLO text of `_attention_xla` for these arguments after XLA's optimizations: on
-    TensorFlow by `experimental_get_compiler_ir`, on JAX by `jax.jit`'s lower and compile."""
-    if BACKEND == "jax":
-        return ops_module._attention_xla.lower(*args, **kwargs).compile().as_text()
-    compiler_ir = ops_module._attention_xla.experimental_get_compiler_ir(*args, **kwargs)
-    return compiler_ir(stage="optimized_hlo")
-
-
 def test_core_is_compiled_by_xla():
     q, k, v = random_inputs()
-    hlo = optimized_hlo(q, k, v, None, None, None, (), (), None, (), **core_kwargs(path="dense"))
+    core, kwargs = ops_module._attention_xla, core_kwargs(path="dense")
+    hlo = optimized_hlo(core, q, k, v, None, None, None, (), (), None, (), **kwargs)
     # The whole computation is one XLA module: the two matmuls, the exp of the softmax.
     assert "HloModule" in hlo
     assert hlo.count(" dot(") >= 2
