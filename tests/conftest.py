@@ -142,8 +142,6 @@ def pytest_itemcollected(item):
             return
 
 
-# Long single tests that do not wait for the tiny run: they start while it trains.
-EARLY = ("test_resume_after_an_interrupt_at_step_2_gives_the_uninterrupted_weights",)
 # Tests that reach the tiny run by `request.getfixturevalue` (it is not in their fixturenames).
 LATE = (
     "test_length_buckets_give_the_full_length_result", "test_saved_model_holds_each_graph_once",
@@ -213,8 +211,6 @@ def pytest_collection_modifyitems(config, items):
         group = (mark.args[0] if mark.args else mark.kwargs.get("name")) if mark else None
         if group in GROUPS_SLOWEST_FIRST[:2]:  # test_app's group trains the tiny run
             return GROUPS_SLOWEST_FIRST.index(group)
-        if item.originalname in EARLY:  # beside the tiny run's training, on the other worker
-            return 1.5
         if "tiny_run" in getattr(item, "fixturenames", ()) or item.originalname in LATE:
             # Last: by then the tiny run is trained, and no worker waits on its lock.
             return len(GROUPS_SLOWEST_FIRST) + 2

@@ -382,6 +382,7 @@ print("ok")
 """
 
 
+@pytest.mark.large  # the default tier's JAX run of test_on_both_backends caches per row too
 def test_the_cache_writes_and_positions_on_jax():
     """On Keras's JAX backend, inside `jax.jit`: each row's new keys and values land at its own
     index (JAX's scatter reads `(M, 3)` indices), a concrete index past the end is refused, and

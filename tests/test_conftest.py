@@ -116,16 +116,17 @@ def test_two_tiers_split_a_grid_and_skip_large_tests_unless_asked(tmp_path):
 @pytest.mark.large  # the core's default cases again, compiled as a user's programs are
 def test_the_core_is_right_under_xlas_default_flags(tmp_path):
     """The tiers compile with flags that compile faster (`pytest_configure`); a user's
-    programs compile with XLA's defaults (no `XLA_FLAGS`). The default-tier cases of the core,
-    the mods and the cache (every path, mask kind, dtype and mod, gradients, dropout, cached
-    decoding) pass under those too, in a session with an XLA cache of its own: TensorFlow's
-    persistent cache does not key its programs by the flags."""
+    programs compile with XLA's defaults (no `XLA_FLAGS`). The default-tier cases of the core's
+    three paths (dense, chunked and decode: every mask kind, causal, window, bias, soft cap,
+    dtype, gradients and dropout) pass under those too, in a session with an XLA cache of its
+    own: TensorFlow's persistent cache does not key its programs by the flags. The mods and
+    the cache build on these paths; their files (105 s and 43 s more of one worker here) run
+    at the tiers' flags only."""
     env = {name: value for name, value in os.environ.items()
            if name not in ("PYTEST_ADDOPTS", "KERAS_SDPA_DESELECT")}  # fmt: skip
     env.update(XLA_FLAGS="", TF_XLA_FLAGS="", KERAS_SDPA_TEST_XLA_CACHE=str(tmp_path / "xla"))
     (tmp_path / "xla").mkdir()
-    files = ["tests/test_ops.py", "tests/test_chunked.py", "tests/test_decode.py",
-             "tests/test_mods.py", "tests/test_cache.py"]  # fmt: skip
+    files = ["tests/test_ops.py", "tests/test_chunked.py", "tests/test_decode.py"]
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:xdist", "-o",
          "addopts=", "-q", *files],
@@ -133,6 +134,6 @@ def test_the_core_is_right_under_xlas_default_flags(tmp_path):
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     passed = re.search(r"(\d+) passed", result.stdout)
-    assert passed and int(passed.group(1)) >= 200, result.stdout[-2000:]
+    assert passed and int(passed.group(1)) >= 130, result.stdout[-2000:]
     assert "failed" not in result.stdout
     assert list((tmp_path / "xla").rglob("*.pb")), "nothing compiled into the session's own cache"

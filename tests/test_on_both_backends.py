@@ -26,6 +26,12 @@ from keras_sdpa import ops as ops_module
 if BACKEND == "jax":
     import jax
 
+# The default tier runs this file on JAX (tests/test_jax_backend.py). On TensorFlow its checks
+# repeat the library's own test files, which the default tier runs there, so this file's
+# TensorFlow run is in the large tier.
+if BACKEND == "tensorflow":
+    pytestmark = pytest.mark.large
+
 # Pairwise-distinct sizes, so that a swapped axis cannot pass.
 B, T, S, N, K, H, HV = 2, 5, 7, 4, 2, 8, 6
 

@@ -232,14 +232,17 @@ class TokenAndPositionEmbedding(keras.layers.Layer):
         keys = tf.data.Dataset.from_tensor_slices(ids).batch(batch_size)
         self.bigram_lookup.adapt(keys.map(lambda batch: bigram_keys(batch, self.vocab_size)))
 
-    @property
-    def bigrams(self):
-        """The pair vocabulary as `(previous, word)` id pairs, most frequent first."""
+    def get_bigrams(self):
+        """The pair vocabulary as `(previous, word)` id pairs, most frequent first.
+
+        A method, as `StringLookup.get_vocabulary` is: Keras's saving reads every attribute
+        of a layer and walks the lists it finds, so a property would be rebuilt and walked at
+        every save and load."""
         keys = self.bigram_lookup.get_vocabulary(include_special_tokens=False)
         return [divmod(int(key), self.vocab_size) for key in keys]
 
     def set_bigrams(self, pairs):
-        """Sets the pair vocabulary from `(previous, word)` id pairs (as `bigrams` gives)."""
+        """Sets the pair vocabulary from `(previous, word)` id pairs (as `get_bigrams` gives)."""
         self.bigram_lookup.set_vocabulary(
             [previous * self.vocab_size + word for previous, word in pairs]
         )
@@ -249,9 +252,9 @@ class TokenAndPositionEmbedding(keras.layers.Layer):
         keys = tf.data.Dataset.from_tensor_slices(ids).batch(batch_size)
         self.trigram_lookup.adapt(keys.map(lambda batch: trigram_keys(batch, self.vocab_size)))
 
-    @property
-    def trigrams(self):
-        """The triple vocabulary as `(second, previous, word)` id triples, most frequent first."""
+    def get_trigrams(self):
+        """The triple vocabulary as `(second, previous, word)` id triples, most frequent first
+        (a method, as `get_bigrams` is)."""
         keys = self.trigram_lookup.get_vocabulary(include_special_tokens=False)
         triples = []
         for key in keys:

@@ -70,7 +70,7 @@ def build_model(config, run, vectorizer, train_ids, train_labels, counted_ids, s
             embedding.set_bigrams(pairs)
         else:
             embedding.adapt_bigrams(counted_ids)
-            pairs = embedding.bigrams
+            pairs = embedding.get_bigrams()
             _write_ngrams(vectorizer, pairs, run.bigrams)
         print(f"{len(pairs)} word pairs have their own embedding")
     if config.trigram_vocab_size:
@@ -79,8 +79,8 @@ def build_model(config, run, vectorizer, train_ids, train_labels, counted_ids, s
             embedding.set_trigrams(data.read_ngrams(vectorizer, run.trigrams))
         else:
             embedding.adapt_trigrams(counted_ids)
-            _write_ngrams(vectorizer, embedding.trigrams, run.trigrams)
-        print(f"{len(embedding.trigrams)} word triples have their own embedding")
+            _write_ngrams(vectorizer, embedding.get_trigrams(), run.trigrams)
+        print(f"{len(embedding.get_trigrams())} word triples have their own embedding")
     if config.naive_bayes_alpha:
         # From the training split's labels only; a resumed run counts the same again (and
         # its restored weights hold the same tables).
