@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from conftest import TINY_RUN
-from keras.src.saving import saving_lib  # private: a spy on what its saving walks
 
 from apps.classifier import data
 from apps.classifier import embedding as embedding_lib
@@ -320,11 +319,13 @@ def test_trigram_embedding_keeps_the_most_frequent_triples_through_save_and_load
     np.testing.assert_array_equal(looked_up, [[0, 0, 3, 1, 1]])  # (2, 3, 4) is 3; rarer: 1
     # Keras's saving walks every list it finds among a layer's attributes: the n-gram
     # vocabularies (400,000 entries in the app's default model) must not be among them.
+    from keras.src.saving import saving_lib  # private: a spy on what its saving walks
+
     walked = []
     walk = saving_lib._save_container_state
 
     def spy(container, *args, **kwargs):
-        walked.append(list(container.values()) if isinstance(container, dict) else container)
+        walked.append(list(container.values() if isinstance(container, dict) else container))
         return walk(container, *args, **kwargs)
 
     monkeypatch.setattr(saving_lib, "_save_container_state", spy)
@@ -385,7 +386,6 @@ def test_saved_model_serves_raw_strings_without_keras_sdpa(run, trained):
     script = f"""
 import json, sys
 import tensorflow as tf
-from keras.src.saving import saving_lib  # private: a spy on what its saving walks
 loaded = tf.saved_model.load({os.path.join(output, "saved_model")!r})
 texts = tf.constant({TEXTS!r} + [b"", b"\\xff\\xfe not utf-8 \\xf0\\x9f\\x98\\x80"])
 served = loaded.signatures["serving_default"](text=texts)
@@ -668,7 +668,7 @@ def test_interrupt_then_resume_loses_nothing(run, tmp_path, capsys):
     assert len(pairs) == 20000 and continued.get_layer("embedding").get_bigrams() == pairs
     triples = uninterrupted.get_layer("embedding").get_trigrams()
     assert len(triples) == 5000 and continued.get_layer("embedding").get_trigrams() == triples
-    for a, b in zip(uninterrupted.get_weights(), continued.get_weights()):
+    for a, b in zip(uninterrupted.get_weights(), continued.get_weights(), strict=True):
         np.testing.assert_allclose(a, b, atol=1e-5)
     np.testing.assert_allclose(
         [row["val_loss"] for row in metrics["history"]],

@@ -116,12 +116,14 @@ def test_two_tiers_split_a_grid_and_skip_large_tests_unless_asked(tmp_path):
 @pytest.mark.large  # the core's default cases again, compiled as a user's programs are
 def test_the_core_is_right_under_xlas_default_flags(tmp_path):
     """The tiers compile with flags that compile faster (`pytest_configure`); a user's
-    programs compile with XLA's defaults (no `XLA_FLAGS`). The default-tier cases of the core's
-    three paths (dense, chunked and decode: every mask kind, causal, window, bias, soft cap,
-    dtype, gradients and dropout) pass under those too, in a session with an XLA cache of its
-    own: TensorFlow's persistent cache does not key its programs by the flags. The mods and
-    the cache build on these paths; their files (105 s and 43 s more of one worker here) run
-    at the tiers' flags only."""
+    programs compile with XLA's defaults (no `XLA_FLAGS`). The default-tier cases of the files
+    of the core's three paths (`test_ops`: the dense path, every mask kind, causal, dtype,
+    gradients and dropout; `test_chunked`: the chunked path against the dense one and NumPy;
+    `test_decode`) pass under those too, in a session with an XLA cache of its own:
+    TensorFlow's persistent cache does not key its programs by the flags. The files of the
+    features built on these paths (`test_core_features`, `test_mods`, `test_cache`; the mods'
+    and the cache's took 105 s and 43 s more of one worker here) run at the tiers' flags
+    only."""
     env = {name: value for name, value in os.environ.items()
            if name not in ("PYTEST_ADDOPTS", "KERAS_SDPA_DESELECT")}  # fmt: skip
     env.update(XLA_FLAGS="", TF_XLA_FLAGS="", KERAS_SDPA_TEST_XLA_CACHE=str(tmp_path / "xla"))

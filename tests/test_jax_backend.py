@@ -1,8 +1,8 @@
 """The library on Keras's JAX backend, from this TensorFlow session.
 
 Keras picks its backend once per process, so these tests start processes with
-`KERAS_BACKEND=jax`: one runs the backend-neutral test files again (the same tests the
-session runs on TensorFlow), one proves that the library needs no TensorFlow there.
+`KERAS_BACKEND=jax`: some run the backend-neutral test files there (the same files the
+TensorFlow sessions run), one proves that the library needs no TensorFlow there.
 """
 
 import os

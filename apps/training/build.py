@@ -76,11 +76,13 @@ def build_model(config, run, vectorizer, train_ids, train_labels, counted_ids, s
     if config.trigram_vocab_size:
         embedding = model.get_layer("embedding")
         if run.resuming and os.path.exists(run.trigrams):
-            embedding.set_trigrams(data.read_ngrams(vectorizer, run.trigrams))
+            triples = data.read_ngrams(vectorizer, run.trigrams)
+            embedding.set_trigrams(triples)
         else:
             embedding.adapt_trigrams(counted_ids)
-            _write_ngrams(vectorizer, embedding.get_trigrams(), run.trigrams)
-        print(f"{len(embedding.get_trigrams())} word triples have their own embedding")
+            triples = embedding.get_trigrams()
+            _write_ngrams(vectorizer, triples, run.trigrams)
+        print(f"{len(triples)} word triples have their own embedding")
     if config.naive_bayes_alpha:
         # From the training split's labels only; a resumed run counts the same again (and
         # its restored weights hold the same tables).
