@@ -160,7 +160,7 @@ print("saved on jax: ok")
 """
 
 
-@pytest.mark.large  # two more JAX processes; the default tier's round trip is on each backend
+@pytest.mark.large  # two JAX processes; the default tier round-trips `.keras` on each backend
 def test_keras_files_load_across_backends(tmp_path):
     """A `.keras` file saved here (TensorFlow) loads on JAX with the same outputs, and one
     saved on JAX loads here with its outputs."""

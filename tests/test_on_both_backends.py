@@ -2,10 +2,9 @@
 
 `tests/test_jax_backend.py` runs this file in a process on JAX (`KERAS_BACKEND=jax`, the
 default tier), and the large tier runs it on TensorFlow too, so every check here holds on
-both backends. References
-are independent of the core: NumPy in float64 for values, and for gradients the backend's own
-autodiff (`jax.grad` on JAX, a `tf.GradientTape` on TensorFlow) of a plain float64 softmax
-attention written here on `keras.ops`.
+both backends. References are independent of the core: NumPy in float64 for values, and for
+gradients the backend's own autodiff (`jax.grad` on JAX, a `tf.GradientTape` on TensorFlow)
+of a plain float64 softmax attention written here on `keras.ops`.
 """
 
 import os
