@@ -46,24 +46,28 @@ def check(cache, index, query, value_mask, key_mask, kv_heads, key_dim, value_di
     return cache
 
 
-def update(cache, index, query, new_keys_and_values):
+def update(cache, index, key, new_keys_and_values):
     """The keys and values to attend to, each `(B, S, K, H)`, the queries' offsets `(B,)`
     and the cache after the write.
 
     Without `index` the cache is read as it is, and the queries start at 0. With it,
-    `new_keys_and_values()` (called only then) gives `(B, t, K, H)` keys and values, which
-    are written at `index` (an int for every row, or a `(B,)` tensor, one per row).
+    `new_keys_and_values()` (called only then) gives the `(B, t, K, H)` keys and values of
+    the key input `key` `(B, t, E)`, which are written at `index` (an int for every row, or
+    a `(B,)` tensor, one per row): the room is checked for their `t` positions, as
+    keras-hub writes them (a cross-attention cache is filled with all the encoder's keys at
+    once, whatever the decoder's length).
     """
-    offset = keras.ops.zeros(keras.ops.shape(query)[:1], "int32")  # (B,): where queries start
+    offset = keras.ops.zeros(keras.ops.shape(key)[:1], "int32")  # (B,): where queries start
     if index is not None:
-        offset = check_index(index, query, cache.shape[2])
+        offset = check_index(index, key, cache.shape[2])
         new_keys, new_values = (keras.ops.cast(x, cache.dtype) for x in new_keys_and_values())
         cache = write_rows(cache, keras.ops.stack([new_keys, new_values], axis=1), offset)
     return cache[:, 0], cache[:, 1], offset, cache
 
 
-def check_index(index, query, size):
-    """`cache_update_index` as a `(B,)` int32 tensor for `query` `(B, T, E)`, checked where its
+def check_index(index, new, size):
+    """`cache_update_index` as a `(B,)` int32 tensor for the new positions `new` `(B, t, E)`
+    (the key input), checked where its
     value is known: while tracing when it is static (an int, an eager tensor, a constant of the
     graph), else when the graph runs."""
     # An int, a NumPy value or a list of ints is known here; inside `jax.jit` its tensor
@@ -80,7 +84,7 @@ def check_index(index, query, size):
             "`cache_update_index` must be an int, or an integer scalar or (B,) tensor. "
             f"Received: cache_update_index with shape {tuple(index.shape)} and dtype {dtype}"
         )
-    rows, length = query.shape[0], query.shape[1]
+    rows, length = new.shape[0], new.shape[1]
     if len(index.shape) == 1 and None not in (rows, index.shape[0]) and index.shape[0] != rows:
         raise ValueError(
             f"`cache_update_index` must have one position per row of the batch ({rows}). "
@@ -106,10 +110,10 @@ def check_index(index, query, size):
         # Otherwise the values are known only when the program runs: a TensorFlow graph
         # raises there, while inside an XLA program (where asserts are dropped, and under
         # JAX's jit) a write past the end is lost.
-        last = size - keras.ops.shape(query)[1]
+        last = size - keras.ops.shape(new)[1]
         index = shims.checked_in_range(index, last, f"`cache_update_index` {room}")
     if len(index.shape) == 0:
-        index = keras.ops.broadcast_to(index, keras.ops.shape(query)[:1])  # (B,)
+        index = keras.ops.broadcast_to(index, keras.ops.shape(new)[:1])  # (B,)
     return index
 
 

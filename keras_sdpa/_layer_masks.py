@@ -48,6 +48,55 @@ def zero_rows(out, weights, query_mask):
     return out, weights
 
 
+def empty_rows(mask, query_mask, t, s, causal=False, window=None):
+    """`(B, 1|N, T|1)`: True where a query row may attend to no key, or None where none can.
+
+    `mask` is the keys' side (None, `(B, T|1, S)` or `(B, N, T|1, S)`), `query_mask` `(B, T)`
+    the rows left out, `causal` MultiHeadAttention's top-left causal mask and `window` its
+    band `|t - s| < W`. A padding of the keys alone under the causal mask is read as a
+    running count, `(B, S)`, not as the `(B, T, S)` mask it stands for.
+    """
+    may = None  # (B, 1|N, T|1): whether the row may attend to some key
+    if mask is not None:
+        mask = as_bool(mask)
+        mask = mask[:, None] if len(mask.shape) == 3 else mask  # (B, 1|N, T|1, S)
+        if window is not None or (causal and mask.shape[2] != 1):
+            may = keras.ops.any(keras.ops.logical_and(mask, _band(t, s, causal, window)), -1)
+        elif causal:  # row t sees keys 0..t: whether one of them is kept
+            kept = keras.ops.cumsum(keras.ops.cast(mask[:, :, 0], "int32"), axis=-1) > 0
+            rows = keras.ops.minimum(keras.ops.arange(t), s - 1)  # (T,)
+            may = keras.ops.take(kept, rows, axis=-1)  # (B, 1|N, T)
+        else:
+            may = keras.ops.any(mask, -1)
+    elif window is not None:
+        may = keras.ops.any(_band(t, s, causal, window), -1)[None, None]  # (1, 1, T)
+    if query_mask is not None:
+        rows = as_bool(query_mask)[:, None, :]  # (B, 1, T)
+        may = rows if may is None else keras.ops.logical_and(may, rows)
+    return None if may is None else keras.ops.logical_not(may)
+
+
+def _band(t, s, causal, window):
+    """`(T, S)`: MultiHeadAttention's causal mask and sliding window, True where allowed."""
+    rows, columns = keras.ops.arange(t)[:, None], keras.ops.arange(s)[None, :]
+    band = keras.ops.ones((t, s), "bool")
+    if causal:
+        band = keras.ops.logical_and(band, rows >= columns)
+    if window is not None:
+        band = keras.ops.logical_and(band, keras.ops.abs(rows - columns) < window)
+    return band
+
+
+def uniform_rows(out, empty, mean_values):
+    """The attention output `(B, T, N, Hv)` with the rows `empty` marks `(B, 1|N, T|1)`
+    replaced by the mean of the values `(B, 1, K, Hv)`: what uniform weights give."""
+    heads, kv_heads = out.shape[2], mean_values.shape[2]
+    if kv_heads != heads:  # query head n reads key/value head n // (N / K)
+        mean_values = keras.ops.repeat(mean_values, heads // kv_heads, axis=2)
+    empty = keras.ops.transpose(empty, (0, 2, 1))[..., None]  # (B, T|1, 1|N, 1)
+    return keras.ops.where(empty, keras.ops.cast(mean_values, out.dtype), out)
+
+
 def combine_masks(query_mask, value_mask, key_mask, attention_mask, rank):
     """The boolean mask of `keras.layers.MultiHeadAttention`, in its layout, or None."""
     mask = None

@@ -4,7 +4,17 @@ import string
 
 import keras
 
-from keras_sdpa import _arguments, _backend, _cache, _folded, _layer_masks, _rank_n, mods, ops
+from keras_sdpa import (
+    _arguments,
+    _backend,
+    _cache,
+    _folded,
+    _layer_masks,
+    _rank_n,
+    _stand_in,
+    mods,
+    ops,
+)
 
 
 @keras.saving.register_keras_serializable(package="keras_sdpa")
@@ -94,6 +104,15 @@ class ScaledDotProductAttention(keras.layers.Layer):
             Built-ins and functions registered with
             `keras.saving.register_keras_serializable` round-trip through `get_config`
             and `.keras` files; an unregistered function cannot be saved.
+        replaces: None, or the name of the class this layer stands in for
+            (`"MultiHeadAttention"`, `"GroupedQueryAttention"`,
+            `"CachedMultiHeadAttention"`), as `replace_attention` and `sdpa_scope` set
+            it. The layer then takes that class's call arguments only (keras-hub's
+            `CachedMultiHeadAttention` takes no padding masks, so Keras hands it none),
+            and gives a query whose keys are all masked what that class gives: uniform
+            weights, the mean of the values, where Keras runs
+            `keras.ops.dot_product_attention` (no dropout, no returned scores, rank-3
+            inputs), zeros elsewhere.
 
     Call arguments:
         query: `(B, *dims_q, E_q)` query input; rank 3 is `(B, T, E_q)`.
@@ -171,6 +190,7 @@ class ScaledDotProductAttention(keras.layers.Layer):
         attn_logits_soft_cap=None,
         score_mod=None,
         mask_mod=None,
+        replaces=None,
         **kwargs,
     ):
         # As in MultiHeadAttention, the activity regularizer applies to every projection's
@@ -178,6 +198,11 @@ class ScaledDotProductAttention(keras.layers.Layer):
         super().__init__(**kwargs)
         self._activity_regularizer = keras.regularizers.get(activity_regularizer)
         _backend.check()
+        _stand_in.check(replaces)
+        self.replaces = replaces
+        if replaces is not None:
+            self._call_signature = _stand_in.call_signature(self.call, replaces)
+            self.call_signature_parameters = list(self._call_signature.parameters)
         self.output_shape, attention_axes, scale = _arguments.check(
             num_heads, key_dim, value_dim, num_key_value_heads, dropout, output_shape,
             attention_axes, sliding_window, flash_attention, implementation, chunk_size, scale,
@@ -370,6 +395,9 @@ class ScaledDotProductAttention(keras.layers.Layer):
                     use_causal_mask, attention_bias,
                 )  # fmt: skip
                 out, weights = _layer_masks.zero_rows(out, weights, rows)
+                out = self._stand_in_rows(
+                    out, value, mask, rows, return_attention_scores, use_causal_mask
+                )
                 return self._finish(query, out, weights, gate, return_attention_scores)
             q = self._query_dense(query)  # (B, *dims_q, N, H)
             k = self._key_dense(key)  # (B, *dims_v, K, H)
@@ -387,6 +415,9 @@ class ScaledDotProductAttention(keras.layers.Layer):
                 mask_mod=mask_mod,
             )
             out, weights = _layer_masks.zero_rows(out, weights, rows)
+            out = self._stand_in_rows(
+                out, value, mask, rows, return_attention_scores, use_causal_mask
+            )
         else:
             # A subclass that overrides MultiHeadAttention's `_compute_attention`
             # gets MHA's contract: the causal mask folded into `attention_mask`.
@@ -436,7 +467,7 @@ class ScaledDotProductAttention(keras.layers.Layer):
         )  # fmt: skip
         q = self._query_dense(query)  # (B, T, N, H)
         keys, values, offset, cache = _cache.update(  # (B, S, K, H) twice, (B,), the cache
-            cache, index, query, lambda: (self._key_dense(key), self._value_dense(value))
+            cache, index, key, lambda: (self._key_dense(key), self._value_dense(value))
         )
         # The core sees the score mod only inside the positioned wrapper, whose head count it
         # cannot read: checked here, for a score mod set after the layer was made too.
@@ -475,11 +506,31 @@ class ScaledDotProductAttention(keras.layers.Layer):
         )
         out, weights = result if return_attention_scores else (result, None)
         out, weights = _layer_masks.zero_rows(out, weights, query_mask)
+        if mask is not None and _stand_in.uniform_rows(
+            self.replaces, self.dropout, return_attention_scores, 3
+        ):
+            empty = _layer_masks.empty_rows(mask, None, None, None)
+            mean_values = keras.ops.mean(values, axis=1, keepdims=True)  # (B, 1, K, H)
+            out = _layer_masks.uniform_rows(out, empty, mean_values)
         gate = self._gate_dense(query) if self.use_gate else None
         out = self._finish(query, out, weights, gate, return_attention_scores)
         if return_attention_scores:
             return out[0], out[1], cache
         return out, cache
+
+    def _stand_in_rows(self, out, value, mask, rows, return_attention_scores, causal):
+        """`out` `(B, T, N, Hv)` with the rows whose keys are all masked given what the class
+        this layer replaces gives them (`keras_sdpa._stand_in.uniform_rows`)."""
+        rank = len(value.shape)
+        if not _stand_in.uniform_rows(self.replaces, self.dropout, return_attention_scores, rank):
+            return out
+        t, s = keras.ops.shape(out)[1], keras.ops.shape(value)[1]
+        empty = _layer_masks.empty_rows(mask, rows, t, s, causal, self.sliding_window)
+        if empty is None:
+            return out
+        # The mean of the projected values is the projection of the inputs' mean.
+        mean_values = self._value_dense(keras.ops.mean(value, axis=1, keepdims=True))
+        return _layer_masks.uniform_rows(out, empty, mean_values)  # (B, T, N, Hv)
 
     def _finish(self, query, out, weights, gate, return_attention_scores):
         """The gate and `W_O` on the heads' outputs `(B, *dims_q, N, Hv)`."""
@@ -696,6 +747,7 @@ class ScaledDotProductAttention(keras.layers.Layer):
                 "attn_logits_soft_cap": self.attn_logits_soft_cap,
                 "score_mod": _arguments.serialize_mod("score_mod", self.score_mod),
                 "mask_mod": _arguments.serialize_mod("mask_mod", self.mask_mod),
+                "replaces": self.replaces,
             }
         )
         return config

@@ -16,13 +16,18 @@ classes (Gemma, Llama) are left as they are, and the report names them.
 
 import contextlib
 import dataclasses
+import functools
 import inspect
-import sys
+import json
+import warnings
 
 import keras
-from keras.src.ops.node import KerasHistory
 
+from keras_sdpa import _references, _scope
 from keras_sdpa.layer import ScaledDotProductAttention
+
+# The classes as Keras defines them, read before any scope patches their public names.
+_KERAS_CLASSES = (keras.layers.MultiHeadAttention, keras.layers.GroupQueryAttention)
 
 
 def _cached_attention_class():
@@ -38,31 +43,18 @@ def _cached_attention_class():
 
 def _swappable():
     """The classes swapped: exactly these, never their subclasses."""
-    classes = [keras.layers.MultiHeadAttention, keras.layers.GroupQueryAttention]
     cached = _cached_attention_class()
-    return tuple(classes + ([cached] if cached is not None else []))
-
-
-def _options(layer_class, args, kwargs):
-    """The keyword arguments of `layer_class(*args, **kwargs)`, in this layer's names."""
-    bound = inspect.signature(layer_class.__init__).bind(None, *args, **kwargs).arguments
-    bound.pop("self", None)
-    bound.setdefault("output_projection", True)  # Keras's layers always apply `W_O`
-    bound.update(bound.pop("kwargs", {}))
-    if "head_dim" in bound:  # GroupQueryAttention's names
-        bound["key_dim"] = bound.pop("head_dim")
-    if "num_query_heads" in bound:
-        bound["num_heads"] = bound.pop("num_query_heads")
-    return bound
+    return _KERAS_CLASSES + ((cached,) if cached is not None else ())
 
 
 def _config(layer):
     """`layer.get_config()` in this layer's argument names (with `W_O`, which Keras's layers
-    always apply, also to one head)."""
+    always apply, also to one head), standing in for `layer`'s class."""
     config = {**layer.get_config(), "output_projection": True}
-    if isinstance(layer, keras.layers.GroupQueryAttention):
+    if isinstance(layer, _KERAS_CLASSES[1]):  # GroupQueryAttention's names
         config["key_dim"] = config.pop("head_dim")
         config["num_heads"] = config.pop("num_query_heads")
+    config["replaces"] = type(layer).__name__
     return config
 
 
@@ -72,12 +64,12 @@ def _check_options(flash_attention, layer_options):
             f"`flash_attention` must be None, True or False. Received: "
             f"flash_attention={flash_attention!r}"
         )
-    known = inspect.signature(ScaledDotProductAttention.__init__).parameters
-    unknown = sorted(set(layer_options) - set(known))
+    known = set(inspect.signature(ScaledDotProductAttention.__init__).parameters)
+    unknown = sorted(set(layer_options) - (known - {"replaces"}))
     if unknown:
         raise ValueError(
-            f"Unknown `ScaledDotProductAttention` arguments: {unknown}. "
-            f"Received: {sorted(layer_options)}"
+            f"Unknown `ScaledDotProductAttention` arguments: {unknown} (`replaces` is the "
+            f"swap's to set). Received: {sorted(layer_options)}"
         )
 
 
@@ -93,16 +85,29 @@ class AttentionReport:
     """What `replace_attention` did.
 
     Attributes:
-        swapped: `(path, class name)` of each layer put in this layer's place.
+        swapped: `(path, class name)` of each layer put in this layer's place: every one is
+            held, and called, where the old one was.
         left: `(path, class name, reason)` of each attention layer left as it was.
+        shared: `(holder name, path)` of each layer outside `model` that held a swapped
+            layer too (another model built on the same layers), and now holds the new one.
+        reset: names of the models and layers around `model` (a task around a backbone)
+            whose compiled functions (`predict_function`, `generate_function`, ...) were
+            traced with the old layers and are traced again on their next call.
     """
 
     swapped: list = dataclasses.field(default_factory=list)
     left: list = dataclasses.field(default_factory=list)
+    shared: list = dataclasses.field(default_factory=list)
+    reset: list = dataclasses.field(default_factory=list)
 
     def __str__(self):
         lines = [f"Swapped {len(self.swapped)} attention layer(s) for ScaledDotProductAttention"]
         lines += [f"  {path} ({name})" for path, name in self.swapped]
+        if self.shared:
+            lines.append(f"Also swapped where {len(self.shared)} other layer(s) held them:")
+            lines += [f"  {holder}: {path}" for holder, path in self.shared]
+        if self.reset:
+            lines.append(f"Compiled functions reset around it: {', '.join(self.reset)}")
         if self.left:
             lines.append(f"Left {len(self.left)} as they are:")
             lines += [f"  {path} ({name}): {reason}" for path, name, reason in self.left]
@@ -115,17 +120,22 @@ def _is_attention(layer):
     )
 
 
+def _why_kept(layer_class, config):
+    """Why a layer of `layer_class` with `config` is not swapped although its class is, or
+    None."""
+    cached = layer_class is _cached_attention_class()
+    if cached and (config.get("use_gate") or config.get("sliding_window")):
+        return (
+            "keras-hub's cached call ignores its `use_gate` and `sliding_window`, which "
+            "this layer would apply"
+        )
+    return None
+
+
 def _why_left(layer, swappable):
     """Why `layer` stays as it is, or None: a swappable layer, or no attention at all."""
     if type(layer) in swappable:
-        config = layer.get_config()
-        cached = type(layer) is _cached_attention_class()
-        if cached and (config.get("use_gate") or config.get("sliding_window")):
-            return (
-                "keras-hub's cached call ignores its `use_gate` and `sliding_window`, which "
-                "this layer would apply"
-            )
-        return None
+        return _why_kept(type(layer), layer.get_config())
     for base in type(layer).__mro__:  # the nearest swappable base
         if base in swappable:
             return (
@@ -140,97 +150,51 @@ def _why_left(layer, swappable):
     return None
 
 
+# Sublayers that both classes build, by their attribute names.
+_PROJECTIONS = ("_query_dense", "_key_dense", "_gate_dense", "_value_dense", "_output_dense")
+
+
 def _swap(old, extra):
-    """A `ScaledDotProductAttention` configured as `old`, with `old`'s weights."""
+    """A `ScaledDotProductAttention` configured as `old`, with `old`'s weights, and with the
+    `trainable` of each of its sublayers and variables."""
     new = ScaledDotProductAttention.from_config({**_config(old), **extra})
     new._parent_path = old._parent_path  # its variables' paths are the old ones'
-    if old.built:
-        new.build_from_config(old.get_build_config())
-        want = [tuple(w.shape) for w in old.weights]
-        got = [tuple(w.shape) for w in new.weights]
-        if want != got:
+    if not old.built:
+        return new
+    new.build_from_config(old.get_build_config())
+    want = [tuple(w.shape) for w in old.weights]
+    got = [tuple(w.shape) for w in new.weights]
+    if want != got:
+        raise ValueError(
+            f"Could not swap {old.name!r}: its weights {want} and the new layer's {got} differ"
+        )
+    for name in _PROJECTIONS:
+        before, after = getattr(old, name, None), getattr(new, name, None)
+        if before is None or after is None:
+            continue
+        if before.dtype_policy.name != after.dtype_policy.name:
             raise ValueError(
-                f"Could not swap {old.name!r}: its weights {want} and the new layer's {got} "
-                "differ"
+                f"Could not swap {old.name!r}: its {name[1:]} runs in "
+                f"{before.dtype_policy.name!r}, not in the layer's {after.dtype_policy.name!r}"
             )
-        new.set_weights(old.get_weights())
+        after.trainable = before.trainable
+    new.set_weights(old.get_weights())
+    for before, after in zip(old.weights, new.weights):
+        after.trainable = before.trainable
     return new
 
 
-# Attributes that record layers for Keras's graph and TensorFlow's checkpoints; the setters
-# and `_replace_in_graph` update them.
-_BOOKKEEPING = frozenset(
-    [
-        "_nodes_by_depth", "_operations_by_depth", "_inbound_nodes", "_outbound_nodes",
-        # TensorFlow's Trackable (`setattr` updates them, with the checkpoint's dependencies):
-        "_self_unconditional_checkpoint_dependencies", "_self_unconditional_dependency_names",
-        "_self_unconditional_deferred_dependencies", "_self_name_based_restores",
-        "_self_saveable_object_factories",
-    ]
-)  # fmt: skip
+_COMPILED = ("train_function", "test_function", "predict_function", "generate_function")
 
 
-def _replace_references(parent, old, new):
-    """Points every attribute of `parent` (and list, tuple or dict inside one) that holds
-    `old` at `new`, and keeps Keras's tracking (the order of `parent.weights`) and a
-    functional graph's nodes in place."""
-    tracker = getattr(parent, "_tracker", None)
-    if tracker is not None and tracker.is_in_store("layers", old):
-        tracker.replace_tracked_value("layers", old, new)
-    for name, value in list(vars(parent).items()):
-        if name in _BOOKKEEPING:
-            continue  # TensorFlow's and Keras's own records, which their setters keep
-        if value is old:
-            setattr(parent, name, new)  # the TF backend's checkpoint dependency follows
-        elif isinstance(value, list):  # TensorFlow's ListWrapper too
-            for i, item in enumerate(list(value)):
-                if item is old:
-                    value[i] = new
-        elif isinstance(value, dict):
-            for key, item in list(value.items()):
-                if item is old:
-                    value[key] = new
-        elif isinstance(value, tuple) and any(item is old for item in value):
-            items = [new if item is old else item for item in value]
-            swapped = type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
-            setattr(parent, name, swapped)
-    _replace_in_graph(parent, old, new)
-
-
-def _replace_in_graph(parent, old, new):
-    """In a functional model: the nodes that call `old` call `new`, under `new`'s keys."""
-    by_depth = getattr(parent, "_nodes_by_depth", None)
-    if not by_depth:
-        return
-    found = False
-    for nodes in by_depth.values():
-        for node in nodes:
-            if node.operation is old:
-                node.operation, found = new, True
-    for operations in (getattr(parent, "_operations_by_depth", None) or {}).values():
-        for i, operation in enumerate(operations):
-            if operation is old:
-                operations[i] = new
-    if not found:
-        return
-    new._inbound_nodes = list(old._inbound_nodes)
-    new._outbound_nodes = list(old._outbound_nodes)
-    for index, node in enumerate(new._inbound_nodes):
-        for position, tensor in enumerate(node.outputs):  # what the graph's config reads
-            tensor._keras_history = KerasHistory(new, index, position)
-    keys, prefix = parent._nodes, f"{id(old)}_ib-"
-    for key in [key for key in keys if key.startswith(prefix)]:
-        keys.discard(key)
-        keys.add(f"{id(new)}_ib-{key[len(prefix):]}")
-
-
-def _sublayers(layer):
-    seen, out = set(), []
-    for child in list(getattr(layer, "_layers", [])) + list(getattr(layer, "_operations", [])):
-        if isinstance(child, keras.layers.Layer) and id(child) not in seen:
-            seen.add(id(child))
-            out.append(child)
-    return out
+def _reset_compiled(layer):
+    """Drops the functions Keras and keras-hub traced with the old layers; True if any."""
+    reset = False
+    for name in _COMPILED:
+        if getattr(layer, name, None) is not None:
+            setattr(layer, name, None)
+            reset = True
+    return reset
 
 
 def replace_attention(model, flash_attention=None, **layer_options):
@@ -238,20 +202,28 @@ def replace_attention(model, flash_attention=None, **layer_options):
 
     Every `keras.layers.MultiHeadAttention`, `keras.layers.GroupQueryAttention` and keras-hub
     `CachedMultiHeadAttention` inside `model` (at any depth, in any sublayer's attributes,
-    lists or dicts, or as a node of a functional graph) is replaced by this layer with the
-    same configuration and the same weights, so the model computes what it computed before
-    (to float rounding), through the XLA-compiled core. `model.weights` keeps its count, order,
-    shapes and paths, and TensorFlow checkpoints follow the new layers. A `.weights.h5` file of
-    the stock model loads into the swapped one where the attention is a named attribute (as in
-    keras-hub's blocks); where it sits in a list, a dict or at a functional model's top level,
-    the file names it by its class: load such weights before swapping. A model compiled and
-    trained before the swap needs `compile` again before `fit` (its optimizer holds the old
-    variables).
+    lists, tuples or dicts at any depth, or as a node of a functional graph) is replaced by this
+    layer with the same configuration, the same weights and the same `trainable` for each
+    projection and variable, standing in for its class (`replaces`): it takes that class's
+    call arguments and gives a fully masked query row what that class gives. The model
+    computes what it computed before (to float rounding), through the XLA-compiled core.
+    `model.weights` keeps its count, order, shapes and paths, and TensorFlow checkpoints
+    follow the new layers. A `.weights.h5` file of the stock model loads into the swapped one
+    where the attention is a named attribute (as in keras-hub's blocks); where it sits in a
+    list, a dict or at a functional model's top level, the file names it by its class: load
+    such weights before swapping. A model compiled and trained before the swap needs
+    `compile` again before `fit` (its optimizer holds the old variables).
+
+    A swapped layer that a layer outside `model` holds too (another model built on the same
+    layers) is swapped there as well, so the two stay tied; the compiled functions of
+    `model`, of every model inside it and of every model around it (the task around a
+    backbone) are traced again on their next call. Both are in the report.
 
     Subclasses of those classes and a model's own attention classes are left as they are and
-    named in the report. A model saved after the swap and loaded again is built by its own
-    code: blocks that construct their attention (keras-hub's) construct Keras's again; call
-    `replace_attention` after loading, or build under `sdpa_scope()`.
+    named in the report. A functional graph's config records the new layers, so its `.keras`
+    file loads with them. A model whose own code constructs its attention (keras-hub's
+    blocks) is rebuilt by that code when it loads, with Keras's layers: its `get_config`
+    then warns, and loading it inside `sdpa_scope()` (or swapping again) keeps this layer.
 
     Args:
         model: a Keras layer or model (built or not).
@@ -261,7 +233,7 @@ def replace_attention(model, flash_attention=None, **layer_options):
             (`implementation`, `chunk_size`, `attn_logits_soft_cap`, ...).
 
     Returns:
-        An `AttentionReport`: what was swapped and what was left and why.
+        An `AttentionReport`: what was swapped, where else, and what was left and why.
 
     Example:
 
@@ -286,30 +258,88 @@ def replace_attention(model, flash_attention=None, **layer_options):
         )
     _check_options(flash_attention, layer_options)
     extra = _overrides(flash_attention, layer_options)
-    swappable, report, done, visited = _swappable(), AttentionReport(), {}, set()
+    swappable, report = _swappable(), AttentionReport()
+    found, visited = _find(model, swappable, report)
+    swapped = {}  # id(old): (old, new, path)
+    for parent, old, path in found:
+        if id(old) not in swapped:
+            swapped[id(old)] = (old, _swap(old, extra), path)
+            report.swapped.append((path, type(old).__name__))
+        _references.replace(parent, old, swapped[id(old)][1], path)
+    for layer in visited.values():
+        _reset_compiled(layer)  # `model` and every layer inside it
+    holders = _tie_holders(swapped, visited, report)
+    around = _references.enclosing([model, *holders], visited)
+    report.reset = [layer.name for layer in holders + around if _reset_compiled(layer)]
+    if swapped:
+        _warn_on_config(model, len(swapped))
+    return report
+
+
+def _find(model, swappable, report):
+    """Walks `model`: the `(parent, layer, path)` of each layer to swap, and every layer
+    walked by id. Fills `report.left`."""
+    found, visited = [], {}
 
     def visit(parent, path):
         if id(parent) in visited:
             return
-        visited.add(id(parent))
-        for name in ("train_function", "test_function", "predict_function", "generate_function"):
-            if getattr(parent, name, None) is not None:
-                setattr(parent, name, None)  # traced with the old layers
-        for child in _sublayers(parent):
+        visited[id(parent)] = parent
+        for child in _references.sublayers(parent):
             where = f"{path}/{child.name}"
             why = _why_left(child, swappable)
             if type(child) in swappable and why is None:
-                if id(child) not in done:
-                    done[id(child)] = _swap(child, extra)
-                    report.swapped.append((where, type(child).__name__))
-                _replace_references(parent, child, done[id(child)])
+                found.append((parent, child, where))
             elif why is not None and not _sublayers_hold_attention(child, swappable):
                 report.left.append((where, type(child).__name__, why))
             else:
                 visit(child, where)
 
     visit(model, model.name)
-    return report
+    return found, visited
+
+
+def _tie_holders(swapped, visited, report):
+    """Swaps the new layers in where layers outside the walk held the old ones too; returns
+    those layers."""
+    olds = [old for old, _, _ in swapped.values()]
+    exclude = set(visited) | {id(new) for _, new, _ in swapped.values()}
+    out = []
+    for origin, held in _references.holders(olds, exclude).items():
+        old, new, path = swapped[origin]
+        for holder in held:
+            _references.replace(holder, old, new, path)
+            report.shared.append((holder.name, path))
+            out.append(holder)
+    return out
+
+
+def _warn_on_config(model, count):
+    """Makes `model.get_config` warn when its config does not record the swapped layers:
+    a model rebuilt from it (`keras.saving.load_model`, `clone_model`) would hold Keras's
+    attention again."""
+    try:
+        config = json.dumps(keras.saving.serialize_keras_object(model), default=str)
+    except Exception:  # a model Keras cannot serialize has no config to lose the swap in
+        return
+    if config.count('"replaces": "') >= count or hasattr(model, "_sdpa_unrecorded"):
+        return
+    get_config = model.get_config
+
+    @functools.wraps(get_config)
+    def warning_get_config():
+        warnings.warn(
+            f"The config of {model.name!r} does not record the attention layers that "
+            "keras_sdpa.replace_attention swapped in: a model rebuilt from it "
+            "(keras.saving.load_model, keras.models.clone_model) holds Keras's attention "
+            "again. Load it inside `with keras_sdpa.sdpa_scope():`, or call "
+            "`keras_sdpa.replace_attention` on the loaded model.",
+            stacklevel=2,
+        )
+        return get_config()
+
+    object.__setattr__(model, "_sdpa_unrecorded", True)
+    object.__setattr__(model, "get_config", warning_get_config)
 
 
 def _sublayers_hold_attention(layer, swappable):
@@ -317,23 +347,44 @@ def _sublayers_hold_attention(layer, swappable):
     layers inside it, which `replace_attention` then walks into."""
     return any(
         type(child) in swappable or _sublayers_hold_attention(child, swappable)
-        for child in _sublayers(layer)
+        for child in _references.sublayers(layer)
     )
+
+
+def _bind(layer_class, args, kwargs):
+    """The keyword arguments of `layer_class(*args, **kwargs)`, in this layer's names."""
+    bound = inspect.signature(layer_class.__init__).bind(None, *args, **kwargs).arguments
+    bound.pop("self", None)
+    bound.setdefault("output_projection", True)  # Keras's layers always apply `W_O`
+    bound.update(bound.pop("kwargs", {}))
+    if "head_dim" in bound:  # GroupQueryAttention's names
+        bound["key_dim"] = bound.pop("head_dim")
+    if "num_query_heads" in bound:
+        bound["num_heads"] = bound.pop("num_query_heads")
+    return bound
 
 
 @contextlib.contextmanager
 def sdpa_scope(flash_attention=None, **layer_options):
     """Within this scope, constructing `keras.layers.MultiHeadAttention`,
     `keras.layers.GroupQueryAttention` or keras-hub's `CachedMultiHeadAttention` makes a
-    `ScaledDotProductAttention` with the same arguments (and `layer_options`).
+    `ScaledDotProductAttention` standing in for it (`replaces`), with the same arguments
+    (and `layer_options`).
 
     For code that builds models: a keras-hub backbone built inside the scope holds this layer
     in every block that constructs one of those classes by name. What counts is when the
     attention layer is constructed: keras-hub's blocks construct it in `build`, which a
     backbone runs while it is constructed, but a lone block first called after the scope gets
-    Keras's layer (use `replace_attention` then). The names are restored on exit, also on an
-    error. Subclasses defined before the scope (Whisper's attention) are not affected; one
-    defined inside it subclasses the real class.
+    Keras's layer (use `replace_attention` then). Loading a model (`keras.saving.load_model`)
+    inside the scope builds it with this layer too.
+
+    The scope belongs to the thread that opens it: another thread constructing those classes
+    meanwhile gets Keras's, and `isinstance` against their names holds as outside it. Nested
+    scopes merge their options, the inner one's winning. The names are restored when the last
+    open scope of the process closes, also on an error. Subclasses defined before the scope
+    (Whisper's attention) are not affected; one defined inside it subclasses the real class.
+    A keras-hub `CachedMultiHeadAttention` with `use_gate` or `sliding_window` (which its
+    cached call ignores) stays as it is.
 
     Args:
         flash_attention: `True`, `False` or `None` (each layer's own), as in
@@ -349,42 +400,15 @@ def sdpa_scope(flash_attention=None, **layer_options):
     'ScaledDotProductAttention'
     """
     _check_options(flash_attention, layer_options)
-    extra = _overrides(flash_attention, layer_options)
-    replacements = {cls: _constructor(cls, extra) for cls in _swappable()}
+    _scope.enter(_swappable(), _overrides(flash_attention, layer_options), _scope_arguments)
     try:
-        for module in list(sys.modules.values()):
-            name = getattr(module, "__name__", "") or ""
-            if not name.startswith(("keras", "keras_hub", "tf_keras")):
-                continue
-            for attribute, value in list(vars(module).items()):
-                if isinstance(value, type) and value in replacements and value.__module__ != name:
-                    setattr(module, attribute, replacements[value])
         yield
     finally:
-        # Every module, also one imported inside the scope that took a replacement by name.
-        originals = {constructor: cls for cls, constructor in replacements.items()}
-        for module in list(sys.modules.values()):
-            for attribute, value in list(getattr(module, "__dict__", {}).items()):
-                if isinstance(value, type) and value in originals:
-                    setattr(module, attribute, originals[value])
+        _scope.exit()
 
 
-def _constructor(layer_class, extra):
-    """A class that, constructed with `layer_class`'s arguments, is a
-    `ScaledDotProductAttention` (its instances are of exactly that class, so they
-    serialize and load as it)."""
-
-    class Constructed(ScaledDotProductAttention):
-        def __init__(self, *args, **kwargs):
-            super().__init__(**{**_options(layer_class, args, kwargs), **extra})
-            self.__class__ = ScaledDotProductAttention
-
-        def __init_subclass__(cls, **kwargs):
-            # A class defined inside the scope on a patched name (a module imported there)
-            # subclasses the real `layer_class`, as it would outside the scope.
-            super().__init_subclass__(**kwargs)
-            cls.__bases__ = tuple(layer_class if base is Constructed else base
-                                  for base in cls.__bases__)  # fmt: skip
-
-    Constructed.__name__ = Constructed.__qualname__ = f"SDPA{layer_class.__name__}"
-    return Constructed
+def _scope_arguments(layer_class, args, kwargs):
+    """This layer's arguments for `layer_class(*args, **kwargs)` in a scope, or None where
+    the class's own layer is kept."""
+    bound = _bind(layer_class, args, kwargs)
+    return None if _why_kept(layer_class, bound) else bound

@@ -1,0 +1,130 @@
+"""The patch behind `sdpa_scope`: Keras's and keras-hub's names of the attention classes,
+pointed at constructors that make this layer, in the threads that are inside a scope.
+
+The names are module attributes, so the patch is process-wide: it goes in when the first
+scope opens and comes out when the last one closes (a count under a lock), whatever the order
+in which overlapping scopes of several threads close. What a constructor makes is decided per
+thread: a thread with no scope open gets the real class, and `isinstance` against a patched
+name still recognises the real class's instances. Nested scopes merge their options, the inner
+one's winning, for every class alike.
+"""
+
+import sys
+import threading
+
+from keras_sdpa.layer import ScaledDotProductAttention
+
+_LOCK = threading.Lock()
+_OPEN = 0  # scopes open in the process
+_LOCAL = threading.local()  # .stack: this thread's scopes' options, innermost last
+_CONSTRUCTORS = {}  # real class: its constructor, made once
+
+
+def current_options():
+    """The merged options of this thread's open scopes, or None outside any scope."""
+    stack = getattr(_LOCAL, "stack", None)
+    if not stack:
+        return None
+    merged = {}
+    for options in stack:
+        merged.update(options)
+    return merged
+
+
+def enter(classes, options, bind):
+    """Opens a scope of this thread with `options`; the first scope of the process patches
+    the names of `classes`. `bind(layer_class, args, kwargs)` gives a constructor call's
+    arguments in this layer's names."""
+    global _OPEN
+    if not hasattr(_LOCAL, "stack"):
+        _LOCAL.stack = []
+    _LOCAL.stack.append(dict(options))
+    with _LOCK:
+        for cls in classes:
+            if cls not in _CONSTRUCTORS:
+                _CONSTRUCTORS[cls] = _constructor(cls, bind)
+        if _OPEN == 0:
+            _patch({cls: _CONSTRUCTORS[cls] for cls in classes})
+        _OPEN += 1
+
+
+def exit():
+    """Closes this thread's innermost scope; the last scope of the process restores every
+    name, also in modules imported inside a scope."""
+    global _OPEN
+    _LOCAL.stack.pop()
+    with _LOCK:
+        _OPEN -= 1
+        if _OPEN == 0:
+            _patch({constructor: cls for cls, constructor in _CONSTRUCTORS.items()})
+
+
+def _patch(replacements):
+    """Points every attribute of Keras's and keras-hub's modules (every module when
+    restoring) that names a class in `replacements` at its replacement; a class's own module
+    keeps it."""
+    restoring = any(isinstance(cls, _Constructor) for cls in replacements)
+    for module in list(sys.modules.values()):
+        name = getattr(module, "__name__", "") or ""
+        if not restoring and not name.startswith(("keras", "keras_hub", "tf_keras")):
+            continue
+        for attribute, value in list(getattr(module, "__dict__", {}).items()):
+            if isinstance(value, type) and value in replacements and value.__module__ != name:
+                setattr(module, attribute, replacements[value])
+
+
+class _Constructor(type):
+    """The metaclass of a patched name: `isinstance(layer, keras.layers.MultiHeadAttention)`
+    still holds for the real class's instances while a scope is open."""
+
+    def __instancecheck__(cls, instance):
+        real = cls.__dict__.get("_real_class")
+        if real is not None and isinstance(instance, real):
+            return True
+        return super().__instancecheck__(instance)
+
+    def __subclasscheck__(cls, subclass):
+        real = cls.__dict__.get("_real_class")
+        if real is not None and issubclass(subclass, real):
+            return True
+        return super().__subclasscheck__(subclass)
+
+
+def _constructor(layer_class, bind):
+    """A class that, constructed with `layer_class`'s arguments inside a scope, is a
+    `ScaledDotProductAttention` standing in for it (its instances are of exactly that class,
+    so they serialize and load as it); outside any scope of the calling thread, it is
+    `layer_class` itself."""
+
+    def _arguments(args, kwargs):
+        if current_options() is None:
+            return None
+        try:
+            return bind(layer_class, args, kwargs)
+        except TypeError:
+            return None
+
+    class Constructed(ScaledDotProductAttention, metaclass=_Constructor):
+        _real_class = layer_class
+
+        def __new__(cls, *args, **kwargs):
+            if cls is Constructed and _arguments(args, kwargs) is None:
+                # A thread with no scope open, a layer the swap keeps, or arguments that
+                # the class's own constructor refuses (with its own error).
+                return layer_class(*args, **kwargs)
+            return super().__new__(cls, *args, **kwargs)
+
+        def __init__(self, *args, **kwargs):
+            options = {**_arguments(args, kwargs), **current_options()}
+            super().__init__(**options, replaces=layer_class.__name__)
+            self.__class__ = ScaledDotProductAttention
+
+        def __init_subclass__(cls, **kwargs):
+            # A class defined inside the scope on a patched name (a module imported there)
+            # subclasses the real `layer_class`, as it would outside the scope.
+            super().__init_subclass__(**kwargs)
+            cls.__bases__ = tuple(layer_class if base is Constructed else base
+                                  for base in cls.__bases__)  # fmt: skip
+
+    Constructed.__name__ = Constructed.__qualname__ = f"SDPA{layer_class.__name__}"
+    return Constructed
