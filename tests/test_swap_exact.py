@@ -1,0 +1,401 @@
+"""A swap never changes an answer: the ten ways `replace_attention` and `sdpa_scope` once gave
+other answers than the stock model, without an error (issue #54), each against the stock model
+with the same weights.
+
+Written on `keras.ops` and NumPy: `tests/test_jax_backend.py` runs this file on JAX too.
+"""
+
+import threading
+
+import keras
+import numpy as np
+import pytest
+from keras_hub.src.layers.modeling import transformer_decoder
+from keras_hub.src.layers.modeling.cached_multi_head_attention import CachedMultiHeadAttention
+from keras_hub.src.layers.modeling.transformer_decoder import TransformerDecoder
+from keras_hub.src.layers.modeling.transformer_encoder import TransformerEncoder
+from keras_hub.src.models.gpt2.gpt2_backbone import GPT2Backbone
+from keras_hub.src.models.gpt2.gpt2_causal_lm import GPT2CausalLM
+
+import keras_sdpa
+from keras_sdpa import ScaledDotProductAttention, _stand_in
+
+B, T, E, VOCAB = 2, 7, 16, 53
+
+
+def numpy(x):
+    return keras.ops.convert_to_numpy(x)
+
+
+def twins(build):
+    """`build()` twice, the second seeded apart and given the first's weights."""
+    keras.utils.set_random_seed(0)
+    stock = build()
+    keras.utils.set_random_seed(1)
+    other = build()
+    other.set_weights(stock.get_weights())
+    return stock, other
+
+
+def padded_ids():
+    ids = np.random.default_rng(0).integers(1, VOCAB, (B, T)).astype("int32")
+    ids[0, 4:] = 0  # padding, which Embedding(mask_zero=True) masks
+    return ids
+
+
+def sdpa_layers(model):
+    return [x for x in model._flatten_layers() if isinstance(x, ScaledDotProductAttention)]
+
+
+# 1. keras-hub's CachedMultiHeadAttention takes no padding masks: Keras must hand the swapped
+# layer none either.
+
+
+def masked_decoder():
+    ids = keras.Input((T,), dtype="int32")
+    x = keras.layers.Embedding(VOCAB, E, mask_zero=True)(ids)
+    x = TransformerDecoder(intermediate_dim=32, num_heads=2, dropout=0.0)(x)
+    return keras.Model(ids, x)
+
+
+def test_a_cached_attention_gets_no_implicit_mask_after_the_swap():
+    stock, ours = twins(masked_decoder)
+    assert [name for _, name in keras_sdpa.replace_attention(ours).swapped] == [
+        "CachedMultiHeadAttention"
+    ]
+    ids = padded_ids()
+    np.testing.assert_allclose(numpy(ours(ids)), numpy(stock(ids)), atol=1e-5)  # padded too
+
+    def direct():
+        layer = CachedMultiHeadAttention(num_heads=2, key_dim=4)
+        layer(np.zeros((B, T, 8), "float32"), np.zeros((B, T, 8), "float32"))
+        return layer
+
+    stock_layer, ours_layer = twins(direct)
+    holder = keras.layers.Layer()
+    holder.attention = ours_layer
+    keras_sdpa.replace_attention(holder)
+    ours_layer = holder.attention
+    x = keras.ops.convert_to_tensor(np.random.default_rng(1).normal(size=(B, T, 8)), "float32")
+    x._keras_mask = keras.ops.convert_to_tensor(padded_ids() > 0)  # as Embedding leaves it
+    np.testing.assert_allclose(numpy(ours_layer(x, x)), numpy(stock_layer(x, x)), atol=1e-5)
+    cache = np.zeros((B, 2, T, 2, 4), "float32")
+    want = stock_layer(x, x, cache=cache, cache_update_index=0)
+    got = ours_layer(x, x, cache=cache, cache_update_index=0)  # raised on the masks once
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(numpy(a), numpy(b), atol=1e-5)
+    with pytest.raises(TypeError, match="query_mask"):  # refused as the stock layer refuses it
+        ours_layer(x, x, query_mask=np.ones((B, T), bool))
+
+
+def test_the_call_arguments_kept_are_the_replaced_classes():
+    import inspect
+
+    for cls in (keras.layers.MultiHeadAttention, keras.layers.GroupQueryAttention,
+                CachedMultiHeadAttention):  # fmt: skip
+        names = [n for n in inspect.signature(cls.call).parameters if n != "self"]
+        assert tuple(names) == _stand_in.CALL_ARGUMENTS[cls.__name__], cls
+
+
+# 2 and 3. Scopes: thread-local, overlapping and nested.
+
+
+def test_overlapping_scopes_of_two_threads_restore_the_names_and_keep_other_threads_out():
+    real = keras.layers.MultiHeadAttention
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+    made = {}
+
+    def thread_a():
+        with keras_sdpa.sdpa_scope(attn_logits_soft_cap=5.0):
+            a_in.set()
+            b_in.wait(10)
+            made["a"] = keras.layers.MultiHeadAttention(num_heads=2, key_dim=4)
+        a_out.set()
+
+    def thread_b():
+        a_in.wait(10)
+        with keras_sdpa.sdpa_scope():
+            b_in.set()
+            a_out.wait(10)  # A closes first: B's scope is still open
+            made["b"] = keras.layers.MultiHeadAttention(num_heads=2, key_dim=4)
+
+    def outsider():
+        a_in.wait(10)  # while a scope is open in another thread
+        made["outside"] = keras.layers.MultiHeadAttention(num_heads=2, key_dim=4)
+
+    threads = [threading.Thread(target=f) for f in (thread_a, thread_b, outsider)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert type(made["a"]) is ScaledDotProductAttention and made["a"].attn_logits_soft_cap == 5.0
+    assert type(made["b"]) is ScaledDotProductAttention and made["b"].attn_logits_soft_cap is None
+    assert type(made["outside"]) is real
+    assert keras.layers.MultiHeadAttention is real  # the last scope out restored it
+    assert type(keras.layers.MultiHeadAttention(num_heads=2, key_dim=4)) is real
+
+
+def test_nested_scopes_merge_their_options_for_every_class_and_take_positional_arguments():
+    stock = keras.layers.MultiHeadAttention(num_heads=2, key_dim=4)
+    with keras_sdpa.sdpa_scope(attn_logits_soft_cap=0.5):
+        with keras_sdpa.sdpa_scope(flash_attention=True):
+            mha = keras.layers.MultiHeadAttention(2, 4)  # positional, as Keras allows
+            cached = transformer_decoder.CachedMultiHeadAttention(2, 4)  # a patched name
+            gqa = keras.layers.GroupQueryAttention(4, 2, 1)
+            assert isinstance(stock, keras.layers.MultiHeadAttention)  # still the class
+        with keras_sdpa.sdpa_scope(attn_logits_soft_cap=0.25):
+            inner = keras.layers.MultiHeadAttention(num_heads=2, key_dim=4)
+    for layer in (mha, cached, gqa):
+        assert type(layer) is ScaledDotProductAttention
+        assert (layer.attn_logits_soft_cap, layer.flash_attention) == (0.5, True)
+    assert (mha.num_heads, mha.key_dim, gqa.num_key_value_heads) == (2, 4, 1)
+    assert (mha.replaces, cached.replaces, gqa.replaces) == (
+        "MultiHeadAttention", "CachedMultiHeadAttention", "GroupedQueryAttention"
+    )  # fmt: skip
+    assert inner.attn_logits_soft_cap == 0.25
+
+
+# 4. Attention in containers of any depth.
+
+
+class Nested(keras.layers.Layer):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.blocks = [[keras.layers.MultiHeadAttention(num_heads=2, key_dim=4, name="deep"),
+                        keras.layers.Dense(E)]]  # fmt: skip
+        self.pair = {"inner": (keras.layers.MultiHeadAttention(2, 4, name="in_tuple"),)}
+
+    def call(self, x):
+        attention, dense = self.blocks[0]
+        x = dense(x + attention(x, x))
+        return x + self.pair["inner"][0](x, x)
+
+
+def spy_calls(monkeypatch):
+    called = []
+    call = ScaledDotProductAttention.call
+
+    def spy(self, *args, **kwargs):
+        called.append(self.name)
+        return call(self, *args, **kwargs)
+
+    monkeypatch.setattr(ScaledDotProductAttention, "call", spy)
+    return called
+
+
+def test_attention_in_nested_containers_is_swapped_called_and_trained(monkeypatch):
+    def build():
+        model = keras.Sequential([keras.Input((T, E)), Nested(), keras.layers.Dense(1)])
+        return model
+
+    stock, ours = twins(build)
+    report = keras_sdpa.replace_attention(ours)
+    assert sorted(path.split("/")[-1] for path, _ in report.swapped) == ["deep", "in_tuple"]
+    nested = ours.layers[0]
+    assert type(nested.blocks[0][0]) is type(nested.pair["inner"][0]) is ScaledDotProductAttention
+    called = spy_calls(monkeypatch)
+    x = np.random.default_rng(0).normal(size=(B, T, E)).astype("float32")
+    np.testing.assert_allclose(numpy(ours(x)), numpy(stock(x)), atol=1e-5)
+    # The report counts the layers the model's call runs, no more and no fewer.
+    assert sorted(called) == sorted(path.split("/")[-1] for path, _ in report.swapped)
+    y = np.ones((B, T, 1), "float32")
+    for model in (stock, ours):
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        model.fit(x, y, epochs=2, verbose=0)
+    w_q = [numpy(w) for w in ours.weights if "query" in w.path and "kernel" in w.path]
+    assert len(w_q) == 2 and all(np.abs(w).sum() > 0 for w in w_q)
+    for a, b in zip(stock.weights, ours.weights):  # trained as the stock model trains
+        np.testing.assert_allclose(numpy(b), numpy(a), atol=1e-5)
+
+
+def test_a_layer_held_in_a_set_is_refused_with_its_place():
+    holder = keras.layers.Layer(name="holder")
+    holder.attention = keras.layers.MultiHeadAttention(num_heads=2, key_dim=4)
+    object.__setattr__(holder, "group", {holder.attention})
+    with pytest.raises(ValueError, match=r"holder\.group \(a set\)"):
+        keras_sdpa.replace_attention(holder)
+
+
+# 5. Frozen projections stay frozen.
+
+
+def test_frozen_projections_stay_frozen_and_untrained():
+    def build():
+        x = keras.Input((T, E))
+        mha = keras.layers.MultiHeadAttention(num_heads=2, key_dim=4, name="mha")
+        model = keras.Model(x, keras.layers.Dense(1)(mha(x, x)))
+        mha.query_dense.trainable = False
+        mha.output_dense.bias.trainable = False
+        return model
+
+    stock, ours = twins(build)
+    trainable = [w.path for w in ours.trainable_weights]
+    keras_sdpa.replace_attention(ours)
+    assert [w.path for w in ours.trainable_weights] == trainable
+    assert len(trainable) == len(stock.trainable_weights) == 7
+    w_q = numpy(ours.layers[1].query_dense.kernel).copy()
+    x = np.random.default_rng(0).normal(size=(B, T, E)).astype("float32")
+    y = np.ones((B, T, 1), "float32")
+    for model in (stock, ours):
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        model.fit(x, y, epochs=2, verbose=0)
+    np.testing.assert_array_equal(numpy(ours.layers[1].query_dense.kernel), w_q)
+    for a, b in zip(stock.weights, ours.weights):
+        np.testing.assert_allclose(numpy(b), numpy(a), atol=1e-5)
+
+
+# 6. A layer shared by two models stays shared.
+
+
+def test_a_layer_shared_by_another_model_is_swapped_there_too(tmp_path):
+    x = keras.Input((T, E))
+    attention = keras.layers.MultiHeadAttention(num_heads=2, key_dim=4)
+    hidden = attention(x, x)
+    model_a = keras.Model(x, keras.layers.Dense(1)(hidden), name="model_a")
+    model_b = keras.Model(x, keras.layers.Dense(2)(hidden), name="model_b")
+    report = keras_sdpa.replace_attention(model_a)
+    assert [holder for holder, _ in report.shared] == ["model_b"]
+    (new,) = sdpa_layers(model_a)
+    assert sdpa_layers(model_b) == [new]
+    data = np.random.default_rng(0).normal(size=(B, T, E)).astype("float32")
+    before = numpy(model_b(data))
+    model_a.compile(optimizer=keras.optimizers.SGD(0.5), loss="mse")
+    model_a.fit(data, np.ones((B, T, 1), "float32"), epochs=1, verbose=0)
+    assert np.abs(numpy(model_b(data)) - before).max() > 1e-4  # trained through model_a
+    path = str(tmp_path / "b.keras")
+    model_b.save(path)
+    loaded = keras.saving.load_model(path)
+    np.testing.assert_allclose(numpy(loaded(data)), numpy(model_b(data)), atol=1e-5)
+
+
+# 7. Functions traced before the swap are traced again, also around a swapped backbone.
+
+
+def gpt2_lm():
+    backbone = GPT2Backbone(
+        vocabulary_size=VOCAB, num_layers=2, num_heads=2, hidden_dim=16, intermediate_dim=32,
+        max_sequence_length=16, dropout=0.0,
+    )  # fmt: skip
+    lm = GPT2CausalLM(backbone=backbone, preprocessor=None)
+    lm.compile(sampler="greedy")
+    return lm
+
+
+def test_generate_traced_before_the_backbone_is_swapped_runs_the_new_layers():
+    stock, ours = twins(gpt2_lm)
+    prompt = {"token_ids": np.pad([[5, 6, 7]], [[0, 0], [0, 5]]),
+              "padding_mask": np.arange(8)[None] < 3}  # fmt: skip
+    want = stock.generate(prompt, stop_token_ids=None)["token_ids"]
+    np.testing.assert_array_equal(ours.generate(prompt, stop_token_ids=None)["token_ids"], want)
+    report = keras_sdpa.replace_attention(ours.backbone)  # not the task around it
+    assert ours.name in report.reset
+    # New weights for the attention of both: a function traced with the old layers would
+    # still read the old ones.
+    for model in (stock, ours):
+        for variable in model.backbone.weights:
+            if "attention" in variable.path:
+                variable.assign(variable * 1.5)
+    want = stock.generate(prompt, stop_token_ids=None)["token_ids"]
+    np.testing.assert_array_equal(ours.generate(prompt, stop_token_ids=None)["token_ids"], want)
+
+
+# 8. A cross-attention cache filled with more keys than the queries.
+
+
+def test_a_cross_attention_cache_fills_with_the_encoders_keys():
+    def layer():
+        attention = CachedMultiHeadAttention(num_heads=2, key_dim=4)
+        attention(np.zeros((B, 4, 8), "float32"), np.zeros((B, 3, 8), "float32"))
+        return attention
+
+    stock, ours = twins(layer)
+    holder = keras.layers.Layer()
+    holder.attention = ours
+    keras_sdpa.replace_attention(holder)
+    rng = np.random.default_rng(0)
+    decoder = rng.normal(size=(B, 4, 8)).astype("float32")  # longer than the encoder
+    encoder = rng.normal(size=(B, 3, 8)).astype("float32")
+    cache = np.zeros((B, 2, 3, 2, 4), "float32")
+    want = stock(decoder, encoder, cache=cache, cache_update_index=0)
+    got = holder.attention(decoder, encoder, cache=cache, cache_update_index=0)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(numpy(a), numpy(b), atol=1e-5)
+    with pytest.raises(ValueError, match="room for the 3 new positions in a cache of 3"):
+        holder.attention(decoder, encoder, cache=cache, cache_update_index=1)
+
+
+# 9. A query whose keys are all masked gets what the replaced class gives it.
+
+
+def masked_encoder(dropout):
+    def build():
+        ids = keras.Input((T,), dtype="int32")
+        x = keras.layers.Embedding(VOCAB, E, mask_zero=True)(ids)
+        x = TransformerEncoder(intermediate_dim=32, num_heads=2, dropout=dropout)(x)
+        return keras.Model(ids, x)
+
+    return build
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1], ids=["fused-uniform", "softmax-zeros"])
+def test_fully_masked_rows_get_what_the_replaced_class_gives(dropout):
+    stock, ours = twins(masked_encoder(dropout))
+    keras_sdpa.replace_attention(ours)
+    ids = padded_ids()
+    got, want = numpy(ours(ids)), numpy(stock(ids))
+    np.testing.assert_allclose(got, want, atol=1e-5)  # the padded rows too
+
+    def mha():
+        layer = keras.layers.MultiHeadAttention(num_heads=2, key_dim=4, dropout=dropout)
+        layer(np.zeros((B, T, 8), "float32"), np.zeros((B, 5, 8), "float32"))
+        return layer
+
+    stock, ours = twins(mha)
+    holder = keras.layers.Layer()
+    holder.attention = ours
+    keras_sdpa.replace_attention(holder)
+    ours = holder.attention
+    rng = np.random.default_rng(2)
+    q, v = rng.normal(size=(B, T, 8)).astype("float32"), rng.normal(size=(B, 5, 8))
+    v = v.astype("float32")
+    mask = rng.random((B, T, 5)) < 0.5
+    mask[0, 2], mask[1, 5] = False, False  # rows with no key
+    for causal in (False, True):
+        for scores in (False, True):
+            kwargs = dict(attention_mask=mask, use_causal_mask=causal,
+                          return_attention_scores=scores)  # fmt: skip
+            got, want = ours(q, v, **kwargs), stock(q, v, **kwargs)
+            for a, b in zip(*(x if scores else (x,) for x in (got, want))):
+                np.testing.assert_allclose(numpy(a), numpy(b), atol=1e-5)
+
+
+# 10. Saving: a functional graph loads back swapped; a model whose code builds Keras's
+# attention warns when its config is taken, and loads swapped inside the scope.
+
+
+def test_a_swapped_keras_hub_model_warns_on_saving_and_loads_swapped_in_the_scope(tmp_path):
+    stock, ours = twins(gpt2_lm)
+    keras_sdpa.replace_attention(ours.backbone)
+    path = str(tmp_path / "gpt2.keras")
+    with pytest.warns(UserWarning, match="does not record the attention"):
+        ours.backbone.save(path)
+    plain = keras.saving.load_model(path)
+    assert sdpa_layers(plain) == []  # what the warning says
+    with keras_sdpa.sdpa_scope():
+        loaded = keras.saving.load_model(path)
+    assert [x.replaces for x in sdpa_layers(loaded)] == ["CachedMultiHeadAttention"] * 2
+    inputs = {"token_ids": padded_ids()[:, :6], "padding_mask": padded_ids()[:, :6] > 0}
+    np.testing.assert_allclose(numpy(loaded(inputs)), numpy(stock.backbone(inputs)), atol=1e-5)
+
+
+def test_a_swapped_functional_model_loads_back_swapped_without_a_warning(tmp_path, recwarn):
+    x = keras.Input((T, E))
+    functional = keras.Model(x, keras.layers.MultiHeadAttention(2, 4)(x, x))
+    keras_sdpa.replace_attention(functional)
+    path = str(tmp_path / "functional.keras")
+    functional.save(path)
+    assert not [w for w in recwarn if "does not record" in str(w.message)]
+    loaded = keras.saving.load_model(path)
+    assert [layer.replaces for layer in sdpa_layers(loaded)] == ["MultiHeadAttention"]
+    data = np.random.default_rng(0).normal(size=(B, T, E)).astype("float32")
+    np.testing.assert_allclose(numpy(loaded(data)), numpy(functional(data)), atol=1e-5)
