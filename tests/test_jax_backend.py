@@ -18,7 +18,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # (default tier), and Keras's MHA and GQA suites and the swap into keras-hub's models (GPT-2's
 # greedy tokens) (large tier: on two cores the default tier cannot hold them twice).
 ON_BOTH = ["tests/test_on_both_backends.py"]
-KERAS_AND_SWAP = ["tests/test_keras_suites.py", "tests/test_swap.py"]
+KERAS_AND_SWAP = [
+    "tests/test_keras_suites.py", "tests/test_swap.py", "tests/test_swap_exact.py",
+]  # fmt: skip
 BOTH_BACKENDS = ON_BOTH + KERAS_AND_SWAP
 # What does not run on JAX, and why.
 NOT_ON_JAX = {
@@ -68,7 +70,7 @@ def test_the_backend_neutral_tests_pass_on_jax():
 @pytest.mark.large  # a second run of Keras's suites and the swap tests, on JAX
 def test_keras_suites_and_the_swap_pass_on_jax():
     """Keras's MHA and GQA suites on this layer, and the swap into keras-hub's models."""
-    _pytest_on_jax(KERAS_AND_SWAP, 90, *(f"--deselect={test}" for test in NOT_ON_JAX))
+    _pytest_on_jax(KERAS_AND_SWAP, 104, *(f"--deselect={test}" for test in NOT_ON_JAX))
 
 
 # The library's own test files, ported to keras.ops, NumPy and `tests/on_backend.py`: their
