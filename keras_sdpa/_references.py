@@ -21,9 +21,10 @@ _BOOKKEEPING = frozenset(
     ]
 )  # fmt: skip
 # Lists, tuples and dicts (Keras's tracked ones and TensorFlow's wrappers subclass them) nest
-# this deep at most between a layer and what it holds (TensorFlow wraps each list twice).
+# this deep at most between a layer and what it holds (TensorFlow wraps each list in a
+# list, and an instance's materialized `__dict__` is one more).
 _CONTAINERS = (list, tuple, dict)
-_DEPTH = 8
+_DEPTH = 6
 
 
 def _replaced(value, old, new):
@@ -124,15 +125,16 @@ def holders(targets, exclude):
     (`gc.get_referrers` with every object of the level at once).
     """
     found = {id(target): [] for target in targets}
-    frontier = {id(target): (target, id(target)) for target in targets}  # id: (obj, origin)
-    seen = set(frontier) | {id(found), id(frontier)}
+    frontier = {id(target): target for target in targets}
+    origin = {id(target): id(target) for target in targets}  # the target each object leads to
+    seen = set(frontier) | {id(found), id(frontier), id(origin)}
     for _ in range(_DEPTH):
         if not frontier:
             break
-        objects = [obj for obj, _ in frontier.values()]
+        objects = list(frontier.values())
         referrers = gc.get_referrers(*objects)
-        seen.update({id(objects), id(referrers)})
         level = {}
+        seen.update({id(objects), id(referrers), id(level)})
         for referrer in referrers:
             if id(referrer) in seen:
                 continue
@@ -140,13 +142,14 @@ def holders(targets, exclude):
             if not (is_layer or isinstance(referrer, _CONTAINERS)):
                 continue  # frames, nodes, tensors: not a layer's holding
             seen.add(id(referrer))
-            origins = {frontier[id(x)][1] for x in gc.get_referents(referrer) if id(x) in frontier}
-            for origin in origins:
+            # What it holds: a dict's values (a dict keyed by layers holds no layer in place).
+            held = referrer.values() if isinstance(referrer, dict) else gc.get_referents(referrer)
+            for target in {origin[id(x)] for x in held if id(x) in frontier}:
                 if is_layer and id(referrer) not in exclude:
-                    found[origin].append(referrer)
+                    found[target].append(referrer)
                 elif not is_layer:
-                    level[id(referrer)] = (referrer, origin)
-        seen.add(id(level))
+                    level[id(referrer)] = referrer
+                    origin[id(referrer)] = target
         frontier = level
     return found
 
