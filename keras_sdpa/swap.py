@@ -115,8 +115,13 @@ class AttentionReport:
 
 
 def _is_attention(layer):
-    return "attention" in type(layer).__name__.lower() and not isinstance(
-        layer, ScaledDotProductAttention
+    """An attention class of a model's own, by its name (a layer that makes attention masks,
+    as XLNet's `XLNetAttentionMaskLayer`, is none)."""
+    name = type(layer).__name__.lower()
+    return (
+        "attention" in name
+        and "mask" not in name
+        and not isinstance(layer, ScaledDotProductAttention)
     )
 
 

@@ -1,21 +1,27 @@
 """`keras_sdpa.replace_attention` on every keras-hub model family that can be built small.
 
-The differential harness of the swap. Each family that uses Keras's attention classes (its
-blocks hold `keras.layers.MultiHeadAttention`, `keras.layers.GroupQueryAttention` or
-keras-hub's `CachedMultiHeadAttention`) is built twice from its constructor, with a tiny
-random configuration (nothing is downloaded): as shipped, and swapped after building with the
-stock model's weights (`twins`, `replace`: the replaced layers then get other weights, so a
-model that still called one would give other numbers). The stock model is the reference:
+The swap's differential harness. Each family whose blocks use Keras's attention classes
+(`keras.layers.MultiHeadAttention`, `keras.layers.GroupQueryAttention`, keras-hub's
+`CachedMultiHeadAttention`) is built twice from its constructor, with a tiny random
+configuration (nothing is downloaded): as shipped, and swapped after building, with the stock
+model's weights (`twins` and `replace` of tests/test_swap.py: the replaced layers then get
+other weights, so a model that still called one would give other numbers). The stock model is
+the reference, each family one line of `FAMILIES`:
 
-- the forward pass, with padding (token id 0 and a padding mask with `False` positions, where
-  the family has them) and without, every output and every position, within 1e-5;
+- the forward pass, every output at every position within 1e-5: without padding, with
+  padding (token id 0, `False` in the padding mask) and with a row that is all padding (its
+  attention rows fully masked), where the family takes a padding mask;
 - two steps of `fit` (SGD, the same data) give the same losses and weights;
-- greedy `generate` gives the same tokens, where the family has a causal or seq2seq LM task;
-- the swapped model saved to `.keras` and loaded gives the same outputs.
+- greedy `generate` gives the same tokens, where the family has a causal or seq2seq LM task
+  that builds with `preprocessor=None`: the task swapped, or its backbone swapped after the
+  task has generated once;
+- the swapped model saved to `.keras` and loaded (plainly, and inside `sdpa_scope()`) gives
+  the same outputs.
 
-The forward pass of every family is the default tier; the others are large. A second table
-names the families whose attention is their own class (or a subclass): the report must name
-those layers, with its reason, and leave the model computing what it did.
+The forward pass of every family is in the default tier (about 30 s on TensorFlow, one core);
+the other checks are large. `REFUSED` lists families whose attention is their own class or a
+subclass of Keras's: the report must name those layers with its reason, and the model must
+compute what it did.
 """
 
 import collections
@@ -51,7 +57,6 @@ from keras_hub.src.models.mistral.mistral_backbone import MistralBackbone
 from keras_hub.src.models.opt.opt_backbone import OPTBackbone
 from keras_hub.src.models.opt.opt_causal_lm import OPTCausalLM
 from keras_hub.src.models.parseq.parseq_backbone import PARSeqBackbone
-from keras_hub.src.models.parseq.parseq_causal_lm import PARSeqCausalLM
 from keras_hub.src.models.roberta.roberta_backbone import RobertaBackbone
 from keras_hub.src.models.sam3.sam3_text_encoder import SAM3TextEncoder
 from keras_hub.src.models.siglip.siglip_backbone import SigLIPBackbone
@@ -70,41 +75,63 @@ from keras_sdpa import ScaledDotProductAttention
 # Batch, text (and encoder) length, decoder length, the length `generate` fills, image side,
 # patch side, vocabulary: pairwise distinct, so that a swapped axis cannot pass.
 B, T, D, G, IMAGE, PATCH, VOCAB = 2, 7, 5, 12, 16, 4, 53
-# The tiny configuration of keras-hub's own tests: 2 layers, width 16, 2 heads.
-TEXT = dict(vocabulary_size=VOCAB, num_layers=2, num_heads=2, hidden_dim=16,
-            intermediate_dim=32, dropout=0.0, max_sequence_length=16)  # fmt: skip
-TOWER = dict(hidden_dim=16, num_layers=2, num_heads=2, intermediate_dim=32)
-IMAGES = dict(image_shape=(IMAGE, IMAGE, 3), patch_size=PATCH, num_layers=2, num_heads=2,
-              hidden_dim=16)  # fmt: skip
+# keras-hub's own tests' tiny configurations: 2 layers, width 16, 2 heads, no dropout.
+LAYERS = dict(num_layers=2, num_heads=2, hidden_dim=16, intermediate_dim=32)
+TEXT = dict(LAYERS, vocabulary_size=VOCAB, dropout=0.0, max_sequence_length=16)
+IMAGES = dict(image_shape=(IMAGE, IMAGE, 3), patch_size=PATCH)
+VIT = dict(IMAGES, num_layers=2, num_heads=2, hidden_dim=16, mlp_dim=32)  # its MLP's name
 MHA, CACHED = "MultiHeadAttention", "CachedMultiHeadAttention"
 
 
-def clip(backbone, vision, text, **extra):
+def towers(backbone, vision, text, **options):
     """A two-tower backbone (CLIP's, MetaCLIP 2's, SigLIP's) of two tiny towers."""
-    towers = dict(TOWER, image_shape=(IMAGE, IMAGE, 3), patch_size=PATCH)
-    return backbone(
-        vision_encoder=vision(**towers),
-        text_encoder=text(vocabulary_size=VOCAB, embedding_dim=16, max_sequence_length=T,
-                          **TOWER),  # fmt: skip
-        **extra,
-    )
+    text = text(vocabulary_size=VOCAB, embedding_dim=16, max_sequence_length=T, **LAYERS)
+    return backbone(vision_encoder=vision(**IMAGES, **LAYERS), text_encoder=text, **options)
+
+
+def clip():
+    return towers(CLIPBackbone, CLIPVisionEncoder, CLIPTextEncoder, projection_dim=8)
+
+
+def metaclip_2():
+    return towers(MetaCLIP2Backbone, MetaCLIP2VisionEncoder, MetaCLIP2TextEncoder, projection_dim=8)
+
+
+def siglip():
+    return towers(SigLIPBackbone, SigLIPVisionEncoder, SigLIPTextEncoder)
+
+
+def dinov2():
+    return DINOV2Backbone(**IMAGES, **LAYERS, position_embedding_shape=(IMAGE, IMAGE, 3))
+
+
+def edrec():
+    return EdRecBackbone(
+        vocab_size=VOCAB, num_layers_enc=2, num_layers_dec=2, hidden_dim=16, intermediate_dim=32,
+        num_heads=2,
+    )  # fmt: skip
+
+
+def electra():
+    text = {key: value for key, value in TEXT.items() if key != "vocabulary_size"}
+    return ElectraBackbone(vocab_size=VOCAB, embedding_dim=8, **text)
+
+
+def parseq():
+    """PARSeq: a ViT image encoder, and a decoder of `CachedMultiHeadAttention`."""
+    return PARSeqBackbone(
+        image_encoder=ViTBackbone(**VIT, include_rescaling=False), vocabulary_size=VOCAB,
+        max_label_length=T - 1, decoder_hidden_dim=16, num_decoder_layers=1,
+        num_decoder_heads=2, decoder_mlp_dim=32, dropout_rate=0.0, attention_dropout=0.0,
+    )  # fmt: skip
 
 
 def sam3_text():
     """SAM 3's text encoder, a layer: in a functional model of its two inputs."""
     ids = keras.Input((None,), dtype="int32", name="token_ids")
     mask = keras.Input((None,), dtype="bool", name="padding_mask")
-    encoder = SAM3TextEncoder(vocabulary_size=VOCAB, embedding_dim=16, max_sequence_length=16,
-                              **TOWER)  # fmt: skip
+    encoder = SAM3TextEncoder(vocabulary_size=VOCAB, embedding_dim=16, **LAYERS)
     return keras.Model({"token_ids": ids, "padding_mask": mask}, encoder(ids, mask))
-
-
-def parseq():
-    return PARSeqBackbone(
-        image_encoder=ViTBackbone(**IMAGES, mlp_dim=32, include_rescaling=False),
-        vocabulary_size=VOCAB, max_label_length=T - 1, decoder_hidden_dim=16, num_decoder_layers=1,
-        num_decoder_heads=2, decoder_mlp_dim=32, dropout_rate=0.0, attention_dropout=0.0,
-    )  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,7 +141,7 @@ class Family:
     Attributes:
         build: makes the backbone, built.
         swapped: `{class name: count}` of the layers the report must swap.
-        task: `task(backbone)`, its causal or seq2seq LM with `preprocessor=None`, or None.
+        task: its causal or seq2seq LM class, built with `preprocessor=None`, or None.
     """
 
     build: object
@@ -124,30 +151,25 @@ class Family:
 
 partial = functools.partial
 FAMILIES = {
-    "albert": Family(partial(AlbertBackbone, **TEXT, embedding_dim=8), {MHA: 1}),  # shared
+    "albert": Family(partial(AlbertBackbone, **TEXT, embedding_dim=8), {MHA: 1}),  # one, shared
     "bart": Family(partial(BartBackbone, **TEXT), {MHA: 2, CACHED: 4}, BartSeq2SeqLM),
     "bert": Family(partial(BertBackbone, **TEXT), {MHA: 2}),
-    "clip": Family(partial(clip, CLIPBackbone, CLIPVisionEncoder, CLIPTextEncoder,
-                           projection_dim=8), {MHA: 4}),  # fmt: skip
-    "deit": Family(partial(DeiTBackbone, **IMAGES, intermediate_dim=32), {MHA: 2}),
-    "dinov2": Family(partial(DINOV2Backbone, **IMAGES, intermediate_dim=32,
-                             position_embedding_shape=(IMAGE, IMAGE, 3)), {MHA: 2}),  # fmt: skip
+    "clip": Family(clip, {MHA: 4}),
+    "deit": Family(partial(DeiTBackbone, **IMAGES, **LAYERS), {MHA: 2}),
+    "dinov2": Family(dinov2, {MHA: 2}),
     "distil_bert": Family(partial(DistilBertBackbone, **TEXT), {MHA: 2}),
-    "edrec": Family(partial(EdRecBackbone, vocab_size=VOCAB, num_layers_enc=2, num_layers_dec=2,
-                            hidden_dim=16, intermediate_dim=32, num_heads=2),
-                    {MHA: 2, CACHED: 4}, EdRecSeq2SeqLM),  # fmt: skip
-    "electra": Family(partial(ElectraBackbone, **{**TEXT, "vocab_size": TEXT["vocabulary_size"]},
-                              embedding_dim=8), {MHA: 2}),  # fmt: skip
+    "edrec": Family(edrec, {MHA: 2, CACHED: 4}, EdRecSeq2SeqLM),
+    "electra": Family(electra, {MHA: 2}),
     "gpt2": Family(partial(GPT2Backbone, **TEXT), {CACHED: 2}, GPT2CausalLM),
-    "metaclip_2": Family(partial(clip, MetaCLIP2Backbone, MetaCLIP2VisionEncoder,
-                                 MetaCLIP2TextEncoder, projection_dim=8), {MHA: 4}),  # fmt: skip
+    "metaclip_2": Family(metaclip_2, {MHA: 4}),
     "opt": Family(partial(OPTBackbone, **TEXT), {CACHED: 2}, OPTCausalLM),
-    "parseq": Family(parseq, {MHA: 2, CACHED: 2}, PARSeqCausalLM),
+    # PARSeq's causal LM compiles in its constructor, with a loss that reads its preprocessor's
+    # tokenizer: it cannot be built with `preprocessor=None`.
+    "parseq": Family(parseq, {MHA: 2, CACHED: 2}),
     "roberta": Family(partial(RobertaBackbone, **TEXT), {MHA: 2}),
     "sam3_text": Family(sam3_text, {MHA: 2}),
-    "siglip": Family(partial(clip, SigLIPBackbone, SigLIPVisionEncoder, SigLIPTextEncoder),
-                     {MHA: 5}),  # fmt: skip  # the vision tower's pooling head has one more
-    "vit": Family(partial(ViTBackbone, **IMAGES, mlp_dim=32), {MHA: 2}),
+    "siglip": Family(siglip, {MHA: 5}),  # the vision tower's pooling head holds one more
+    "vit": Family(partial(ViTBackbone, **VIT), {MHA: 2}),
     "xlm_roberta": Family(partial(XLMRobertaBackbone, **TEXT), {MHA: 2}),
 }
 WITH_LM = [name for name, family in FAMILIES.items() if family.task is not None]
@@ -188,11 +210,17 @@ def feed(model, padding):
 
 
 def assert_same_outputs(got, want, case=""):
+    """Every output within 1e-5 of the output's scale (its largest magnitude, at least 1).
+
+    Scaled: EdRec's outputs reach 18 (it has no final norm), and its stock model on JAX,
+    eager against `jax.jit`, differs from itself by 3.3e-5 (the swapped one from it by
+    3.3e-5 too)."""
     got, want = keras.tree.flatten(got), keras.tree.flatten(want)
     assert len(got) == len(want)
-    for i, (a, b) in enumerate(zip(got, want)):
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
         a, b = keras.ops.convert_to_numpy(a), keras.ops.convert_to_numpy(b)
-        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5, err_msg=f"{case}, output {i}")
+        atol = 1e-5 * max(1.0, float(np.abs(b).max()))
+        np.testing.assert_allclose(a, b, atol=atol, rtol=1e-5, err_msg=f"{case}, output {i}")
 
 
 def swapped_twins(name):
@@ -229,7 +257,11 @@ def with_head(backbone):
     keras.utils.set_random_seed(2)  # the same head on both twins
     head = keras.layers.Dense(1, name="head")
     model = keras.Model(backbone.input, head(keras.ops.concatenate(features, axis=-1)))
-    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+    # Clipped: tiny random embeddings under a norm get gradients 50-400x the others' (EdRec's
+    # 360), and a plain SGD step of 1e-3 or even 1e-4 raised the loss of 13 of 18 families
+    # tenfold; steps of norm 0.01 lower it on TensorFlow (on JAX's initial weights ALBERT's
+    # and ELECTRA's rise, 0.160 -> 0.215 and 0.161 -> 0.169).
+    model.compile(optimizer=keras.optimizers.SGD(0.01, global_clipnorm=1.0), loss="mse")
     return model
 
 
@@ -244,7 +276,11 @@ def test_the_swapped_family_fits_as_the_stock_one(name):
         keras.utils.set_random_seed(3)
         history = model.fit(inputs, targets, batch_size=B, epochs=2, shuffle=False, verbose=0)
         losses.append(history.history["loss"])
-    np.testing.assert_allclose(losses[1], losses[0], atol=1e-5, rtol=1e-5)
+    assert abs(losses[0][1] - losses[0][0]) > 1e-3, losses  # the first step moved it
+    # The second loss to 1e-4: EdRec's is that sensitive to rounding in the first step (its
+    # embeddings' gradient, 360): the stock model alone, eager against XLA, gave 5.118569 and
+    # 5.118634 (1.3e-5 apart, relative), the swapped one 5.118676.
+    np.testing.assert_allclose(losses[1], losses[0], atol=1e-5, rtol=1e-4)
     for a, b in zip(stock.weights, ours.weights, strict=True):
         np.testing.assert_allclose(
             keras.ops.convert_to_numpy(b), keras.ops.convert_to_numpy(a), atol=1e-5, rtol=1e-5,
@@ -293,46 +329,61 @@ def test_the_swapped_family_generates_the_stock_greedy_tokens(name, after_genera
 
 @pytest.mark.large
 @pytest.mark.parametrize("name", FAMILIES)
-def test_the_swapped_family_saved_and_loaded_gives_the_stock_outputs(name, tmp_path, record_property):
+def test_the_swapped_family_saved_and_loaded_gives_the_stock_outputs(
+    name, tmp_path, record_property
+):
+    """A `.keras` round trip: loaded as it is, and loaded inside `sdpa_scope()`, which keeps
+    this layer also where the model's own code constructs its attention (keras-hub's
+    blocks)."""
     stock, ours = swapped_twins(name)
     path = str(tmp_path / f"{name}.keras")
     ours.save(path)
     loaded = keras.saving.load_model(path)
-    inputs = feed(stock, PADDING["padding"])
-    assert_same_outputs(loaded(inputs), stock(inputs))
-    # What the loaded model holds: this layer, or (where keras-hub's blocks construct their
-    # attention) Keras's again. Either way all of one kind, never a mix.
+    with keras_sdpa.sdpa_scope():
+        scoped = keras.saving.load_model(path)
+    for case, padding in PADDING.items():
+        inputs = feed(stock, padding)
+        want = stock(inputs)
+        assert_same_outputs(loaded(inputs), want, f"loaded, {case}")
+        assert_same_outputs(scoped(inputs), want, f"loaded in the scope, {case}")
+    assert attention_kinds(scoped) == attention_kinds(ours)
+    # What a plain load holds: this layer, or (where the model's code constructs its
+    # attention) Keras's again; either way all of one kind, never a mix.
     kinds = attention_kinds(loaded)
     assert kinds in (attention_kinds(ours), attention_kinds(stock)), kinds
     record_property("loaded_attention", sorted(set(kinds)))
 
 
 # The families whose attention is their own class, or a subclass of one of Keras's that
-# changes what it computes: `{class name: the report's reason}` for each.
-OWN = "its own attention class"
+# changes what it computes: `{class name: the report's reason}` of the layers it must name.
+OWN = "its own attention class, not a MultiHeadAttention"
+SUBCLASS = "a subclass of {} that changes what it builds or computes"
+DECODER = dict(vocabulary_size=VOCAB, num_layers=1, hidden_dim=16, intermediate_dim=32)
+GQA = dict(DECODER, num_query_heads=2, num_key_value_heads=1)
+
+
+def whisper():
+    return WhisperBackbone(
+        **DECODER, num_heads=2, num_mels=8, max_encoder_sequence_length=16,
+        max_decoder_sequence_length=8,
+    )  # fmt: skip
+
+
+def xlnet():
+    return XLNetBackbone(**DECODER, num_heads=2)
+
+
 REFUSED = {
-    "deberta_v3": (partial(DebertaV3Backbone, **TEXT, bucket_size=8),
-                   {"DisentangledAttentionEncoder": OWN}),  # fmt: skip  # the block, named
+    # The block's own class name says "Attention": the report names the block.
+    "deberta_v3": (partial(DebertaV3Backbone, **TEXT), {"DisentangledAttentionEncoder": OWN}),
+    "gemma": (partial(GemmaBackbone, **GQA, head_dim=8), {"CachedGemmaAttention": OWN}),
     "gpt_neo_x": (partial(GPTNeoXBackbone, **TEXT), {"GPTNeoXAttention": OWN}),
-    "gemma": (partial(GemmaBackbone, vocabulary_size=VOCAB, num_layers=1, num_query_heads=2,
-                      num_key_value_heads=1, hidden_dim=16, intermediate_dim=32, head_dim=8),
-              {"CachedGemmaAttention": OWN}),  # fmt: skip
-    "llama": (partial(LlamaBackbone, vocabulary_size=VOCAB, num_layers=1, num_query_heads=2,
-                      num_key_value_heads=1, hidden_dim=16, intermediate_dim=32),
-              {"LlamaAttention": OWN}),  # fmt: skip
-    "mistral": (partial(MistralBackbone, vocabulary_size=VOCAB, num_layers=1, num_query_heads=2,
-                        num_key_value_heads=1, hidden_dim=16, intermediate_dim=32),
-                {"CachedMistralAttention": OWN}),  # fmt: skip
-    "t5": (partial(T5Backbone, vocabulary_size=VOCAB, num_layers=1, num_heads=2, hidden_dim=16,
-                   intermediate_dim=32, dropout=0.0),
-           {"T5MultiHeadAttention": OWN}),  # fmt: skip
-    "whisper": (partial(WhisperBackbone, vocabulary_size=VOCAB, num_layers=1, num_heads=2,
-                        hidden_dim=16, intermediate_dim=32, num_mels=8,
-                        max_encoder_sequence_length=16, max_decoder_sequence_length=8),
-                {"WhisperCachedMultiHeadAttention": "a subclass of CachedMultiHeadAttention"}),  # fmt: skip
-    "xlnet": (partial(XLNetBackbone, vocabulary_size=VOCAB, num_layers=1, num_heads=2,
-                      hidden_dim=16, intermediate_dim=32),
-              {"TwoStreamRelativeAttention": "a subclass of MultiHeadAttention"}),  # fmt: skip
+    "llama": (partial(LlamaBackbone, **GQA), {"LlamaAttention": OWN}),
+    "mistral": (partial(MistralBackbone, **GQA), {"CachedMistralAttention": OWN}),
+    "t5": (partial(T5Backbone, **DECODER, num_heads=2, dropout=0.0), {"T5MultiHeadAttention": OWN}),
+    "whisper": (whisper, {"WhisperCachedMultiHeadAttention": SUBCLASS.format(CACHED)}),
+    # Its `XLNetAttentionMaskLayer` makes masks; it is no attention.
+    "xlnet": (xlnet, {"TwoStreamRelativeAttention": SUBCLASS.format(MHA)}),
 }
 
 
