@@ -20,6 +20,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ON_BOTH = ["tests/test_on_both_backends.py"]
 KERAS_AND_SWAP = [
     "tests/test_keras_suites.py", "tests/test_swap.py", "tests/test_swap_exact.py",
+    "tests/test_swap_families.py",
 ]  # fmt: skip
 BOTH_BACKENDS = ON_BOTH + KERAS_AND_SWAP
 # What does not run on JAX, and why.
@@ -70,7 +71,13 @@ def test_the_backend_neutral_tests_pass_on_jax():
 @pytest.mark.large  # a second run of Keras's suites and the swap tests, on JAX
 def test_keras_suites_and_the_swap_pass_on_jax():
     """Keras's MHA and GQA suites on this layer, and the swap into keras-hub's models."""
-    _pytest_on_jax(KERAS_AND_SWAP, 104, *(f"--deselect={test}" for test in NOT_ON_JAX))
+    _pytest_on_jax(KERAS_AND_SWAP, 130, *(f"--deselect={test}" for test in NOT_ON_JAX))
+
+
+@pytest.mark.large  # the swap's harness whole on JAX: fit, generate and .keras too
+def test_the_swap_harness_passes_whole_on_jax():
+    """The large checks of `tests/test_swap_families.py` (its default cases run above)."""
+    _pytest_on_jax(["tests/test_swap_families.py"], 40, "--run-large", "-m", "large")
 
 
 # The library's own test files, ported to keras.ops, NumPy and `tests/on_backend.py`: their
