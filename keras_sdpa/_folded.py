@@ -23,8 +23,8 @@ def folds(layer, query, training, use_causal_mask):
     projections that are neither quantized nor LoRA.
     """
     length = query.shape[1]
-    if len(query.shape) != 3 or length is None:
-        return False
+    if len(query.shape) != 3 or not isinstance(length, int):
+        return False  # unknown, or a JAX symbolic size (shape inference), which cannot compare
     if length * 4 > min(layer._key_dim, layer._value_dim):
         return False
     if layer._kv_heads != layer.num_heads or layer.attn_logits_soft_cap is not None:
