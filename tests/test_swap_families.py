@@ -257,11 +257,12 @@ def with_head(backbone):
     keras.utils.set_random_seed(2)  # the same head on both twins
     head = keras.layers.Dense(1, name="head")
     model = keras.Model(backbone.input, head(keras.ops.concatenate(features, axis=-1)))
-    # Clipped: tiny random embeddings under a norm get gradients 50-400x the others' (EdRec's
-    # 360), and a plain SGD step of 1e-3 or even 1e-4 raised the loss of 13 of 18 families
-    # tenfold; steps of norm 0.01 lower it on TensorFlow (on JAX's initial weights ALBERT's
-    # and ELECTRA's rise, 0.160 -> 0.215 and 0.161 -> 0.169).
-    model.compile(optimizer=keras.optimizers.SGD(0.01, global_clipnorm=1.0), loss="mse")
+    # Each gradient clipped to norm 1: tiny random embeddings under a norm get gradients
+    # 50-400x the others' (EdRec's 360), and a plain SGD step of 1e-3 or even 1e-4 raised the
+    # loss of 13 of 18 families tenfold. Clipped each on its own (not by the global norm, under
+    # which the embeddings' gradient left the attention weights of the text families steps
+    # of 1e-8), the attention weights move by 1e-5 (text) to 1e-2 (vision) per step.
+    model.compile(optimizer=keras.optimizers.SGD(0.01, clipnorm=1.0), loss="mse")
     return model
 
 
@@ -276,10 +277,10 @@ def test_the_swapped_family_fits_as_the_stock_one(name):
         keras.utils.set_random_seed(3)
         history = model.fit(inputs, targets, batch_size=B, epochs=2, shuffle=False, verbose=0)
         losses.append(history.history["loss"])
-    assert abs(losses[0][1] - losses[0][0]) > 1e-3, losses  # the first step moved it
+    assert abs(losses[0][1] - losses[0][0]) > 1e-2, losses  # the first step changed it
     # The second loss to 1e-4: EdRec's is that sensitive to rounding in the first step (its
-    # embeddings' gradient, 360): the stock model alone, eager against XLA, gave 5.118569 and
-    # 5.118634 (1.3e-5 apart, relative), the swapped one 5.118676.
+    # embeddings' gradient, 360). On JAX its stock model alone, eager against jit, gave
+    # 2.229427 and 2.229462 (1.6e-5 apart, relative), the swapped one 2.229448.
     np.testing.assert_allclose(losses[1], losses[0], atol=1e-5, rtol=1e-4)
     for a, b in zip(stock.weights, ours.weights, strict=True):
         np.testing.assert_allclose(
