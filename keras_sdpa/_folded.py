@@ -78,3 +78,14 @@ def attend(
     if layer.use_bias:
         out = out + mixed[..., width:] * keras.ops.cast(layer._value_dense.bias, out.dtype)
     return out, weights
+
+
+def mean_values(layer, value):
+    """`(B, 1, N, Hv)`: the mean of the projected values, `mean_s(x_s) W_V + b_V`, without
+    calling the projection again (which would add its activity regularizer's loss twice)."""
+    mean = keras.ops.mean(value, axis=1)  # (B, E_v)
+    w_v = keras.ops.cast(layer._value_dense.kernel, mean.dtype)  # (E_v, N, Hv)
+    out = keras.ops.einsum("be,enh->bnh", mean, w_v)[:, None]  # (B, 1, N, Hv)
+    if layer.use_bias:
+        out = out + keras.ops.cast(layer._value_dense.bias, out.dtype)
+    return out

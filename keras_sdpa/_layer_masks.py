@@ -49,31 +49,45 @@ def zero_rows(out, weights, query_mask):
 
 
 def empty_rows(mask, query_mask, t, s, causal=False, window=None):
-    """`(B, 1|N, T|1)`: True where a query row may attend to no key, or None where none can.
+    """`(B|1, N|1, T|1)`: True where a query row may attend to no key, or None where none can.
 
-    `mask` is the keys' side (None, `(B, T|1, S)` or `(B, N, T|1, S)`), `query_mask` `(B, T)`
-    the rows left out, `causal` MultiHeadAttention's top-left causal mask and `window` its
-    band `|t - s| < W`. A padding of the keys alone under the causal mask is read as a
-    running count, `(B, S)`, not as the `(B, T, S)` mask it stands for.
+    `mask` is the keys' side (None, `(T, S)`, `(B, T|1, S)` or `(B, N, T|1, S)`), `query_mask`
+    `(B, T)` the rows left out, `causal` MultiHeadAttention's top-left causal mask and `window`
+    its band `|t - s| < W`. A padding of the keys alone is counted over each row's band of
+    keys (running sums, `(B, S)`), never spread to the `(B, T, S)` mask it stands for, so the
+    chunked path keeps its `O(T)` memory.
     """
-    may = None  # (B, 1|N, T|1): whether the row may attend to some key
+    banded = causal or window is not None
+    may = None  # (B|1, N|1, T|1): whether the row may attend to some key
     if mask is not None:
         mask = as_bool(mask)
-        mask = mask[:, None] if len(mask.shape) == 3 else mask  # (B, 1|N, T|1, S)
-        if window is not None or (causal and mask.shape[2] != 1):
+        while len(mask.shape) < 4:
+            mask = keras.ops.expand_dims(mask, -3)  # (B|1, N|1, T|1, S), as Keras broadcasts
+        if banded and mask.shape[2] == 1:
+            may = _kept_in_band(mask[:, :, 0], t, s, causal, window)
+        elif banded:  # a mask with a query axis: already (B, N|1, T, S) in memory
             may = keras.ops.any(keras.ops.logical_and(mask, _band(t, s, causal, window)), -1)
-        elif causal:  # row t sees keys 0..t: whether one of them is kept
-            kept = keras.ops.cumsum(keras.ops.cast(mask[:, :, 0], "int32"), axis=-1) > 0
-            rows = keras.ops.minimum(keras.ops.arange(t), s - 1)  # (T,)
-            may = keras.ops.take(kept, rows, axis=-1)  # (B, 1|N, T)
         else:
             may = keras.ops.any(mask, -1)
     elif window is not None:
-        may = keras.ops.any(_band(t, s, causal, window), -1)[None, None]  # (1, 1, T)
+        may = _kept_in_band(keras.ops.ones((1, 1, s), "bool"), t, s, causal, window)
     if query_mask is not None:
         rows = as_bool(query_mask)[:, None, :]  # (B, 1, T)
         may = rows if may is None else keras.ops.logical_and(may, rows)
     return None if may is None else keras.ops.logical_not(may)
+
+
+def _kept_in_band(kept, t, s, causal, window):
+    """`(B, N|1, T)`: whether row `t` keeps a key of its band, `kept` `(B, N|1, S)`, from
+    running counts of the kept keys."""
+    rows = keras.ops.arange(t)
+    last = rows if causal else rows + (window - 1 if window is not None else s)
+    first = rows - (window - 1) if window is not None else keras.ops.zeros_like(rows)
+    last, first = keras.ops.minimum(last, s - 1), keras.ops.maximum(first, 0)  # (T,) each
+    counts = keras.ops.cumsum(keras.ops.cast(kept, "int32"), axis=-1)  # (B, N|1, S)
+    counts = keras.ops.pad(counts, [(0, 0), (0, 0), (1, 0)])  # counts[i]: kept keys before i
+    inside = keras.ops.take(counts, last + 1, axis=-1) - keras.ops.take(counts, first, axis=-1)
+    return keras.ops.logical_and(inside > 0, last >= first)  # (B, N|1, T)
 
 
 def _band(t, s, causal, window):

@@ -27,64 +27,87 @@ _CONTAINERS = (list, tuple, dict)
 _DEPTH = 6
 
 
-def _replaced(value, old, new):
+def _replaced(value, old, new, seen=None):
     """`value` with `old` put as `new` at any depth of its lists, tuples and dicts: lists and
     dicts change in place (Keras's tracked ones keep tracking), tuples are made anew."""
     if value is old:
         return new
+    if not isinstance(value, _CONTAINERS):
+        return value
+    seen = set() if seen is None else seen
+    if id(value) in seen:
+        return value  # a container that holds itself
+    seen.add(id(value))
     if isinstance(value, list):  # TensorFlow's ListWrapper and Keras's TrackedList too
         for i, item in enumerate(list(value)):
-            swapped = _replaced(item, old, new)
+            swapped = _replaced(item, old, new, seen)
             if swapped is not item:
                 value[i] = swapped
     elif isinstance(value, dict):
         for key, item in list(value.items()):
-            swapped = _replaced(item, old, new)
+            swapped = _replaced(item, old, new, seen)
             if swapped is not item:
                 value[key] = swapped
-    elif isinstance(value, tuple):
-        items = [_replaced(item, old, new) for item in value]
+    else:
+        items = [_replaced(item, old, new, seen) for item in value]
         if any(a is not b for a, b in zip(items, value)):
             return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
     return value
 
 
-def _where(value, old, path):
-    """The path of `old` inside `value` (its lists, tuples, dicts, sets), or None."""
+def _places(value, old, path, seen=None):
+    """Every path of `old` inside `value` (its lists, tuples, dicts and sets)."""
     if value is old:
-        return path
-    if isinstance(value, (set, frozenset)):
-        return f"{path} (a set)" if any(item is old for item in value) else None
-    items = value.items() if isinstance(value, dict) else (
-        enumerate(value) if isinstance(value, (list, tuple)) else ()
-    )  # fmt: skip
-    for key, item in items:
-        found = _where(item, old, f"{path}[{key!r}]")
-        if found is not None:
-            return found
-    return None
+        yield path
+    elif isinstance(value, (set, frozenset)):
+        if any(item is old for item in value):
+            yield f"{path} (a set)"
+    elif isinstance(value, _CONTAINERS):
+        seen = set() if seen is None else seen
+        if id(value) in seen:
+            return
+        seen.add(id(value))
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for key, item in items:
+            yield from _places(item, old, f"{path}[{key!r}]", seen)
 
 
-def replace(parent, old, new, path):
+def _attributes(parent):
+    return [(name, value) for name, value in vars(parent).items() if name not in _BOOKKEEPING]
+
+
+def check(parent, old, path):
+    """`ValueError`, naming the place, where `parent` holds `old` where it cannot be replaced
+    (in a set); checked for every parent before anything is swapped."""
+    for name, value in _attributes(parent):
+        for place in _places(value, old, f"{parent.name}.{name}"):
+            if place.endswith("(a set)"):
+                raise ValueError(
+                    f"Could not swap {path!r}: `{place}` holds it where it cannot be replaced. "
+                    "Hold attention layers in attributes, lists, tuples or dicts."
+                )
+
+
+def holds(parent, old):
+    """Whether `parent` holds `old` in an attribute, a container of one, or its graph."""
+    for name, value in _attributes(parent):
+        if next(_places(value, old, name), None) is not None:
+            return True
+    nodes = (getattr(parent, "_nodes_by_depth", None) or {}).values()
+    return any(node.operation is old for level in nodes for node in level)
+
+
+def replace(parent, old, new):
     """Points every attribute of `parent`, and every list, tuple or dict inside one at any
     depth, that holds `old` at `new`; keeps Keras's tracking (the order of `parent.weights`)
-    and a functional graph's nodes in place. `ValueError`, naming the place, where `old`
-    stays (in a set)."""
+    and a functional graph's nodes in place. `check` comes first."""
     tracker = getattr(parent, "_tracker", None)
     if tracker is not None and tracker.is_in_store("layers", old):
         tracker.replace_tracked_value("layers", old, new)
-    for name, value in list(vars(parent).items()):
-        if name in _BOOKKEEPING:
-            continue  # TensorFlow's and Keras's own records, which their setters keep
+    for name, value in _attributes(parent):
         swapped = _replaced(value, old, new)
         if swapped is not value:
             setattr(parent, name, swapped)  # the TF backend's checkpoint dependency follows
-        left = _where(swapped, old, f"{parent.name}.{name}")
-        if left is not None:
-            raise ValueError(
-                f"Could not swap {path!r}: `{left}` holds it where it cannot be replaced. "
-                "Hold attention layers in attributes, lists, tuples or dicts."
-            )
     _replace_in_graph(parent, old, new)
 
 
@@ -118,16 +141,15 @@ def _replace_in_graph(parent, old, new):
 
 
 def holders(targets, exclude):
-    """The Keras layers, other than those whose ids are in `exclude`, that hold one of
+    """The Keras layers, other than those whose ids are in `exclude`, that hold any of
     `targets` in an attribute or in lists, tuples or dicts of their attributes.
 
-    Returns `{id(target): [layer, ...]}`. One scan of the heap per level of containers
-    (`gc.get_referrers` with every object of the level at once).
+    One scan of the heap per level of containers (`gc.get_referrers` with every object of
+    the level at once), after a collection, so that garbage holds nothing.
     """
-    found = {id(target): [] for target in targets}
-    frontier = {id(target): target for target in targets}
-    origin = {id(target): id(target) for target in targets}  # the target each object leads to
-    seen = set(frontier) | {id(found), id(frontier), id(origin)}
+    gc.collect()
+    found, frontier = {}, {id(target): target for target in targets}
+    seen = set(frontier) | {id(found), id(frontier)}
     for _ in range(_DEPTH):
         if not frontier:
             break
@@ -136,22 +158,22 @@ def holders(targets, exclude):
         level = {}
         seen.update({id(objects), id(referrers), id(level)})
         for referrer in referrers:
-            if id(referrer) in seen:
+            if id(referrer) in seen or id(referrer) in exclude:
                 continue
             is_layer = isinstance(referrer, keras.layers.Layer)
             if not (is_layer or isinstance(referrer, _CONTAINERS)):
                 continue  # frames, nodes, tensors: not a layer's holding
-            seen.add(id(referrer))
             # What it holds: a dict's values (a dict keyed by layers holds no layer in place).
             held = referrer.values() if isinstance(referrer, dict) else gc.get_referents(referrer)
-            for target in {origin[id(x)] for x in held if id(x) in frontier}:
-                if is_layer and id(referrer) not in exclude:
-                    found[target].append(referrer)
-                elif not is_layer:
-                    level[id(referrer)] = referrer
-                    origin[id(referrer)] = target
+            if not any(id(x) in frontier for x in held):
+                continue
+            if is_layer:
+                found[id(referrer)] = referrer
+            else:
+                seen.add(id(referrer))
+                level[id(referrer)] = referrer
         frontier = level
-    return found
+    return list(found.values())
 
 
 def enclosing(layers, exclude):
@@ -159,13 +181,9 @@ def enclosing(layers, exclude):
     other such layers (the task around a backbone, the model around a block)."""
     out, frontier, exclude = [], list(layers), set(exclude)
     while frontier:
-        found = [layer for held in holders(frontier, exclude).values() for layer in held]
-        frontier = []
-        for layer in found:
-            if id(layer) not in exclude:
-                exclude.add(id(layer))
-                out.append(layer)
-                frontier.append(layer)
+        frontier = [layer for layer in holders(frontier, exclude) if id(layer) not in exclude]
+        exclude.update(id(layer) for layer in frontier)
+        out += frontier
     return out
 
 

@@ -4,11 +4,14 @@ pointed at constructors that make this layer, in the threads that are inside a s
 The names are module attributes, so the patch is process-wide: it goes in when the first
 scope opens and comes out when the last one closes (a count under a lock), whatever the order
 in which overlapping scopes of several threads close. What a constructor makes is decided per
-thread: a thread with no scope open gets the real class, and `isinstance` against a patched
-name still recognises the real class's instances. Nested scopes merge their options, the inner
-one's winning, for every class alike.
+context (a `contextvars.ContextVar`: each thread, and each asyncio task, has its own): code
+with no scope open gets the real class, and `isinstance` against a patched name still
+recognises the real class's instances. Nested scopes merge their options, the inner one's
+winning, for every class alike; closing a scope takes out its own options, also when scopes
+close out of order.
 """
 
+import contextvars
 import sys
 import threading
 
@@ -16,13 +19,13 @@ from keras_sdpa.layer import ScaledDotProductAttention
 
 _LOCK = threading.Lock()
 _OPEN = 0  # scopes open in the process
-_LOCAL = threading.local()  # .stack: this thread's scopes' options, innermost last
+_OPTIONS = contextvars.ContextVar("keras_sdpa_scope", default=())  # innermost last
 _CONSTRUCTORS = {}  # real class: its constructor, made once
 
 
 def current_options():
-    """The merged options of this thread's open scopes, or None outside any scope."""
-    stack = getattr(_LOCAL, "stack", None)
+    """The merged options of the scopes open in this context, or None outside any scope."""
+    stack = _OPTIONS.get()
     if not stack:
         return None
     merged = {}
@@ -32,31 +35,43 @@ def current_options():
 
 
 def enter(classes, options, bind):
-    """Opens a scope of this thread with `options`; the first scope of the process patches
+    """Opens a scope with `options` in this context; the first scope of the process patches
     the names of `classes`. `bind(layer_class, args, kwargs)` gives a constructor call's
-    arguments in this layer's names."""
+    arguments in this layer's names, or None where the class's own layer is kept. Returns the
+    scope's entry, which `exit` takes."""
     global _OPEN
-    if not hasattr(_LOCAL, "stack"):
-        _LOCAL.stack = []
-    _LOCAL.stack.append(dict(options))
     with _LOCK:
         for cls in classes:
             if cls not in _CONSTRUCTORS:
                 _CONSTRUCTORS[cls] = _constructor(cls, bind)
         if _OPEN == 0:
-            _patch({cls: _CONSTRUCTORS[cls] for cls in classes})
+            try:
+                _patch({cls: _CONSTRUCTORS[cls] for cls in classes})
+            except BaseException:
+                _patch(_restoring())
+                raise
         _OPEN += 1
+    entry = dict(options)
+    _OPTIONS.set((*_OPTIONS.get(), entry))
+    return entry
 
 
-def exit():
-    """Closes this thread's innermost scope; the last scope of the process restores every
-    name, also in modules imported inside a scope."""
+def exit(entry):
+    """Closes the scope whose options are `entry` (its own, also when scopes close out of
+    order); the last scope of the process restores every name, also in modules imported
+    inside a scope."""
     global _OPEN
-    _LOCAL.stack.pop()
-    with _LOCK:
-        _OPEN -= 1
-        if _OPEN == 0:
-            _patch({constructor: cls for cls, constructor in _CONSTRUCTORS.items()})
+    try:
+        _OPTIONS.set(tuple(other for other in _OPTIONS.get() if other is not entry))
+    finally:
+        with _LOCK:
+            _OPEN -= 1
+            if _OPEN == 0:
+                _patch(_restoring())
+
+
+def _restoring():
+    return {constructor: cls for cls, constructor in _CONSTRUCTORS.items()}
 
 
 def _patch(replacements):

@@ -4,17 +4,8 @@ import string
 
 import keras
 
-from keras_sdpa import (
-    _arguments,
-    _backend,
-    _cache,
-    _folded,
-    _layer_masks,
-    _rank_n,
-    _stand_in,
-    mods,
-    ops,
-)
+from keras_sdpa import _arguments, _backend, _cache, _folded, _layer_masks, _rank_n, mods, ops
+from keras_sdpa import _stand_in as stand_in
 
 
 @keras.saving.register_keras_serializable(package="keras_sdpa")
@@ -104,15 +95,10 @@ class ScaledDotProductAttention(keras.layers.Layer):
             Built-ins and functions registered with
             `keras.saving.register_keras_serializable` round-trip through `get_config`
             and `.keras` files; an unregistered function cannot be saved.
-        replaces: None, or the name of the class this layer stands in for
-            (`"MultiHeadAttention"`, `"GroupedQueryAttention"`,
-            `"CachedMultiHeadAttention"`), as `replace_attention` and `sdpa_scope` set
-            it. The layer then takes that class's call arguments only (keras-hub's
-            `CachedMultiHeadAttention` takes no padding masks, so Keras hands it none),
-            and gives a query whose keys are all masked what that class gives: uniform
-            weights, the mean of the values, where Keras runs
-            `keras.ops.dot_product_attention` (no dropout, no returned scores, rank-3
-            inputs), zeros elsewhere.
+        replaces: None, or the class this layer stands in for (`"MultiHeadAttention"`,
+            `"GroupedQueryAttention"`, `"CachedMultiHeadAttention"`), as the swap sets
+            it: the layer then takes that class's call arguments, and gives a fully
+            masked query what that class gives (`keras_sdpa._stand_in`).
 
     Call arguments:
         query: `(B, *dims_q, E_q)` query input; rank 3 is `(B, T, E_q)`.
@@ -198,10 +184,10 @@ class ScaledDotProductAttention(keras.layers.Layer):
         super().__init__(**kwargs)
         self._activity_regularizer = keras.regularizers.get(activity_regularizer)
         _backend.check()
-        _stand_in.check(replaces)
-        self.replaces = replaces
+        stand_in.check(replaces, use_gate, sliding_window)
+        self._replaces = replaces
         if replaces is not None:
-            self._call_signature = _stand_in.call_signature(self.call, replaces)
+            self._call_signature = stand_in.call_signature(self.call, replaces)
             self.call_signature_parameters = list(self._call_signature.parameters)
         self.output_shape, attention_axes, scale = _arguments.check(
             num_heads, key_dim, value_dim, num_key_value_heads, dropout, output_shape,
@@ -237,6 +223,16 @@ class ScaledDotProductAttention(keras.layers.Layer):
         object.__setattr__(self, "mask_mod", mask_mod)
         self.seed_generator = keras.random.SeedGenerator(seed) if dropout > 0 else None
         self.supports_masking = True
+
+    @property
+    def replaces(self):
+        """The class this layer stands in for (set at construction), or None."""
+        return self._replaces
+
+    def __call__(self, *args, **kwargs):
+        if self._replaces is not None:  # bound by the replaced class's call, in its order
+            args, kwargs = stand_in.by_name(self._call_signature, args, kwargs)
+        return super().__call__(*args, **kwargs)
 
     @property
     def uses_output_projection(self):
@@ -364,6 +360,7 @@ class ScaledDotProductAttention(keras.layers.Layer):
         cache_update_index=None,
     ):
         key = value if key is None else key
+        query_mask = stand_in.query_mask(self.replaces, query, query_mask)
         self._check_call_inputs(query, value, key)
         mask_mod = _layer_masks.bind_segment_ids(self.mask_mod, segment_ids, query, key, cache)
         if cache is not None or cache_update_index is not None:
@@ -395,9 +392,10 @@ class ScaledDotProductAttention(keras.layers.Layer):
                     use_causal_mask, attention_bias,
                 )  # fmt: skip
                 out, weights = _layer_masks.zero_rows(out, weights, rows)
-                out = self._stand_in_rows(
-                    out, value, mask, rows, return_attention_scores, use_causal_mask
-                )
+                out = stand_in.rows(
+                    self, out, value, lambda: _folded.mean_values(self, value), mask, rows,
+                    return_attention_scores, use_causal_mask,
+                )  # fmt: skip
                 return self._finish(query, out, weights, gate, return_attention_scores)
             q = self._query_dense(query)  # (B, *dims_q, N, H)
             k = self._key_dense(key)  # (B, *dims_v, K, H)
@@ -415,9 +413,10 @@ class ScaledDotProductAttention(keras.layers.Layer):
                 mask_mod=mask_mod,
             )
             out, weights = _layer_masks.zero_rows(out, weights, rows)
-            out = self._stand_in_rows(
-                out, value, mask, rows, return_attention_scores, use_causal_mask
-            )
+            out = stand_in.rows(
+                self, out, value, lambda: keras.ops.mean(v, axis=1, keepdims=True), mask, rows,
+                return_attention_scores, use_causal_mask,
+            )  # fmt: skip
         else:
             # A subclass that overrides MultiHeadAttention's `_compute_attention`
             # gets MHA's contract: the causal mask folded into `attention_mask`.
@@ -506,31 +505,12 @@ class ScaledDotProductAttention(keras.layers.Layer):
         )
         out, weights = result if return_attention_scores else (result, None)
         out, weights = _layer_masks.zero_rows(out, weights, query_mask)
-        if mask is not None and _stand_in.uniform_rows(
-            self.replaces, self.dropout, return_attention_scores, 3
-        ):
-            empty = _layer_masks.empty_rows(mask, None, None, None)
-            mean_values = keras.ops.mean(values, axis=1, keepdims=True)  # (B, 1, K, H)
-            out = _layer_masks.uniform_rows(out, empty, mean_values)
+        out = stand_in.cached_rows(self, out, values, mask, return_attention_scores)
         gate = self._gate_dense(query) if self.use_gate else None
         out = self._finish(query, out, weights, gate, return_attention_scores)
         if return_attention_scores:
             return out[0], out[1], cache
         return out, cache
-
-    def _stand_in_rows(self, out, value, mask, rows, return_attention_scores, causal):
-        """`out` `(B, T, N, Hv)` with the rows whose keys are all masked given what the class
-        this layer replaces gives them (`keras_sdpa._stand_in.uniform_rows`)."""
-        rank = len(value.shape)
-        if not _stand_in.uniform_rows(self.replaces, self.dropout, return_attention_scores, rank):
-            return out
-        t, s = keras.ops.shape(out)[1], keras.ops.shape(value)[1]
-        empty = _layer_masks.empty_rows(mask, rows, t, s, causal, self.sliding_window)
-        if empty is None:
-            return out
-        # The mean of the projected values is the projection of the inputs' mean.
-        mean_values = self._value_dense(keras.ops.mean(value, axis=1, keepdims=True))
-        return _layer_masks.uniform_rows(out, empty, mean_values)  # (B, T, N, Hv)
 
     def _finish(self, query, out, weights, gate, return_attention_scores):
         """The gate and `W_O` on the heads' outputs `(B, *dims_q, N, Hv)`."""

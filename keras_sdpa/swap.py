@@ -120,7 +120,7 @@ def _is_attention(layer):
     name = type(layer).__name__.lower()
     return (
         "attention" in name
-        and "mask" not in name
+        and "attentionmask" not in name
         and not isinstance(layer, ScaledDotProductAttention)
     )
 
@@ -220,9 +220,11 @@ def replace_attention(model, flash_attention=None, **layer_options):
     `compile` again before `fit` (its optimizer holds the old variables).
 
     A swapped layer that a layer outside `model` holds too (another model built on the same
-    layers) is swapped there as well, so the two stay tied; the compiled functions of
-    `model`, of every model inside it and of every model around it (the task around a
-    backbone) are traced again on their next call. Both are in the report.
+    layers) is swapped there as well, so the two stay tied. Keras's and keras-hub's compiled
+    functions (`train_function`, `test_function`, `predict_function`, `generate_function`)
+    of `model`, of every layer inside it and of every model around it (the task around a
+    backbone) are traced again on their next call; a function of your own traced before the
+    swap (a `tf.function`, a `jax.jit`) still runs the old layers. Both are in the report.
 
     Subclasses of those classes and a model's own attention classes are left as they are and
     named in the report. A functional graph's config records the new layers, so its `.keras`
@@ -265,19 +267,21 @@ def replace_attention(model, flash_attention=None, **layer_options):
     extra = _overrides(flash_attention, layer_options)
     swappable, report = _swappable(), AttentionReport()
     found, visited = _find(model, swappable, report)
+    for parent, old, path in found:
+        _references.check(parent, old, path)  # before anything changes
     swapped = {}  # id(old): (old, new, path)
     for parent, old, path in found:
         if id(old) not in swapped:
             swapped[id(old)] = (old, _swap(old, extra), path)
             report.swapped.append((path, type(old).__name__))
-        _references.replace(parent, old, swapped[id(old)][1], path)
+        _references.replace(parent, old, swapped[id(old)][1])
     for layer in visited.values():
         _reset_compiled(layer)  # `model` and every layer inside it
     holders = _tie_holders(swapped, visited, report)
-    around = _references.enclosing([model, *holders], visited)
+    around = _references.enclosing([model, *holders], set(visited) | {id(h) for h in holders})
     report.reset = [layer.name for layer in holders + around if _reset_compiled(layer)]
     if swapped:
-        _warn_on_config(model, len(swapped))
+        _warn_on_config(model)
     return report
 
 
@@ -309,25 +313,31 @@ def _tie_holders(swapped, visited, report):
     those layers."""
     olds = [old for old, _, _ in swapped.values()]
     exclude = set(visited) | {id(new) for _, new, _ in swapped.values()}
-    out = []
-    for origin, held in _references.holders(olds, exclude).items():
-        old, new, path = swapped[origin]
-        for holder in held:
-            _references.replace(holder, old, new, path)
+    held = _references.holders(olds, exclude)
+    for holder in held:
+        pairs = [(old, new, path) for old, new, path in swapped.values()
+                 if _references.holds(holder, old)]  # fmt: skip
+        for old, _, path in pairs:
+            _references.check(holder, old, path)
+        for old, new, path in pairs:
+            _references.replace(holder, old, new)
             report.shared.append((holder.name, path))
-            out.append(holder)
-    return out
+    return held
 
 
-def _warn_on_config(model, count):
-    """Makes `model.get_config` warn when its config does not record the swapped layers:
-    a model rebuilt from it (`keras.saving.load_model`, `clone_model`) would hold Keras's
-    attention again."""
+def _warn_on_config(model):
+    """Makes `model.get_config` warn when its config does not record every layer that stands
+    in for another: a model rebuilt from it (`keras.saving.load_model`, `clone_model`) would
+    hold Keras's attention again."""
+    standing_in = sum(
+        isinstance(layer, ScaledDotProductAttention) and layer.replaces is not None
+        for layer in model._flatten_layers()
+    )
     try:
         config = json.dumps(keras.saving.serialize_keras_object(model), default=str)
     except Exception:  # a model Keras cannot serialize has no config to lose the swap in
         return
-    if config.count('"replaces": "') >= count or hasattr(model, "_sdpa_unrecorded"):
+    if config.count('"replaces": "') >= standing_in or hasattr(model, "_sdpa_unrecorded"):
         return
     get_config = model.get_config
 
@@ -383,11 +393,12 @@ def sdpa_scope(flash_attention=None, **layer_options):
     Keras's layer (use `replace_attention` then). Loading a model (`keras.saving.load_model`)
     inside the scope builds it with this layer too.
 
-    The scope belongs to the thread that opens it: another thread constructing those classes
-    meanwhile gets Keras's, and `isinstance` against their names holds as outside it. Nested
-    scopes merge their options, the inner one's winning. The names are restored when the last
-    open scope of the process closes, also on an error. Subclasses defined before the scope
-    (Whisper's attention) are not affected; one defined inside it subclasses the real class.
+    The scope belongs to the thread (and asyncio task) that opens it: another thread
+    constructing those classes meanwhile gets Keras's, and `isinstance` against their names
+    holds as outside it. Nested scopes merge their options, the inner one's winning. The names
+    are restored when the last open scope of the process closes, also on an error. Subclasses
+    defined before the scope (Whisper's attention) are not affected; one defined inside it
+    subclasses the real class.
     A keras-hub `CachedMultiHeadAttention` with `use_gate` or `sliding_window` (which its
     cached call ignores) stays as it is.
 
@@ -405,11 +416,11 @@ def sdpa_scope(flash_attention=None, **layer_options):
     'ScaledDotProductAttention'
     """
     _check_options(flash_attention, layer_options)
-    _scope.enter(_swappable(), _overrides(flash_attention, layer_options), _scope_arguments)
+    entry = _scope.enter(_swappable(), _overrides(flash_attention, layer_options), _scope_arguments)
     try:
         yield
     finally:
-        _scope.exit()
+        _scope.exit(entry)
 
 
 def _scope_arguments(layer_class, args, kwargs):

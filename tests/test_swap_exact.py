@@ -105,10 +105,13 @@ def test_overlapping_scopes_of_two_threads_restore_the_names_and_keep_other_thre
     a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
     made = {}
 
+    outside_done = threading.Event()
+
     def thread_a():
         with keras_sdpa.sdpa_scope(attn_logits_soft_cap=5.0):
             a_in.set()
             b_in.wait(10)
+            outside_done.wait(10)  # the outsider constructs while both scopes are open
             made["a"] = keras.layers.MultiHeadAttention(num_heads=2, key_dim=4)
         a_out.set()
 
@@ -120,8 +123,10 @@ def test_overlapping_scopes_of_two_threads_restore_the_names_and_keep_other_thre
             made["b"] = keras.layers.MultiHeadAttention(num_heads=2, key_dim=4)
 
     def outsider():
-        a_in.wait(10)  # while a scope is open in another thread
+        b_in.wait(10)  # both scopes are open, in other threads
         made["outside"] = keras.layers.MultiHeadAttention(num_heads=2, key_dim=4)
+        made["is_mha"] = isinstance(made["outside"], keras.layers.MultiHeadAttention)
+        outside_done.set()
 
     threads = [threading.Thread(target=f) for f in (thread_a, thread_b, outsider)]
     for thread in threads:
@@ -130,7 +135,7 @@ def test_overlapping_scopes_of_two_threads_restore_the_names_and_keep_other_thre
         thread.join(30)
     assert type(made["a"]) is ScaledDotProductAttention and made["a"].attn_logits_soft_cap == 5.0
     assert type(made["b"]) is ScaledDotProductAttention and made["b"].attn_logits_soft_cap is None
-    assert type(made["outside"]) is real
+    assert type(made["outside"]) is real and made["is_mha"]
     assert keras.layers.MultiHeadAttention is real  # the last scope out restored it
     assert type(keras.layers.MultiHeadAttention(num_heads=2, key_dim=4)) is real
 
@@ -153,6 +158,45 @@ def test_nested_scopes_merge_their_options_for_every_class_and_take_positional_a
         "MultiHeadAttention", "CachedMultiHeadAttention", "GroupedQueryAttention"
     )  # fmt: skip
     assert inner.attn_logits_soft_cap == 0.25
+
+
+def test_scopes_closed_out_of_order_keep_each_ones_options():
+    import contextlib
+
+    with contextlib.ExitStack() as outer:
+        first = keras_sdpa.sdpa_scope(attn_logits_soft_cap=5.0)
+        first.__enter__()
+        outer.enter_context(keras_sdpa.sdpa_scope(chunk_size=64))
+        first.__exit__(None, None, None)  # the first closes while the second is open
+        layer = keras.layers.MultiHeadAttention(num_heads=2, key_dim=4)
+        assert (layer.attn_logits_soft_cap, layer.chunk_size) == (None, 64)
+    assert type(keras.layers.MultiHeadAttention(num_heads=2, key_dim=4)) is not type(layer)
+
+
+def test_scopes_of_two_asyncio_tasks_do_not_mix():
+    import asyncio
+
+    async def main():
+        a_in, b_in, a_built = asyncio.Event(), asyncio.Event(), asyncio.Event()
+
+        async def first():
+            with keras_sdpa.sdpa_scope(attn_logits_soft_cap=5.0):
+                a_in.set()
+                await b_in.wait()  # the second task's scope is open now, in the same thread
+                layer = keras.layers.MultiHeadAttention(num_heads=2, key_dim=4)
+                a_built.set()
+                return layer.attn_logits_soft_cap
+
+        async def second():
+            await a_in.wait()
+            with keras_sdpa.sdpa_scope(attn_logits_soft_cap=7.0):
+                b_in.set()
+                await a_built.wait()
+                return keras.layers.MultiHeadAttention(num_heads=2, key_dim=4).attn_logits_soft_cap
+
+        return await asyncio.gather(first(), second())
+
+    assert asyncio.run(main()) == [5.0, 7.0]
 
 
 # 4. Attention in containers of any depth.
@@ -247,16 +291,18 @@ def test_frozen_projections_stay_frozen_and_untrained():
 # 6. A layer shared by two models stays shared.
 
 
-def test_a_layer_shared_by_another_model_is_swapped_there_too(tmp_path):
+def test_layers_shared_by_another_model_are_swapped_there_too(tmp_path):
     x = keras.Input((T, E))
-    attention = keras.layers.MultiHeadAttention(num_heads=2, key_dim=4)
-    hidden = attention(x, x)
+    first = keras.layers.MultiHeadAttention(num_heads=2, key_dim=4, name="first")
+    second = keras.layers.MultiHeadAttention(num_heads=2, key_dim=4, name="second")
+    hidden = second(first(x, x), x)
     model_a = keras.Model(x, keras.layers.Dense(1)(hidden), name="model_a")
     model_b = keras.Model(x, keras.layers.Dense(2)(hidden), name="model_b")
     report = keras_sdpa.replace_attention(model_a)
-    assert [holder for holder, _ in report.shared] == ["model_b"]
-    (new,) = sdpa_layers(model_a)
-    assert sdpa_layers(model_b) == [new]
+    assert sorted(report.shared) == [("model_b", "model_a/first"), ("model_b", "model_a/second")]
+    assert sdpa_layers(model_b) == sdpa_layers(model_a) and len(sdpa_layers(model_a)) == 2
+    shared = {id(w) for w in model_a.weights} & {id(w) for w in model_b.weights}
+    assert len(shared) == 16  # both attention layers' variables, and no stale copy of them
     data = np.random.default_rng(0).normal(size=(B, T, E)).astype("float32")
     before = numpy(model_b(data))
     model_a.compile(optimizer=keras.optimizers.SGD(0.5), loss="mse")
@@ -367,6 +413,103 @@ def test_fully_masked_rows_get_what_the_replaced_class_gives(dropout):
             got, want = ours(q, v, **kwargs), stock(q, v, **kwargs)
             for a, b in zip(*(x if scores else (x,) for x in (got, want))):
                 np.testing.assert_allclose(numpy(a), numpy(b), atol=1e-5)
+
+
+def stand_in(make, *shapes):
+    """A Keras layer built on `shapes` and the stand-in put in its place, same weights."""
+
+    def build():
+        layer = make()
+        layer(*(np.zeros(shape, "float32") for shape in shapes))
+        return layer
+
+    stock, ours = twins(build)
+    holder = keras.layers.Layer()
+    holder.attention = ours
+    keras_sdpa.replace_attention(holder)
+    return stock, holder.attention
+
+
+def close(got, want):
+    for a, b in zip(keras.tree.flatten(got), keras.tree.flatten(want)):
+        np.testing.assert_allclose(numpy(a), numpy(b), atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "case", ["gqa", "window", "window-causal", "value_mask-causal", "folded", "2d-mask"]
+)
+def test_fully_masked_rows_of_every_mask_form_are_the_stock_ones(case):
+    rng = np.random.default_rng(3)
+    t = 1 if case == "folded" else T
+    q = rng.normal(size=(B, t, 8)).astype("float32")
+    v = rng.normal(size=(B, 5, 8)).astype("float32")
+    if case == "gqa":
+        stock, ours = stand_in(lambda: keras.layers.GroupQueryAttention(4, 4, 2), (B, T, 8),
+                               (B, 5, 8))  # fmt: skip
+    else:
+        window = 2 if "window" in case else None
+        stock, ours = stand_in(
+            lambda: keras.layers.MultiHeadAttention(2, 16 if case == "folded" else 4,
+                                                    sliding_window=window),
+            (B, t, 8), (B, 5, 8),
+        )  # fmt: skip
+    keys = np.ones((B, 5), bool)
+    keys[0, :3], keys[1] = False, False  # row 0's first keys and all of row 1's
+    mask = rng.random((B, t, 5)) < 0.6
+    mask[0, 0] = False
+    kwargs = {
+        "gqa": dict(attention_mask=mask, use_causal_mask=True),
+        "window": dict(value_mask=keys),
+        "window-causal": dict(value_mask=keys, use_causal_mask=True),
+        "value_mask-causal": dict(value_mask=keys, use_causal_mask=True),
+        "folded": dict(attention_mask=mask),
+        "2d-mask": dict(attention_mask=mask[0]),  # (T, S)
+    }[case]
+    close(ours(q, v, **kwargs), stock(q, v, **kwargs))
+
+
+def test_the_stand_in_takes_its_classs_arguments_as_that_class_does():
+    rng = np.random.default_rng(4)
+    q = rng.normal(size=(B, T, 8)).astype("float32")
+    mask = rng.random((B, T, T)) < 0.5
+    stock, ours = stand_in(lambda: CachedMultiHeadAttention(2, 4), (B, T, 8), (B, T, 8))
+    close(ours(q, q, q, mask), stock(q, q, q, mask))  # the fourth is `attention_mask`
+    cache = rng.normal(size=(B, 2, T, 2, 4)).astype("float32")
+    kwargs = dict(cache_update_index=0)  # Keras takes only tensors by position
+    close(ours(q, q, None, mask, cache, **kwargs), stock(q, q, None, mask, cache, **kwargs))
+    stock, ours = stand_in(lambda: keras.layers.MultiHeadAttention(2, 4), (B, T, 8), (B, T, 8))
+    rows = np.ones((B, T), bool)
+    rows[0, 3:] = False
+    # MultiHeadAttention reads the query's padding from its Keras mask, not this argument.
+    close(ours(q, q, query_mask=rows), stock(q, q, query_mask=rows))
+    with pytest.raises(TypeError, match="attention_bias"):  # Keras's refuses it too
+        ours(q, q, attention_bias=np.zeros((B, 2, T, T), "float32"))
+
+
+def test_the_stand_in_adds_the_losses_of_the_replaced_class():
+    def make():
+        return keras.layers.MultiHeadAttention(2, 4, activity_regularizer="l2")
+
+    stock, ours = stand_in(make, (B, T, 8), (B, T, 8))
+    rng = np.random.default_rng(5)
+    q = rng.normal(size=(B, T, 8)).astype("float32")
+    mask = rng.random((B, T, T)) < 0.5
+    mask[0, 1] = False
+    close(ours(q, q, attention_mask=mask), stock(q, q, attention_mask=mask))
+    assert len(ours.losses) == len(stock.losses) == 4
+    close(ours.losses, stock.losses)
+
+
+def test_bad_replaces_is_refused_with_what_was_received():
+    with pytest.raises(ValueError, match=r"replaces=\['MultiHeadAttention'\]"):
+        ScaledDotProductAttention(num_heads=2, replaces=["MultiHeadAttention"])
+    with pytest.raises(ValueError, match="ignores `use_gate`.*use_gate=True"):
+        ScaledDotProductAttention(num_heads=2, use_gate=True, replaces="CachedMultiHeadAttention")
+    layer = ScaledDotProductAttention(num_heads=2, replaces="MultiHeadAttention")
+    with pytest.raises(AttributeError):
+        layer.replaces = None  # fixed at construction, with the call arguments it decides
+    with pytest.raises(ValueError, match="`replaces` is the swap's to set"):
+        keras_sdpa.replace_attention(keras.layers.Layer(), replaces="MultiHeadAttention")
 
 
 # 10. Saving: a functional graph loads back swapped; a model whose code builds Keras's
