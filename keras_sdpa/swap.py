@@ -269,11 +269,12 @@ def replace_attention(model, flash_attention=None, **layer_options):
     found, visited = _find(model, swappable, report)
     for parent, old, path in found:
         _references.check(parent, old, path)  # before anything changes
-    swapped = {}  # id(old): (old, new, path)
-    for parent, old, path in found:
+    swapped = {}  # id(old): (old, new, path), every new layer made before any is put in
+    for _, old, path in found:
         if id(old) not in swapped:
             swapped[id(old)] = (old, _swap(old, extra), path)
             report.swapped.append((path, type(old).__name__))
+    for parent, old, _ in found:
         _references.replace(parent, old, swapped[id(old)][1])
     for layer in visited.values():
         _reset_compiled(layer)  # `model` and every layer inside it
