@@ -19,8 +19,8 @@ def folds(layer, query, training, use_causal_mask):
     the key bias shifts each logit row by a constant, which the softmax ignores, and the
     value bias is weighted by the row's total weight. Only the plain configuration
     folds: self-attention-style axes, no grouped heads, no soft cap (not
-    shift-invariant), no causal mask or window, no dropout while training, and
-    projections that are neither quantized nor LoRA.
+    shift-invariant), no causal mask or window, no dropout while training, no activity
+    regularizer, and projections that are neither quantized nor LoRA.
     """
     length = query.shape[1]
     if len(query.shape) != 3 or not isinstance(length, int):
@@ -35,6 +35,8 @@ def folds(layer, query, training, use_causal_mask):
         return False
     if training and layer.dropout > 0:
         return False
+    if layer._activity_regularizer is not None:
+        return False  # the fold never calls the key and value projections, whose loss it is
     return not any(
         dense.quantization_mode is not None or dense.lora_enabled
         for dense in (layer._query_dense, layer._key_dense, layer._value_dense)

@@ -83,7 +83,7 @@ def _kept_in_band(kept, t, s, causal, window):
     rows = keras.ops.arange(t)
     last = rows if causal else rows + (window - 1 if window is not None else s)
     first = rows - (window - 1) if window is not None else keras.ops.zeros_like(rows)
-    last, first = keras.ops.minimum(last, s - 1), keras.ops.maximum(first, 0)  # (T,) each
+    last, first = keras.ops.minimum(last, s - 1), keras.ops.clip(first, 0, s)  # (T,) each
     counts = keras.ops.cumsum(keras.ops.cast(kept, "int32"), axis=-1)  # (B, N|1, S)
     counts = keras.ops.pad(counts, [(0, 0), (0, 0), (1, 0)])  # counts[i]: kept keys before i
     inside = keras.ops.take(counts, last + 1, axis=-1) - keras.ops.take(counts, first, axis=-1)

@@ -27,31 +27,34 @@ _CONTAINERS = (list, tuple, dict)
 _DEPTH = 6
 
 
-def _replaced(value, old, new, seen=None):
+def _replaced(value, old, new, done=None):
     """`value` with `old` put as `new` at any depth of its lists, tuples and dicts: lists and
-    dicts change in place (Keras's tracked ones keep tracking), tuples are made anew."""
+    dicts change in place (Keras's tracked ones keep tracking), tuples are made anew (the same
+    tuple met twice becomes the same new one)."""
     if value is old:
         return new
     if not isinstance(value, _CONTAINERS):
         return value
-    seen = set() if seen is None else seen
-    if id(value) in seen:
-        return value  # a container that holds itself
-    seen.add(id(value))
+    done = {} if done is None else done  # id: what the container became
+    if id(value) in done:
+        return done[id(value)]  # met before, or a container that holds itself
+    done[id(value)] = value
     if isinstance(value, list):  # TensorFlow's ListWrapper and Keras's TrackedList too
         for i, item in enumerate(list(value)):
-            swapped = _replaced(item, old, new, seen)
+            swapped = _replaced(item, old, new, done)
             if swapped is not item:
                 value[i] = swapped
     elif isinstance(value, dict):
         for key, item in list(value.items()):
-            swapped = _replaced(item, old, new, seen)
+            swapped = _replaced(item, old, new, done)
             if swapped is not item:
                 value[key] = swapped
     else:
-        items = [_replaced(item, old, new, seen) for item in value]
+        items = [_replaced(item, old, new, done) for item in value]
         if any(a is not b for a, b in zip(items, value)):
-            return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+            made = type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+            done[id(value)] = made
+            return made
     return value
 
 

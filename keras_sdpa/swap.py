@@ -267,18 +267,24 @@ def replace_attention(model, flash_attention=None, **layer_options):
     extra = _overrides(flash_attention, layer_options)
     swappable, report = _swappable(), AttentionReport()
     found, visited = _find(model, swappable, report)
-    for parent, old, path in found:
-        _references.check(parent, old, path)  # before anything changes
-    swapped = {}  # id(old): (old, new, path), every new layer made before any is put in
-    for _, old, path in found:
-        if id(old) not in swapped:
-            swapped[id(old)] = (old, _swap(old, extra), path)
-            report.swapped.append((path, type(old).__name__))
-    for parent, old, _ in found:
-        _references.replace(parent, old, swapped[id(old)][1])
+    olds = {id(old): (old, path) for _, old, path in found}
+    # Where else they are held (another model built on the same layers): `(holder, old,
+    # path)`. Every place is checked, and every new layer made, before anything changes.
+    held = _references.holders([old for old, _ in olds.values()], set(visited)) if olds else []
+    shared = [(holder, old, path) for holder in held for old, path in olds.values()
+              if _references.holds(holder, old)]  # fmt: skip
+    for parent, old, path in found + shared:
+        _references.check(parent, old, path)
+    swapped = {}  # id(old): the new layer
+    for key, (old, path) in olds.items():
+        swapped[key] = _swap(old, extra)
+        report.swapped.append((path, type(old).__name__))
+    for parent, old, _ in found + shared:
+        _references.replace(parent, old, swapped[id(old)])
+    report.shared = [(holder.name, path) for holder, _, path in shared]
     for layer in visited.values():
         _reset_compiled(layer)  # `model` and every layer inside it
-    holders = _tie_holders(swapped, visited, report)
+    holders = list({id(holder): holder for holder, _, _ in shared}.values())
     around = _references.enclosing([model, *holders], set(visited) | {id(h) for h in holders})
     report.reset = [layer.name for layer in holders + around if _reset_compiled(layer)]
     if swapped:
@@ -307,23 +313,6 @@ def _find(model, swappable, report):
 
     visit(model, model.name)
     return found, visited
-
-
-def _tie_holders(swapped, visited, report):
-    """Swaps the new layers in where layers outside the walk held the old ones too; returns
-    those layers."""
-    olds = [old for old, _, _ in swapped.values()]
-    exclude = set(visited) | {id(new) for _, new, _ in swapped.values()}
-    held = _references.holders(olds, exclude)
-    for holder in held:
-        pairs = [(old, new, path) for old, new, path in swapped.values()
-                 if _references.holds(holder, old)]  # fmt: skip
-        for old, _, path in pairs:
-            _references.check(holder, old, path)
-        for old, new, path in pairs:
-            _references.replace(holder, old, new)
-            report.shared.append((holder.name, path))
-    return held
 
 
 def _warn_on_config(model):

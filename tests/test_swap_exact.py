@@ -252,6 +252,28 @@ def test_attention_in_nested_containers_is_swapped_called_and_trained(monkeypatc
         np.testing.assert_allclose(numpy(b), numpy(a), atol=1e-5)
 
 
+def test_a_shared_holder_that_cannot_take_the_new_layer_stops_the_swap_before_any_change():
+    model = keras.layers.Layer(name="model")
+    model.attention = keras.layers.MultiHeadAttention(num_heads=2, key_dim=4)
+    other = keras.layers.Layer(name="other")
+    object.__setattr__(other, "group", {model.attention})  # held outside the model, in a set
+    object.__setattr__(other, "keep", [model.attention])
+    old = model.attention
+    with pytest.raises(ValueError, match=r"other\.group \(a set\)"):
+        keras_sdpa.replace_attention(model)
+    assert model.attention is old and other.keep[0] is old  # nothing changed
+
+
+def test_a_tuple_met_twice_is_replaced_in_both_places():
+    holder = keras.layers.Layer(name="holder")
+    holder.attention = keras.layers.MultiHeadAttention(num_heads=2, key_dim=4)
+    pair = (holder.attention, 1)
+    object.__setattr__(holder, "pairs", [pair, pair])  # untracked: Keras leaves it as it is
+    keras_sdpa.replace_attention(holder)
+    assert holder.pairs[0][0] is holder.pairs[1][0] is holder.attention
+    assert type(holder.attention) is ScaledDotProductAttention
+
+
 def test_a_layer_held_in_a_set_is_refused_with_its_place():
     holder = keras.layers.Layer(name="holder")
     holder.attention = keras.layers.MultiHeadAttention(num_heads=2, key_dim=4)
@@ -436,7 +458,8 @@ def close(got, want):
 
 
 @pytest.mark.parametrize(
-    "case", ["gqa", "window", "window-causal", "value_mask-causal", "folded", "2d-mask"]
+    "case",
+    ["gqa", "window", "window-causal", "value_mask-causal", "folded", "2d-mask", "window-beyond"],
 )
 def test_fully_masked_rows_of_every_mask_form_are_the_stock_ones(case):
     rng = np.random.default_rng(3)
@@ -447,7 +470,7 @@ def test_fully_masked_rows_of_every_mask_form_are_the_stock_ones(case):
         stock, ours = stand_in(lambda: keras.layers.GroupQueryAttention(4, 4, 2), (B, T, 8),
                                (B, 5, 8))  # fmt: skip
     else:
-        window = 2 if "window" in case else None
+        window = {"window": 2, "window-causal": 2, "window-beyond": 1}.get(case)  # T > S + W
         stock, ours = stand_in(
             lambda: keras.layers.MultiHeadAttention(2, 16 if case == "folded" else 4,
                                                     sliding_window=window),
@@ -464,6 +487,7 @@ def test_fully_masked_rows_of_every_mask_form_are_the_stock_ones(case):
         "value_mask-causal": dict(value_mask=keys, use_causal_mask=True),
         "folded": dict(attention_mask=mask),
         "2d-mask": dict(attention_mask=mask[0]),  # (T, S)
+        "window-beyond": {},  # the last query rows see no key: |t - s| < 1 past S
     }[case]
     close(ours(q, v, **kwargs), stock(q, v, **kwargs))
 
@@ -486,16 +510,18 @@ def test_the_stand_in_takes_its_classs_arguments_as_that_class_does():
         ours(q, q, attention_bias=np.zeros((B, 2, T, T), "float32"))
 
 
-def test_the_stand_in_adds_the_losses_of_the_replaced_class():
-    def make():
-        return keras.layers.MultiHeadAttention(2, 4, activity_regularizer="l2")
+@pytest.mark.parametrize("t", [T, 1], ids=["projected", "short-query"])
+def test_the_stand_in_adds_the_losses_of_the_replaced_class(t):
+    def make():  # a short query against wide heads would attend in the inputs' space
+        return keras.layers.MultiHeadAttention(2, 16, activity_regularizer="l2")
 
-    stock, ours = stand_in(make, (B, T, 8), (B, T, 8))
+    stock, ours = stand_in(make, (B, t, 8), (B, T, 8))
     rng = np.random.default_rng(5)
-    q = rng.normal(size=(B, T, 8)).astype("float32")
-    mask = rng.random((B, T, T)) < 0.5
-    mask[0, 1] = False
-    close(ours(q, q, attention_mask=mask), stock(q, q, attention_mask=mask))
+    q, v = rng.normal(size=(B, t, 8)).astype("float32"), rng.normal(size=(B, T, 8))
+    v = v.astype("float32")
+    mask = rng.random((B, t, T)) < 0.5
+    mask[0, 0] = False
+    close(ours(q, v, attention_mask=mask), stock(q, v, attention_mask=mask))
     assert len(ours.losses) == len(stock.losses) == 4
     close(ours.losses, stock.losses)
 
