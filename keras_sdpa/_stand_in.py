@@ -79,7 +79,7 @@ def query_mask(replaces, query, given):
     return given
 
 
-def uniform_rows(replaces, dropout, return_attention_scores, rank):
+def gives_uniform_rows(replaces, dropout, return_attention_scores, rank):
     """Whether a query row whose keys are all masked gets uniform weights, the mean of the
     values, as the replaced class computes it.
 
@@ -98,7 +98,7 @@ def rows(layer, out, value, mean_values, mask, query_mask, return_scores, causal
     `(B, 1, K, Hv)`, the mean of the projected values, where that is uniform weights. `mask`
     is the keys' side, `query_mask` `(B, T)` the rows left out."""
     rank = len(value.shape)
-    if not uniform_rows(layer.replaces, layer.dropout, return_scores, rank):
+    if not gives_uniform_rows(layer.replaces, layer.dropout, return_scores, rank):
         return out
     t, s = keras.ops.shape(out)[1], keras.ops.shape(value)[1]
     empty = _layer_masks.empty_rows(mask, query_mask, t, s, causal, layer.sliding_window)
@@ -110,7 +110,7 @@ def rows(layer, out, value, mean_values, mask, query_mask, return_scores, causal
 def cached_rows(layer, out, values, mask, return_scores):
     """The same for a cached call, against the cached `values` `(B, S, K, H)` (keras-hub's
     cached attention takes no causal flag, window or padding mask: `mask` says it all)."""
-    if mask is None or not uniform_rows(layer.replaces, layer.dropout, return_scores, 3):
+    if mask is None or not gives_uniform_rows(layer.replaces, layer.dropout, return_scores, 3):
         return out
     empty = _layer_masks.empty_rows(mask, None, None, None)  # (B|1, N|1, T)
     return _layer_masks.uniform_rows(out, empty, keras.ops.mean(values, axis=1, keepdims=True))

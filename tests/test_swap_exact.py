@@ -14,8 +14,7 @@ from keras_hub.src.layers.modeling import transformer_decoder
 from keras_hub.src.layers.modeling.cached_multi_head_attention import CachedMultiHeadAttention
 from keras_hub.src.layers.modeling.transformer_decoder import TransformerDecoder
 from keras_hub.src.layers.modeling.transformer_encoder import TransformerEncoder
-from keras_hub.src.models.gpt2.gpt2_backbone import GPT2Backbone
-from keras_hub.src.models.gpt2.gpt2_causal_lm import GPT2CausalLM
+from test_swap import gpt2_lm
 
 import keras_sdpa
 from keras_sdpa import ScaledDotProductAttention, _stand_in
@@ -66,16 +65,9 @@ def test_a_cached_attention_gets_no_implicit_mask_after_the_swap():
     ids = padded_ids()
     np.testing.assert_allclose(numpy(ours(ids)), numpy(stock(ids)), atol=1e-5)  # padded too
 
-    def direct():
-        layer = CachedMultiHeadAttention(num_heads=2, key_dim=4)
-        layer(np.zeros((B, T, 8), "float32"), np.zeros((B, T, 8), "float32"))
-        return layer
-
-    stock_layer, ours_layer = twins(direct)
-    holder = keras.layers.Layer()
-    holder.attention = ours_layer
-    keras_sdpa.replace_attention(holder)
-    ours_layer = holder.attention
+    stock_layer, ours_layer = stand_in(
+        lambda: CachedMultiHeadAttention(num_heads=2, key_dim=4), (B, T, 8), (B, T, 8)
+    )
     x = keras.ops.convert_to_tensor(np.random.default_rng(1).normal(size=(B, T, 8)), "float32")
     x._keras_mask = keras.ops.convert_to_tensor(padded_ids() > 0)  # as Embedding leaves it
     np.testing.assert_allclose(numpy(ours_layer(x, x)), numpy(stock_layer(x, x)), atol=1e-5)
@@ -339,16 +331,6 @@ def test_layers_shared_by_another_model_are_swapped_there_too(tmp_path):
 # 7. Functions traced before the swap are traced again, also around a swapped backbone.
 
 
-def gpt2_lm():
-    backbone = GPT2Backbone(
-        vocabulary_size=VOCAB, num_layers=2, num_heads=2, hidden_dim=16, intermediate_dim=32,
-        max_sequence_length=16, dropout=0.0,
-    )  # fmt: skip
-    lm = GPT2CausalLM(backbone=backbone, preprocessor=None)
-    lm.compile(sampler="greedy")
-    return lm
-
-
 def test_generate_traced_before_the_backbone_is_swapped_runs_the_new_layers():
     stock, ours = twins(gpt2_lm)
     prompt = {"token_ids": np.pad([[5, 6, 7]], [[0, 0], [0, 5]]),
@@ -371,25 +353,19 @@ def test_generate_traced_before_the_backbone_is_swapped_runs_the_new_layers():
 
 
 def test_a_cross_attention_cache_fills_with_the_encoders_keys():
-    def layer():
-        attention = CachedMultiHeadAttention(num_heads=2, key_dim=4)
-        attention(np.zeros((B, 4, 8), "float32"), np.zeros((B, 3, 8), "float32"))
-        return attention
-
-    stock, ours = twins(layer)
-    holder = keras.layers.Layer()
-    holder.attention = ours
-    keras_sdpa.replace_attention(holder)
+    stock, ours = stand_in(
+        lambda: CachedMultiHeadAttention(num_heads=2, key_dim=4), (B, 4, 8), (B, 3, 8)
+    )
     rng = np.random.default_rng(0)
     decoder = rng.normal(size=(B, 4, 8)).astype("float32")  # longer than the encoder
     encoder = rng.normal(size=(B, 3, 8)).astype("float32")
     cache = np.zeros((B, 2, 3, 2, 4), "float32")
     want = stock(decoder, encoder, cache=cache, cache_update_index=0)
-    got = holder.attention(decoder, encoder, cache=cache, cache_update_index=0)
+    got = ours(decoder, encoder, cache=cache, cache_update_index=0)
     for a, b in zip(got, want):
         np.testing.assert_allclose(numpy(a), numpy(b), atol=1e-5)
     with pytest.raises(ValueError, match="room for the 3 new positions in a cache of 3"):
-        holder.attention(decoder, encoder, cache=cache, cache_update_index=1)
+        ours(decoder, encoder, cache=cache, cache_update_index=1)
 
 
 # 9. A query whose keys are all masked gets what the replaced class gives it.
@@ -413,16 +389,10 @@ def test_fully_masked_rows_get_what_the_replaced_class_gives(dropout):
     got, want = numpy(ours(ids)), numpy(stock(ids))
     np.testing.assert_allclose(got, want, atol=1e-5)  # the padded rows too
 
-    def mha():
-        layer = keras.layers.MultiHeadAttention(num_heads=2, key_dim=4, dropout=dropout)
-        layer(np.zeros((B, T, 8), "float32"), np.zeros((B, 5, 8), "float32"))
-        return layer
-
-    stock, ours = twins(mha)
-    holder = keras.layers.Layer()
-    holder.attention = ours
-    keras_sdpa.replace_attention(holder)
-    ours = holder.attention
+    stock, ours = stand_in(
+        lambda: keras.layers.MultiHeadAttention(num_heads=2, key_dim=4, dropout=dropout),
+        (B, T, 8), (B, 5, 8),
+    )  # fmt: skip
     rng = np.random.default_rng(2)
     q, v = rng.normal(size=(B, T, 8)).astype("float32"), rng.normal(size=(B, 5, 8))
     v = v.astype("float32")
