@@ -340,6 +340,30 @@ def scaled_dot_product_attention(
     return out, weights
 
 
+def attend(query, key, value, mask=None, *, flash_attention=None, cached=False, **kwargs):
+    """The layer's entry: `scaled_dot_product_attention` with the layer's own choices.
+
+    `flash_attention` (`True` chunked, `False` dense, `None` leaves `implementation`) and
+    `cached` (a call against a key/value cache: one query row runs the decode path) are
+    decided with the rest of the call's static facts (TEMPORARY STUB, being replaced by
+    keras_sdpa/_plan.py).
+    """
+    implementation = kwargs.pop("implementation", "auto")
+    if flash_attention is not None:
+        if kwargs.get("return_weights") and flash_attention:
+            raise ValueError(
+                "`return_attention_scores=True` needs the whole (T, S) matrix, which "
+                "`flash_attention=True` never forms. Received: flash_attention=True, "
+                "return_attention_scores=True"
+            )
+        implementation = "chunked" if flash_attention else "dense"
+    if cached and implementation == "auto" and query.shape[1] == 1:
+        implementation = "decode"
+    return scaled_dot_product_attention(
+        query, key, value, mask, implementation=implementation, **kwargs
+    )
+
+
 # The built-in mods' templates by their trace keys. tf.function keys an object argument by
 # its identity (a weak reference), so a new `document(ids)` each call would trace a new
 # program; a string keys it by value.
