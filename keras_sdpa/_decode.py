@@ -26,46 +26,36 @@ cores. What it costs per token against keras-hub's layer is `benchmarks/decode.p
 BENCHMARKS.md.
 """
 
-import keras
 from keras import ops
 
 from keras_sdpa import _backend, _dense
 from keras_sdpa import _masking as M
 
 
-def attend(
-    q,
-    key,
-    value,
-    allowed,
-    bias,
-    *,
-    cap,
-    return_weights,
-    logit_scale=None,
-    score_mod=None,
-    num_heads=None,
-):
+def attend(q, key, value, plan, tensors):
     """softmax(logits) v for a few query rows, the keys and values in the caller's layout.
 
-    `q` is grouped, `(B, K, G, T, H)` (scaled already unless `logit_scale`); `key` and
+    `q` is grouped, `(B, K, G, T, H)` (scaled already unless `plan.logit_scale`); `key` and
     `value` are `(B, S, K, H)` and `(B, S, K, Hv)`, in any float dtype (half-precision
-    caches are read as they are and multiplied in float32); `allowed` is the combined mask,
-    `(B|1, K|1, G|1, T|1, S|1)` booleans or None, and `bias` the grouped bias or None.
+    caches are read as they are and multiplied in float32). The masks are `tensors.mask`,
+    the mask_mod and the plan's causal band and window, combined.
     Returns the output `(B, K, G, T, Hv)` and the weights `(B, K, G, T, S)` or None.
     """
-    dtype = keras.backend.standardize_dtype(q.dtype)
-    compute = dtype if dtype == "float64" else "float32"
+    compute = plan.compute
     q = ops.cast(q, compute)
     t, s = ops.shape(q)[3], ops.shape(key)[1]
+    constraint = M.band(ops.arange(t), ops.arange(s), plan.is_causal, plan.window)  # (T, S)
+    allowed = M.combine(_dense.with_mask_mod(tensors.mask, q, s, plan, tensors.mask_mod),
+                        constraint)  # (B|1, K|1, G|1, T|1, S|1) or None  # fmt: skip
     shim = _backend.get()
-    raw = M.scaled(shim.cache_logits(q, ops.cast(key, compute)), logit_scale)  # (B, K, G, T, S)
-    if score_mod is not None:
+    raw = shim.cache_logits(q, ops.cast(key, compute))  # (B, K, G, T, S)
+    raw = M.scaled(raw, plan.logit_scale)
+    if tensors.score_mod is not None:
         raw = M.apply_score_mod(
-            score_mod, raw, M.batch_index(ops.shape(q)[0]), num_heads, ops.arange(t),
-            ops.arange(s),
-        )
-    scores = M.logits(raw, bias, cap)
+            tensors.score_mod, raw, M.batch_index(ops.shape(q)[0]), plan.num_heads,
+            ops.arange(t), ops.arange(s),
+        )  # fmt: skip
+    scores = M.logits(raw, tensors.bias, plan.cap)
     penalty, any_allowed = None, None
     if allowed is not None:
         penalty = ops.cast(ops.where(allowed, 0.0, M.MASK_PENALTY), compute)
@@ -73,4 +63,4 @@ def attend(
     exp, inv_total, _ = _dense.softmax_parts(scores, penalty, any_allowed)
     weights = exp * inv_total  # (B, K, G, T, S)
     out = shim.cache_weighted_sum(weights, ops.cast(value, compute))  # (B, K, G, T, Hv)
-    return out, weights if return_weights else None
+    return out, weights if plan.return_weights else None

@@ -5,7 +5,19 @@ become one name here, `Plan.path`: `"dense"`, `"chunked"` or `"decode"`. The pla
 the chunk size, the lowered mods, the masks' forms and the precision. It is hashable and
 compares by value, so it is the compiled program's cache key (a `Literal` to `tf.function`,
 a static argument to `jax.jit`).
+
+The paths then compute from it: `ops` runs the program, which calls `_dense`, `_chunked` or
+`_decode` with `(q, k, v, plan, tensors)`; those reach each backend through `_backend`.
 """
+
+import dataclasses
+import math
+import typing
+
+import keras
+from keras import ops
+
+from keras_sdpa import _backend, _block_mask, _checks, _chunked, mods
 
 FLASH_ATTENTION = (None, True, False)
 IMPLEMENTATIONS = ("auto", "dense", "chunked", "decode")
@@ -31,3 +43,363 @@ def check_implementation(implementation, layer=False):
             f"`implementation` must be {names}. Received: implementation={implementation!r}"
         )
     return implementation
+
+
+# implementation="auto" goes chunked above this many bytes of float32 scores (B * N * T * S * 4).
+AUTO_CHUNKED_BYTES = 1 << 28
+# Inside a caller's XLA step with an unknown batch size, "auto" goes chunked above this many
+# bytes of one example's float32 scores (N * T * S * 4): 256 MiB at a batch of 8.
+AUTO_CHUNKED_BYTES_PER_EXAMPLE = AUTO_CHUNKED_BYTES // 8
+HALF_DTYPES = ("bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Template:
+    """A mod's template (`mods.split`) in a plan: compared by its config when it is a built-in
+    `mods.Mod` (a new `document(ids)` each call must not trace a new program), else by
+    identity. `slots`: no weak reference, so `tf.function` keys it by value."""
+
+    key: object
+    mod: object = dataclasses.field(compare=False)
+
+    @classmethod
+    def of(cls, template):
+        if template is None:
+            return None
+        if isinstance(template, mods.Mod):
+            kind = type(template)
+            return cls(f"{kind.__module__}.{kind.__qualname__}{template._key()!r}", template)
+        return cls(template, template)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Plan:
+    """Every static fact of one attention call: what the compiled program is keyed by.
+
+    `path` is `"dense"`, `"chunked"` or `"decode"`. With `by_size`, the sizes are only known
+    at run time (TensorFlow, unknown lengths): the program runs `path="chunked"` when the
+    float32 scores pass `AUTO_CHUNKED_BYTES` and a sequence is longer than a block, and
+    `path` otherwise. `dtype` is the query's: the precision follows from it (`operand`,
+    `compute`, `logit_scale`). Head counts are static: once `reduce_retracing` relaxes the
+    traced shapes, `query.shape[2]` inside the program may be None.
+    """
+
+    path: str
+    num_heads: int
+    num_kv_heads: int
+    dtype: str
+    scale: float
+    chunk_size: int
+    mask_pattern: tuple = None
+    bias_pattern: tuple = None
+    is_causal: bool = False
+    window: int = None
+    cap: float = None
+    dropout_rate: float = 0.0
+    return_weights: bool = False
+    score_mod: Template = None
+    mask_mod: Template = None
+    by_size: bool = False
+
+    def replace(self, **changes):
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def groups(self):
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def compute(self):
+        """The softmax's precision: float64 for float64 inputs, float32 for every other."""
+        return "float64" if self.dtype == "float64" else "float32"
+
+    @property
+    def operand(self):
+        """The products' operand precision for half-precision inputs (into float32), or None."""
+        return self.dtype if self.dtype in HALF_DTYPES else None
+
+    @property
+    def logit_scale(self):
+        """What multiplies the float32 products `q k^T` of half-precision inputs (the scale
+        never rounds to their precision); None where the queries are scaled before."""
+        return self.scale if self.operand else None
+
+
+class Call(typing.NamedTuple):
+    """What a call passes to its program besides `q`, `k`, `v`: checked, and in the plan's forms."""
+
+    mask: object  # (B|1, N|1, T|1, S|1) booleans or None
+    bias: object  # (B|1, N|1, T|1, S|1) floats or None
+    seed: object  # (2,) int32, with dropout
+    score_tensors: tuple  # the score_mod's per-call tensors (`mods.split`)
+    mask_tensors: tuple
+    block_kinds: object  # a BlockMask's kinds, on the chunked path
+    variable_values: tuple  # JAX: the values of the variables the mods hold
+
+
+def make(
+    query,
+    key,
+    value,
+    mask=None,
+    *,
+    bias=None,
+    is_causal=False,
+    sliding_window=None,
+    attn_logits_soft_cap=None,
+    scale=None,
+    dropout_rate=0.0,
+    training=False,
+    seed=None,
+    return_weights=False,
+    implementation="auto",
+    chunk_size=None,
+    score_mod=None,
+    mask_mod=None,
+    block_mask=None,
+    flash_attention=None,
+    cached=False,
+):
+    """The `Plan` and the `Call` of `scaled_dot_product_attention`'s arguments, checked.
+
+    `flash_attention` (the layer's: `True` chunked, `False` dense) overrides
+    `implementation`; `cached` (the layer's call against a key/value cache) runs the decode
+    path for one query row when neither chooses.
+    """
+    _checks._check_inputs(query, key, value)
+    mask_pattern = bias_pattern = None
+    if mask is not None:
+        mask, mask_pattern = _checks._check_mask(ops.convert_to_tensor(mask), query, key)
+    if bias is not None:
+        bias, bias_pattern = _checks._check_bias(bias, query, key)
+    if not 0.0 <= dropout_rate < 1.0:
+        raise ValueError(f"`dropout_rate` must be in [0, 1). Received: dropout_rate={dropout_rate}")
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+    _checks._check_scale(scale)
+    _checks.check_sliding_window(sliding_window)
+    _checks.check_soft_cap(attn_logits_soft_cap)
+    _checks._check_mod("score_mod", score_mod)
+    _checks._check_mod("mask_mod", mask_mod)
+    mods.check_heads(score_mod, query.shape[2])
+    implementation = _implementation(
+        implementation, flash_attention, cached, return_weights, query.shape[1]
+    )
+    block_kinds = None
+    if block_mask is not None:
+        block_kinds, chunk_size = _block_mask.check(block_mask, mask_mod, chunk_size, query, key)
+    given = (bool(is_causal), mask_mod)  # for the decode check's message
+    mask_mod, is_causal, sliding_window = lower_mask_mod(mask_mod, is_causal, sliding_window)
+    if mask_mod is None:
+        block_kinds = None  # the mask_mod lowered to a causal mask or a window: no block map
+    if implementation == "decode" and is_causal:
+        _check_decode_alignment(query, key, *given)
+    chunk_size, balance = _chunk_size(chunk_size, sliding_window, mask_mod, is_causal)
+    dropout_rate = float(dropout_rate) if training else 0.0
+    path = _path(implementation, query, key, return_weights, chunk_size, score_mod, dropout_rate)
+    if path == "chunked" and block_kinds is None:
+        chunk_size = _fitted(chunk_size, query, key, balance)
+    score_template, score_tensors = mods.split(score_mod)
+    mask_template, mask_tensors = mods.split(mask_mod)
+    plan = Plan(
+        path="dense" if path == "auto" else path,
+        by_size=path == "auto",
+        num_heads=query.shape[2],
+        num_kv_heads=key.shape[2],
+        dtype=keras.backend.standardize_dtype(query.dtype),
+        scale=float(scale),
+        chunk_size=chunk_size,
+        mask_pattern=mask_pattern,
+        bias_pattern=bias_pattern,
+        is_causal=bool(is_causal),
+        window=sliding_window,
+        cap=None if attn_logits_soft_cap is None else float(attn_logits_soft_cap),
+        dropout_rate=dropout_rate,
+        return_weights=bool(return_weights),
+        score_mod=Template.of(score_template),
+        mask_mod=Template.of(mask_template),
+    )
+    call = Call(
+        mask=mask,
+        bias=bias,
+        seed=_checks._as_seed(seed) if dropout_rate > 0.0 else None,
+        score_tensors=score_tensors,
+        mask_tensors=mask_tensors,
+        block_kinds=block_kinds if path == "chunked" else None,  # only that path has blocks
+        variable_values=_backend.get().variable_inputs(
+            mods.variables_of(score_template, mask_template)
+        ),
+    )
+    return plan, call
+
+
+def _implementation(implementation, flash_attention, cached, return_weights, length):
+    """The one name of the path asked for: `flash_attention`, `implementation` and the cache's
+    decode, mapped here and nowhere else."""
+    check_flash_attention(flash_attention)
+    check_implementation(implementation)
+    if flash_attention is not None:
+        if return_weights and flash_attention:
+            raise ValueError(
+                "`return_attention_scores=True` needs the whole (T, S) matrix, which "
+                "`flash_attention=True` never forms. Received: flash_attention=True, "
+                "return_attention_scores=True"
+            )
+        return "chunked" if flash_attention else "dense"
+    if cached and implementation == "auto" and length == 1:
+        # One new token against the cache: the decode path reads the cache in its
+        # (B, S, K, H) layout, where the others would transpose a copy of it every token.
+        return "decode"
+    return implementation
+
+
+def _check_decode_alignment(query, key, given_causal, given_mask_mod):
+    """Keras aligns the causal mask at the top left: a decode row would see key 0 alone.
+    (With a length unknown while tracing this cannot be told; the docstring says so.)"""
+    lengths = (query.shape[1], key.shape[1])
+    if None in lengths or lengths[0] == lengths[1]:
+        return
+    causal_by = "is_causal=True"
+    if not given_causal:
+        try:
+            causal_by = f"mask_mod={given_mask_mod!r}"
+        except ValueError:  # a mod whose config cannot be written (per-row tensors)
+            causal_by = f"mask_mod={type(given_mask_mod).__name__}(…)"
+    raise ValueError(
+        'A causal mask aligns query `t` with key `t` (top left, as Keras), so with '
+        '`implementation="decode"` a new token would read only the first keys. For '
+        "queries at the end of a cache use the layer's `cache_update_index`, or a `mask` "
+        f"of the positions each query may read. Received: {causal_by}, "
+        f"implementation='decode', T={lengths[0]}, S={lengths[1]}"
+    )
+
+
+def _chunk_size(chunk_size, sliding_window, mask_mod, is_causal):
+    """The chunk size given or its default, checked, and whether a default may be evened out
+    over the lengths (`balanced_chunk_size`)."""
+    balance = chunk_size is None and sliding_window is None and mask_mod is None
+    if chunk_size is None:
+        chunk_size = default_chunk_size(sliding_window, mask_mod is not None or is_causal)
+    if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size <= 0:
+        raise ValueError(
+            f"`chunk_size` must be a positive int. Received: chunk_size={chunk_size!r}"
+        )
+    return chunk_size, balance
+
+
+def _path(implementation, query, key, return_weights, chunk_size, score_mod, dropout_rate):
+    path = choose_path(implementation, query, key, return_weights, chunk_size)
+    if path == "auto" and score_mod is not None:
+        # The run-time choice is a tf.cond around two programs, and TensorFlow cannot take
+        # the gradient of the variables a score_mod reads through one ("Tensor.graph is
+        # undefined when eager execution is enabled"): decide while tracing instead, from
+        # one example's scores, as inside a caller's XLA step.
+        path = choose_path_from_one_example(query, key, chunk_size)
+    if path == "decode" and dropout_rate > 0.0:
+        path = "dense"  # the decode path serves inference; dropout's mask is the dense path's
+    return path
+
+
+def _fitted(chunk_size, query, key, balance):
+    """One block of the sequence, not of `chunk_size`: blocks of 2048 padded a T=512 batch
+    of 256 to 24 GiB of scores (the dense path needs 0.5 GiB)."""
+    lengths = (query.shape[1], key.shape[1])
+    if None in lengths or not max(lengths):
+        return chunk_size
+    chunk_size = min(chunk_size, max(lengths))
+    return balanced_chunk_size(max(lengths), chunk_size) if balance else chunk_size
+
+
+def balanced_chunk_size(length, chunk_size):
+    """The default block size evened out over `length`: as many blocks as `chunk_size` needs,
+    each as short as that allows, rounded up to a multiple of 128 (never above `chunk_size`,
+    which may be the length itself). A ViT's 4,097 tokens in blocks of 2048 padded a third
+    block of 2047 (2.25x the work); in 3 blocks of 1408, forward plus backward took 0.367 s
+    against 0.734 s in one run (N=2, H=64, 2 CPU cores)."""
+    blocks = -(-length // chunk_size)
+    per_block = -(-length // blocks)
+    return min(chunk_size, -(-per_block // 128) * 128)
+
+
+def default_chunk_size(sliding_window, masked=False):
+    """2048; with a window `W` the power of two nearest above `W / 2` (128 at least); and
+    512 when `masked` (causal, or a mask_mod), which leaves about half the blocks empty.
+
+    Small blocks let the loops skip more of what lies outside the band: at T=16,384,
+    W=512 on 2 CPU cores, forward plus backward took 0.75 s in blocks of 256, 1.12 s
+    in 128, 1.2 s in 512 and 4.0-5.8 s in 2048.
+    """
+    if sliding_window is None:
+        return _chunked.MASKED_CHUNK_SIZE if masked else _chunked.DEFAULT_CHUNK_SIZE
+    size = 1 << max(0, math.ceil(math.log2(sliding_window / 2)))
+    return min(_chunked.DEFAULT_CHUNK_SIZE, max(128, size))
+
+
+def _known(size):
+    """A size known while tracing, else None: JAX's shape inference of a functional model
+    traces a custom layer's call with a symbolic batch size, which is not an int."""
+    return size if isinstance(size, int) else None
+
+
+def choose_path(implementation, query, key, return_weights, chunk_size):
+    """`"dense"`, `"chunked"`, `"decode"`, or `"auto"` when only the run-time sizes can tell.
+
+    "auto" goes chunked when the scores would pass `AUTO_CHUNKED_BYTES` and a sequence is
+    longer than one block: below that, the chunked path holds a whole `(T, S)` block per
+    head anyway, as much as dense, and a large batch of short sequences stays dense.
+    """
+    if implementation == "dense" or return_weights:
+        return "dense"
+    if implementation in ("chunked", "decode"):
+        return implementation
+    sizes = [_known(d) for d in (query.shape[0], query.shape[2], query.shape[1], key.shape[1])]
+    if any(size is None for size in sizes):  # B, N, T, S
+        if _backend.get().inside_compiled():
+            # Inside a caller's XLA program (`model.compile(jit_compile=True)`) a run-time
+            # choice cannot compile: the gradient of its `tf.cond` needs shapes that XLA
+            # only sees as parameters there. With T and S known (a fixed sequence length,
+            # the batch left unknown, as Keras traces `fit`), the choice is made here from
+            # one example's scores; with unknown lengths the chunked path cannot compile
+            # at all there (its block counts must be constants), so it stays dense.
+            return choose_path_from_one_example(query, key, chunk_size)
+        return "auto"  # decided at run time, from the actual sizes
+    large = math.prod(sizes) * 4 > AUTO_CHUNKED_BYTES
+    return "chunked" if large and max(sizes[2], sizes[3]) > chunk_size else "dense"
+
+
+def choose_path_from_one_example(query, key, chunk_size):
+    """Chunked when one example's float32 scores pass 32 MiB and a sequence is longer than a
+    block; dense otherwise, and for lengths unknown while tracing."""
+    n, t, s = query.shape[2], _known(query.shape[1]), _known(key.shape[1])
+    if t is None or s is None:
+        return "dense"
+    large = n * t * s * 4 > AUTO_CHUNKED_BYTES_PER_EXAMPLE
+    return "chunked" if large and max(t, s) > chunk_size else "dense"
+
+
+def chunked_by_size(plan, query, key):
+    """For a `by_size` plan: whether the actual sizes, at run time, take the chunked path."""
+    shape = ops.shape(query)
+    b, t, s = shape[0], shape[1], ops.shape(key)[1]
+    size = ops.cast(b, "int64") * plan.num_heads * ops.cast(t, "int64") * ops.cast(s, "int64")
+    return ops.logical_and(size * 4 > AUTO_CHUNKED_BYTES, ops.maximum(t, s) > plan.chunk_size)
+
+
+def lower_mask_mod(mask_mod, is_causal, sliding_window):
+    """`mods.causal()` and `mods.sliding_window(w)`, alone or inside `and_masks`, become the
+    core's `is_causal` and `sliding_window`: the same masks, whose blocks the chunked loops
+    skip by range, with no block map and no per-block test (see BENCHMARKS.md). Returns the
+    mask mod left (or None) and the two arguments."""
+    parts = mask_mod.mask_mods if isinstance(mask_mod, mods.AndMasks) else (mask_mod,)
+    rest = []
+    for part in parts:
+        if isinstance(part, mods.Causal):
+            is_causal = True
+        elif isinstance(part, mods.SlidingWindow):
+            window = part.window
+            sliding_window = window if sliding_window is None else min(sliding_window, window)
+        elif part is not None:
+            rest.append(part)
+    if len(rest) == len(parts):
+        return mask_mod, is_causal, sliding_window
+    left = None if not rest else rest[0] if len(rest) == 1 else mods.AndMasks(*rest)
+    return left, is_causal, sliding_window

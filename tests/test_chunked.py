@@ -19,7 +19,7 @@ from test_ops import (
     reference,
 )
 
-from keras_sdpa import ScaledDotProductAttention
+from keras_sdpa import ScaledDotProductAttention, _plan
 from keras_sdpa import ops as ops_module
 from keras_sdpa.ops import scaled_dot_product_attention
 
@@ -135,9 +135,8 @@ def test_chunked_path_is_one_xla_program_with_loops():
     q, k, v = inputs(11, 11)
     kwargs = core_kwargs(num_heads=N, num_kv_heads=N, is_causal=True, chunk_size=CHUNK)
     core = ops_module._attention_xla
-    hlo = optimized_hlo(
-        core, q, k, v, None, None, None, (), (), None, (), **{**kwargs, "path": "chunked"}
-    )
+    chunked = dict(plan=kwargs["plan"].replace(path="chunked"))
+    hlo = optimized_hlo(core, q, k, v, None, None, None, (), (), None, (), **chunked)
     assert "while" in hlo and " dot(" in hlo and "exponential(" in hlo
     dense = optimized_hlo(core, q, k, v, None, None, None, (), (), None, (), **kwargs)
     assert "while" not in dense
@@ -149,7 +148,7 @@ def test_auto_picks_chunked_only_for_large_scores_without_weights():
     wide = ops.zeros((1024, 512, 4, 8))  # 4 GiB of scores, in sequences shorter than a block
     unknown = keras.KerasTensor((None, None, 4, 8))  # lengths unknown while tracing
     block = 2048
-    choose = ops_module._choose_path
+    choose = _plan.choose_path
     assert choose("auto", small, small, False, block) == "dense"
     assert choose("auto", large, large, False, block) == "chunked"
     assert choose("auto", wide, wide, False, block) == "dense"
@@ -244,19 +243,19 @@ def test_layer_in_a_keras_model_trains_with_chunked_attention():
 def test_default_blocks_are_evened_out_over_the_length(monkeypatch):
     """Without a `chunk_size`, the blocks cover the length evenly in multiples of 128 (4,097
     tokens in 3 blocks of 1408, not 2048 + 2048 + a block of padding); a given one is kept."""
-    assert ops_module._balanced_chunk_size(4097, 2048) == 1408
-    assert ops_module._balanced_chunk_size(8192, 2048) == 2048
-    assert ops_module._balanced_chunk_size(3000, 2048) == 1536
-    assert ops_module._balanced_chunk_size(129, 128) == 128
+    assert _plan.balanced_chunk_size(4097, 2048) == 1408
+    assert _plan.balanced_chunk_size(8192, 2048) == 2048
+    assert _plan.balanced_chunk_size(3000, 2048) == 1536
+    assert _plan.balanced_chunk_size(129, 128) == 128
     seen = []
     real = ops_module._attention_xla
 
     def spy(*args, **kwargs):
-        seen.append(kwargs["chunk_size"])
+        seen.append(kwargs["plan"].chunk_size)
         return real(*args, **kwargs)
 
     monkeypatch.setattr(ops_module, "_attention_xla", spy)
-    monkeypatch.setattr(ops_module, "_default_chunk_size", lambda *args, **kwargs: 512)
+    monkeypatch.setattr(_plan, "default_chunk_size", lambda *args, **kwargs: 512)
     rng = np.random.default_rng(0)
     q, k, v = (tensor(rng.standard_normal((1, 520, 1, 8)), "float32") for _ in range(3))
     got = scaled_dot_product_attention(q, k, v, implementation="chunked")

@@ -11,7 +11,7 @@ from keras import ops as kops
 from keras.src.backend.common.masking import get_keras_mask  # no public name in Keras 3.15
 from on_backend import BACKEND, gradient_to_variables, gradients, numpy, tensor
 
-from keras_sdpa import ScaledDotProductAttention, ops
+from keras_sdpa import ScaledDotProductAttention, _backend, ops
 
 # Pairwise-distinct sizes: batch, query length, key length, heads, head size, widths.
 B, T, S, N, H, HV = 2, 3, 5, 4, 6, 7
@@ -180,12 +180,12 @@ def test_fit_step_with_jit_compile(monkeypatch):
     # Whether the layer was traced inside an XLA program: the step Keras compiled.
     contexts = []
     if BACKEND == "jax":
-        # JAX knows every shape while tracing, so the layer never asks `_inside_xla` (always
+        # JAX knows every shape while tracing, so the layer never asks `inside_compiled` (always
         # True on JAX): each call into the compiled core records whether it is traced under
         # a `jax.jit`, the step Keras compiled.
         from jax._src import core as jax_core  # `unsafe_am_i_under_a_jit` has no public name
 
-        compiled = ops._compiled("_attention_xla")
+        compiled = ops._attention_xla
 
         def spy(*args, **kwargs):
             contexts.append(jax_core.unsafe_am_i_under_a_jit())
@@ -193,9 +193,10 @@ def test_fit_step_with_jit_compile(monkeypatch):
 
         monkeypatch.setattr(ops, "_attention_xla", spy)
     else:
-        inside_xla = ops._inside_xla
+        shim = _backend.get()
+        inside_xla = shim.inside_compiled
         monkeypatch.setattr(
-            ops, "_inside_xla", lambda: contexts.append(inside_xla()) or contexts[-1]
+            shim, "inside_compiled", lambda: contexts.append(inside_xla()) or contexts[-1]
         )
     model = small_model()
     model.compile(keras.optimizers.Adam(0.05), "binary_crossentropy", jit_compile=True)

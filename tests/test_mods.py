@@ -23,7 +23,8 @@ from keras import ops
 from on_backend import BACKEND, gradient_to_variable, gradients, jit, numpy, tanh, tensor
 
 import keras_sdpa
-from keras_sdpa import _chunked, mods
+from keras_sdpa import _chunked, _plan, mods
+from keras_sdpa import ops as sdpa_ops
 from keras_sdpa.ops import scaled_dot_product_attention
 
 # Pairwise-distinct sizes; T and S are not multiples of the block.
@@ -458,12 +459,12 @@ def visits(mask_mod, t, s, c, block_kinds=None):
 
     @jit
     def run(q, k):
-        kwargs = dict(
-            mask_pattern=None, bias_pattern=None, is_causal=False, window=None, cap=None,
-            dropout_rate=0.0, chunk_size=c, mask_mod=mask_mod, num_heads=1,
-            block_kinds=block_kinds, count_visits=True,
+        plan = _plan.Plan(
+            path="chunked", num_heads=1, num_kv_heads=1, dtype="float32", scale=1.0,
+            chunk_size=c,
         )  # fmt: skip
-        return _chunked.attend(q, k, k, None, None, None, **kwargs)
+        tensors = sdpa_ops.Tensors(mask_mod=mask_mod, block_kinds=block_kinds)
+        return _chunked.attend(q, k, k, plan, tensors, count_visits=True)
 
     return tuple(int(x) for x in run(q, k)[1])
 
@@ -511,13 +512,12 @@ def test_the_chunked_loop_visits_only_non_empty_blocks(make, expected):
 def test_causal_and_window_mods_run_as_the_built_in_arguments(monkeypatch, mask_mod, lowered):
     """What the compiled core receives: `is_causal`, `sliding_window`, and a mask_mod only
     for what is left (an `or` is never split)."""
-    from keras_sdpa import ops as sdpa_ops
-
     seen = []
     compiled = sdpa_ops._attention_xla
 
     def spy(*args, **kwargs):
-        seen.append((kwargs["is_causal"], kwargs["window"], kwargs["mask_mod"] is not None))
+        plan = kwargs["plan"]
+        seen.append((plan.is_causal, plan.window, plan.mask_mod is not None))
         return compiled(*args, **kwargs)
 
     monkeypatch.setattr(sdpa_ops, "_attention_xla", spy)
@@ -613,8 +613,6 @@ def tracing_count(compiled):
 
 
 def test_new_segment_ids_do_not_trace_a_new_program():
-    from keras_sdpa import ops as sdpa_ops
-
     q, k, v = inputs(kv_heads=K)
     mod = mods.document(tensor(SEGMENTS[:, :T]), tensor(SEGMENTS))
     scaled_dot_product_attention(q, k, v, mask_mod=mod, implementation="chunked", chunk_size=3)

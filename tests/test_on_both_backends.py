@@ -323,10 +323,10 @@ def test_chunked_path_matches_dense_outputs_and_gradients(case, monkeypatch):
         options["block_mask"] = create_block_mask(options["mask_mod"], B, N, t, s, block_size=chunk)
     probe = random((B, t, N, HV), 36, dtype)
     paths = []
-    compiled = ops_module._compiled("_attention_xla")
+    compiled = ops_module._attention_xla
 
     def spy(*args, **kwargs):
-        paths.append(kwargs["path"])
+        paths.append(kwargs["plan"].path)
         return compiled(*args, **kwargs)
 
     monkeypatch.setattr(ops_module, "_attention_xla", spy)

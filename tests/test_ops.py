@@ -10,6 +10,7 @@ import pytest
 from keras import ops
 from on_backend import BACKEND, gradients, numpy, optimized_hlo, tensor
 
+from keras_sdpa import _plan
 from keras_sdpa import ops as ops_module
 from keras_sdpa.ops import scaled_dot_product_attention
 
@@ -130,10 +131,12 @@ def test_matches_keras_dot_product_attention(mask_kind, is_causal):
 
 
 def core_kwargs(**overrides):
-    """The static arguments of the private compiled core, `keras_sdpa.ops._attention_xla`."""
-    kwargs = dict(
+    """The static argument of the private compiled core, `keras_sdpa.ops._attention_xla`:
+    its plan."""
+    fields = dict(
         num_heads=N,
         num_kv_heads=N,
+        dtype="float32",
         mask_pattern=None,
         bias_pattern=None,
         is_causal=False,
@@ -147,8 +150,8 @@ def core_kwargs(**overrides):
         score_mod=None,
         mask_mod=None,
     )
-    kwargs.update(overrides)
-    return kwargs
+    fields.update(overrides)
+    return dict(plan=_plan.Plan(**fields))
 
 
 @pytest.mark.parametrize("mask_kind", MASKS)
@@ -156,8 +159,8 @@ def test_xla_matches_eager(mask_kind):
     q, k, v = random_inputs()
     mask = make_mask(mask_kind)
     mask = None if mask is None else tensor(mask)
-    kwargs = core_kwargs(is_causal=True, scale=0.5, return_weights=True)
-    kwargs["mask_pattern"] = None if mask is None else (True,) * 4
+    mask_pattern = None if mask is None else (True,) * 4
+    kwargs = core_kwargs(is_causal=True, scale=0.5, return_weights=True, mask_pattern=mask_pattern)
     mask = None if mask is None else ops.broadcast_to(mask, (B, N, T, S))
     eager = ops_module._attention(q, k, v, mask, None, None, **kwargs)
     xla = ops_module._attention_xla(q, k, v, mask, None, None, **kwargs)
@@ -432,7 +435,7 @@ def spy_on_paths(monkeypatch, argument="path"):
     compiled = ops_module._attention_xla
 
     def spy(*args, **kwargs):
-        seen.append(kwargs[argument])
+        seen.append(getattr(kwargs["plan"], argument))
         return compiled(*args, **kwargs)
 
     monkeypatch.setattr(ops_module, "_attention_xla", spy)
@@ -521,7 +524,7 @@ def test_which_path_the_public_call_takes(kwargs, want, monkeypatch):
 
 def test_auto_takes_the_chunked_path_for_large_scores(monkeypatch):
     paths = spy_on_paths(monkeypatch)
-    monkeypatch.setattr(ops_module, "_AUTO_CHUNKED_BYTES", B * N * T * S * 4 - 1)
+    monkeypatch.setattr(_plan, "AUTO_CHUNKED_BYTES", B * N * T * S * 4 - 1)
     q, k, v = random_inputs()
     scaled_dot_product_attention(q, k, v, chunk_size=2)
     assert paths == ["chunked"]

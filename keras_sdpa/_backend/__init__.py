@@ -43,3 +43,13 @@ def do_not_convert(fn):
     if keras.backend.backend() == "tensorflow":
         return get().do_not_convert(fn)
     return fn
+
+
+def compile(fn, static_argnames=()):
+    """`fn` as one XLA program per static configuration, compiled by the running backend (a
+    `tf.function(jit_compile=True)` or a `jax.jit`). Made when its module is imported, as
+    `do_not_convert` is: on an unsupported backend `fn` is returned and raises at its first
+    call (`check`)."""
+    if keras.backend.backend() in SUPPORTED:
+        return get().compile(fn, static_argnames=static_argnames)
+    return fn

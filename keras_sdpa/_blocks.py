@@ -1,0 +1,251 @@
+"""The chunked path's blocks: their geometry, masks and kinds, and the ranges its loops visit.
+
+`Grid` holds one call's block geometry and masks, what every loop body of `_chunked.py` reads;
+the functions below move tensors into blocks and back, and class and range the blocks that a
+mask empties.
+"""
+
+from keras import ops
+
+from keras_sdpa import _backend
+from keras_sdpa import _masking as M
+
+
+class Grid:
+    """One call's block geometry and masks: what every block of every loop reads."""
+
+    def __init__(self, q, k, plan, tensors):
+        c = plan.chunk_size
+        self.plan, self.tensors = plan, tensors
+        self.groups, self.num_kv_heads = q.shape[2], q.shape[1]  # G, K
+        self.t, self.s = ops.shape(q)[3], ops.shape(k)[2]
+        self.num_q, self.num_k = (self.t + c - 1) // c, (self.s + c - 1) // c
+        self.mask_grid = None
+        if tensors.mask is not None:
+            self.mask_grid = grid_of(tensors.mask, plan.mask_pattern, self.num_q, self.num_k, c)
+        self.offsets = ops.arange(c, dtype="int32")
+        self.scale_keep = None
+        if plan.dropout_rate > 0.0:
+            self.scale_keep = 1.0 / (1.0 - plan.dropout_rate)
+        self.b_index = M.batch_index(ops.shape(q)[0])
+        self.kinds = tensors.block_kinds
+        if tensors.mask_mod is not None and self.kinds is None:
+            self.kinds = kinds_of_blocks(
+                tensors.mask_mod, self.b_index, plan.num_heads, self.num_kv_heads, self.t,
+                self.s, c,
+            )  # fmt: skip
+        self.spans = None if self.kinds is None else nonempty_spans(self.kinds)
+
+    def positions(self, i, j):
+        """The block's absolute positions, the padding clamped to the last one."""
+        c, offsets = self.plan.chunk_size, self.offsets
+        return ops.minimum(i * c + offsets, self.t - 1), ops.minimum(j * c + offsets, self.s - 1)
+
+    def allowed(self, i, j, with_mod=True):
+        """The "may attend" block of query block i and key block j, 5-D, broadcastable."""
+        plan, c = self.plan, self.plan.chunk_size
+        keys = j * c + self.offsets  # (C,)
+        result = (keys < self.s)[None, :]  # (1, C): padded keys never
+        band = M.band(i * c + self.offsets, keys, plan.is_causal, plan.window)  # (C|1, C)
+        result = M.combine(result, band)[None, None, None]
+        if self.mask_grid is not None:
+            result = ops.logical_and(result, block(self.mask_grid, plan.mask_pattern, i, j))
+        if self.tensors.mask_mod is not None and with_mod:
+            mod = M.mod_mask(
+                self.tensors.mask_mod, self.b_index, plan.num_heads, self.num_kv_heads,
+                *self.positions(i, j),
+            )  # fmt: skip
+            result = ops.logical_and(result, mod)
+        return result
+
+    def visit(self, i, j, carried, compute):
+        """`compute(with_mod)` on block (i, j), or `carried` where the mask_mod empties it."""
+        if self.kinds is None:
+            return compute(True)
+        kind = self.kinds[i, j]
+        return ops.cond(
+            ops.equal(kind, EMPTY),
+            lambda: carried,
+            lambda: ops.cond(ops.equal(kind, FULL), lambda: compute(False), lambda: compute(True)),
+        )
+
+    def keep(self, i, j, shape):
+        """Block (i, j) of the dropout keep-mask, the same in the forward and the gradient."""
+        shim = _backend.get()
+        block_seed = shim.fold_in(self.tensors.seed, i * self.num_k + j)
+        return shim.uniform(shape, block_seed, "float32") >= self.plan.dropout_rate
+
+    def key_range(self, i):
+        """The key blocks `[lo, hi)` query block `i` visits."""
+        plan = self.plan
+        lo, hi = key_block_range(i, self.num_k, plan.chunk_size, plan.is_causal, plan.window)
+        if self.spans is not None:  # and within the row's first and last non-empty block
+            lo, hi = ops.maximum(lo, self.spans[0][i]), ops.minimum(hi, self.spans[1][i])
+        return lo, hi
+
+    def query_range(self, j):
+        """The query blocks `[lo, hi)` that visit key block `j`."""
+        plan = self.plan
+        lo, hi = query_block_range(j, self.num_q, plan.chunk_size, plan.is_causal, plan.window)
+        if self.spans is not None:
+            lo, hi = ops.maximum(lo, self.spans[2][j]), ops.minimum(hi, self.spans[3][j])
+        return lo, hi
+
+    def matmul(self, a, b, transpose_b=False, transpose_a=False):
+        return M.matmul(a, b, self.plan.operand, transpose_b, transpose_a)
+
+    def raw_logits(self, blocks, j, q_i):
+        """`q_i k_j^T`, scaled where the plan scales the products: `(B, K, G, C, C)`."""
+        raw = self.matmul(M.to_rows(q_i), take(blocks.k, j), transpose_b=True)
+        return M.scaled(M.from_rows(raw, self.groups), self.plan.logit_scale)
+
+    def logits(self, blocks, i, j, q_i, raw=None):
+        """Block (i, j)'s logits: the score_mod, the bias and the cap on the raw products."""
+        plan = self.plan
+        bias_ij = None if blocks.bias is None else block(blocks.bias, plan.bias_pattern, i, j)
+        raw = self.raw_logits(blocks, j, q_i) if raw is None else raw
+        if self.tensors.score_mod is not None:
+            raw = M.apply_score_mod(
+                self.tensors.score_mod, raw, self.b_index, plan.num_heads, *self.positions(i, j)
+            )
+        return M.logits(raw, bias_ij, plan.cap)  # (B, K, G, C, C)
+
+
+# A block's kind under a mask_mod: no allowed key, some, or every key allowed.
+EMPTY, PARTIAL, FULL = 0, 1, 2
+
+
+def kinds_of_blocks(mask_mod, b_index, num_heads, num_kv_heads, t, s, chunk_size):
+    """`(ceil(T / C), ceil(S / C))` int32: each block's kind (`EMPTY`, `PARTIAL`, `FULL`).
+
+    A block is `EMPTY` when `mask_mod` allows no key of it for any example, head and (real)
+    query, `FULL` when it allows every key for all of them and no key is padding, and
+    `PARTIAL` otherwise. Computed one `(B|1, N|1, C, C)` block at a time, inside the
+    compiled program, for the actual lengths: nothing of size `T x S` is formed.
+    """
+    shim = _backend.get()
+    c = chunk_size
+    num_q, num_k = (t + c - 1) // c, (s + c - 1) // c
+    offsets = ops.arange(c, dtype="int32")
+
+    def kind(n, kinds):
+        i, j = n // num_k, n % num_k
+        queries, keys = i * c + offsets, j * c + offsets
+        real_q, real_k = (queries < t)[:, None], (keys < s)[None, :]  # (C, 1), (1, C)
+        allowed = M.mod_mask(
+            mask_mod, b_index, num_heads, num_kv_heads,
+            ops.minimum(queries, t - 1), ops.minimum(keys, s - 1),
+        )  # fmt: skip
+        some = ops.any(ops.logical_and(allowed, ops.logical_and(real_q, real_k)))
+        every = ops.logical_and(
+            ops.all(ops.logical_or(allowed, ops.logical_not(real_q))),
+            ops.all(real_k),
+        )
+        value = ops.where(every, FULL, ops.where(some, PARTIAL, EMPTY))
+        return n + 1, shim.write_block(kinds, n, ops.cast(value, "int32"))
+
+    _, kinds = ops.while_loop(
+        lambda n, _: n < num_q * num_k,
+        kind,
+        (ops.convert_to_tensor(0, "int32"), shim.block_array(num_q * num_k, (), "int32")),
+    )
+    return ops.reshape(shim.stack_blocks(kinds), (num_q, num_k))
+
+
+def nonempty_spans(kinds):
+    """From `(nq, nk)` block kinds: each row's first and one-past-last non-empty key block,
+    and each column's first and one-past-last non-empty query block. The loops run over
+    these spans and skip the empty blocks inside them (a causal map halves the visits)."""
+    nonempty = kinds > 0
+    num_q, num_k = ops.shape(kinds)
+    keys = ops.arange(num_k, dtype="int32")[None, :]
+    queries = ops.arange(num_q, dtype="int32")[:, None]
+    row_lo = ops.min(ops.where(nonempty, keys, num_k), axis=1)
+    row_hi = ops.max(ops.where(nonempty, keys + 1, 0), axis=1)
+    col_lo = ops.min(ops.where(nonempty, queries, num_q), axis=0)
+    col_hi = ops.max(ops.where(nonempty, queries + 1, 0), axis=0)
+    return row_lo, row_hi, col_lo, col_hi
+
+
+def key_block_range(i, num_k, chunk_size, is_causal, window):
+    """Key blocks `[lo, hi)` that some query of query block `i` may see.
+
+    Causal: keys `s <= t` end at block `i`. Window: keys with `|t - s| < W` for the
+    block's queries `t` in `[i C, i C + C - 1]` lie in `[i C - W + 1, i C + C + W - 2]`.
+    """
+    c = chunk_size
+    lo, hi = ops.convert_to_tensor(0, "int32"), ops.convert_to_tensor(num_k, "int32")
+    if is_causal:
+        hi = ops.minimum(hi, i + 1)
+    if window is not None:
+        lo = ops.maximum(0, i * c - window + 1) // c
+        hi = ops.minimum(hi, (i * c + c - 1 + window - 1) // c + 1)
+    return lo, hi
+
+
+def query_block_range(j, num_q, chunk_size, is_causal, window):
+    """Query blocks `[lo, hi)` of which some query may see key block `j`."""
+    c = chunk_size
+    lo, hi = ops.convert_to_tensor(0, "int32"), ops.convert_to_tensor(num_q, "int32")
+    if is_causal:
+        lo = ops.convert_to_tensor(j, "int32")
+    if window is not None:
+        lo = ops.maximum(lo, ops.maximum(0, j * c - window + 1) // c)
+        hi = ops.minimum(hi, (j * c + c - 1 + window - 1) // c + 1)
+    return lo, hi
+
+
+def to_blocks(x, num, chunk_size, axis):
+    """Zero-pads `axis` of `x` to `num * chunk_size` and moves its blocks to a new axis 0.
+
+    `(B, K, G, T, D)` with `axis=3` becomes `(num, B, K, G, C, D)`.
+    """
+    shape = ops.shape(x)
+    pad = [[0, 0]] * len(shape)
+    pad[axis] = [0, num * chunk_size - shape[axis]]
+    x = ops.pad(x, pad)
+    x = ops.reshape(x, (*shape[:axis], num, chunk_size, *shape[axis + 1 :]))
+    order = [axis] + [a for a in range(len(shape) + 1) if a != axis]
+    return ops.transpose(x, order)
+
+
+def from_blocks(blocks, length):
+    """`(num, B, K, G, C, D)` back to `(B, K, G, length, D)`, dropping the padding."""
+    x = ops.transpose(blocks, (1, 2, 3, 0, 4, 5))  # (B, K, G, num, C, D)
+    shape = ops.shape(x)
+    x = ops.reshape(x, (shape[0], shape[1], shape[2], shape[3] * shape[4], shape[5]))
+    return x[:, :, :, :length]
+
+
+def grid_of(x, pattern, num_q, num_k, chunk_size):
+    """A 5-D mask or bias `(…, T|1, S|1)` as blocks `(nq|1, nk|1, …, C|1, C|1)`.
+
+    Padding is False for a mask and 0 for a bias; padded keys are masked anyway.
+    """
+    if pattern[3]:  # full along S: blocks of keys
+        x = to_blocks(x, num_k, chunk_size, axis=4)  # (nk, …, T|1, C)
+    else:
+        x = x[None]  # (1, …, T|1, 1)
+    if pattern[2]:  # full along T: blocks of queries
+        x = to_blocks(x, num_q, chunk_size, axis=4)  # (nq, nk|1, …, C, C|1)
+    else:
+        x = x[None]
+    return x  # (nq|1, nk|1, B|1, K|1, G|1, C|1, C|1)
+
+
+def take(blocks, i):
+    """Block `i` of `blocks`, `(num, …)`."""
+    return _backend.get().read_block(blocks, i)
+
+
+def block(grid, pattern, i, j):
+    """Block (i, j) of a grid from `_grid`, `(B|1, K|1, G|1, C|1, C|1)`."""
+    block = take(grid, i if pattern[2] else 0)
+    return take(block, j if pattern[3] else 0)
+
+
+def add_block(d_grid, pattern, i, j, d_scores):
+    """Adds the `(B, K, G, C, C)` logit gradient of block (i, j) into the bias grid."""
+    d_scores = M.sum_over_broadcast(d_scores, pattern)
+    i, j = (i if pattern[2] else 0), (j if pattern[3] else 0)
+    return _backend.get().add_to_block(d_grid, i, j, d_scores)
