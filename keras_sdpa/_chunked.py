@@ -237,11 +237,12 @@ def _grad(grid, blocks, params, variables):
 
 def _d_query_block(grid, blocks, params, variables, i, d_qs, d_bias, d_params, d_vars):
     """`dq_i = sum_j dS_ij k_j`, and block row i's share of the bias's and the mod's."""
-    q_i = take(blocks.q, i)
+    row_i = tuple(take(x, i) for x in (blocks.q, blocks.d_out, blocks.lse, blocks.row_dot))
+    q_i = row_i[0]
 
     def key_block(j, *carried):
         def compute_block(with_mod):
-            return _d_query_key_block(grid, blocks, params, variables, i, j, q_i, *carried,
+            return _d_query_key_block(grid, blocks, params, variables, i, j, row_i, *carried,
                                       with_mod)  # fmt: skip
 
         return (j + 1, *grid.visit(i, j, carried, compute_block))
@@ -257,11 +258,12 @@ def _d_query_block(grid, blocks, params, variables, i, d_qs, d_bias, d_params, d
 
 
 def _d_query_key_block(
-    grid, blocks, params, variables, i, j, q_i, d_q, d_bias, d_params, d_vars, with_mod
+    grid, blocks, params, variables, i, j, row_i, d_q, d_bias, d_params, d_vars, with_mod
 ):
-    """Block (i, j)'s share of `dq_i`, of the bias's gradient and of the mod's."""
+    """Block (i, j)'s share of `dq_i`, of the bias's gradient and of the mod's. `row_i` is
+    query block i's `q`, `dO`, log-sum-exp and `rowsum(dO * O)`, taken once per row."""
     plan = grid.plan
-    d_out_i, lse_i, row_dot_i = (take(x, i) for x in (blocks.d_out, blocks.lse, blocks.row_dot))
+    q_i, d_out_i, lse_i, row_dot_i = row_i
     raw = grid.raw_logits(blocks, j, q_i)
     scores = grid.logits(blocks, i, j, q_i, raw)
     p = ops.where(grid.allowed(i, j, with_mod), ops.exp(scores - lse_i), 0.0)
