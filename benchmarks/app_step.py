@@ -30,7 +30,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from attention import cpu_name  # noqa: E402
+from common import cpu_name, replace_section  # noqa: E402
 
 START, END = "<!-- app-step:start -->", "<!-- app-step:end -->"
 MIXED_START, MIXED_END = "<!-- app-step-mixed:start -->", "<!-- app-step-mixed:end -->"
@@ -89,7 +89,7 @@ def build(kind, ids, config, policy="float32"):
     return model
 
 
-def main(argv=None):
+def parse_arguments(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--steps", type=int, default=5, help="training steps per round")
@@ -105,29 +105,26 @@ def main(argv=None):
         parser.error(
             f"--rounds and --steps must be at least 1. Received: {args.rounds}, {args.steps}"
         )
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return parser, args
+
+
+def random_batch(length, config, batch):
+    """Token ids (padded past each review's length) and labels of one batch, seeded."""
     import numpy as np
 
     rng = np.random.default_rng(0)
-    config, batch = shipped_config()
-    length = args.length or config["sequence_length"]
-    if not 2 <= length <= config["sequence_length"]:
-        parser.error(
-            f"--length must be between 2 and {config['sequence_length']}. Received: {length}"
-        )
     # Real reviews vary: a bucket holds reviews from the bucket below it up to its length.
     lengths = rng.integers(max(1, length * 2 // 3), length + 1, batch)
     ids = rng.integers(2, config["vocab_size"], (batch, length))
     ids[np.arange(length)[None, :] >= lengths[:, None]] = 0  # padding
     labels = rng.integers(0, 2, batch).astype("float32")
+    return ids, labels
 
-    if args.mixed_precision:
-        names = ("float32", args.mixed_precision)
-        models = {name: build("sdpa", ids, config, name) for name in names}
-    else:
-        names = ("sdpa", "keras_mha")
-        models = {kind: build(kind, ids, config) for kind in names}
+
+def time_steps(args, models, ids, labels):
+    """Seconds per step of each model (the first one's weights copied into the second), in
+    alternating rounds of `--steps` steps after two that trace and compile."""
+    names = list(models)
     models[names[1]].set_weights(models[names[0]].get_weights())
     for model in models.values():
         model.train_on_batch(ids, labels)  # trace and compile
@@ -142,33 +139,37 @@ def main(argv=None):
             times[name].append((time.perf_counter() - start) / args.steps)
         latest = ", ".join(f"{name} {times[name][-1] * 1e3:.0f} ms" for name in names)
         print(f"  round {index + 1}/{args.rounds}: {latest}", file=sys.stderr)
-    ratios = [a / b for a, b in zip(times[names[0]], times[names[1]])]
+    return times
+
+
+def describe(args, config, length, batch, names):
+    """The section's title, its command's flags, what it compares, its rows (label, model),
+    what its ratio divides and its markers."""
     if args.mixed_precision:
-        ratios = [1 / ratio for ratio in ratios]  # mixed over float32
-        title = f"The app's training step under {args.mixed_precision}"
-        flags = f"--mixed_precision {args.mixed_precision} "
         what = (
             f"The shipped classifier (L={length}, batch {batch}) built under "
             f"`{args.mixed_precision}` "
             "(as `apps.train_sentiment --mixed_precision` builds it) against itself in float32, "
             "same weights; `train_on_batch`"
         )
+        title = f"The app's training step under {args.mixed_precision}"
+        flags = f"--mixed_precision {args.mixed_precision} "
         rows = [(name, name) for name in names]
-        ratio_of = "mixed / float32"
-        markers = MIXED_START, MIXED_END
-    else:
-        title, flags = "The app's training step", ""
-        what = (
-            "The shipped classifier (E=64, 2 heads of 32, one block plus attention pooling over "
-            f"the embeddings, L={length}, batch {batch}, dropout {config['dropout']}, word pairs "
-            "and triples) against the same "
-            "model with `keras.layers.MultiHeadAttention` swapped in, same weights; "
-            "`train_on_batch` as the app compiles it (its Adam, `jit_compile=False`)"
-        )
-        rows = [("shipped, keras_sdpa", "sdpa"), ("Keras MHA twin", "keras_mha")]
-        ratio_of = "ours / Keras"
-        markers = START, END
-    section = "\n".join(
+        return title, flags, what, rows, "mixed / float32", (MIXED_START, MIXED_END)
+    what = (
+        "The shipped classifier (E=64, 2 heads of 32, one block plus attention pooling over "
+        f"the embeddings, L={length}, batch {batch}, dropout {config['dropout']}, word pairs "
+        "and triples) against the same "
+        "model with `keras.layers.MultiHeadAttention` swapped in, same weights; "
+        "`train_on_batch` as the app compiles it (its Adam, `jit_compile=False`)"
+    )
+    rows = [("shipped, keras_sdpa", "sdpa"), ("Keras MHA twin", "keras_mha")]
+    return "The app's training step", "", what, rows, "ours / Keras", (START, END)
+
+
+def section_text(args, length, times, ratios, description):
+    title, flags, what, rows, ratio_of, _ = description
+    return "\n".join(
         [
             f"## {title}",
             "",
@@ -189,11 +190,34 @@ def main(argv=None):
             "",
         ]
     )
+
+
+def main(argv=None):
+    parser, args = parse_arguments(argv)
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    config, batch = shipped_config()
+    length = args.length or config["sequence_length"]
+    if not 2 <= length <= config["sequence_length"]:
+        parser.error(
+            f"--length must be between 2 and {config['sequence_length']}. Received: {length}"
+        )
+    ids, labels = random_batch(length, config, batch)
+    if args.mixed_precision:
+        names = ("float32", args.mixed_precision)
+        models = {name: build("sdpa", ids, config, name) for name in names}
+    else:
+        names = ("sdpa", "keras_mha")
+        models = {kind: build(kind, ids, config) for kind in names}
+    times = time_steps(args, models, ids, labels)
+    ratios = [a / b for a, b in zip(times[names[0]], times[names[1]])]
+    if args.mixed_precision:
+        ratios = [1 / ratio for ratio in ratios]  # mixed over float32
+    description = describe(args, config, length, batch, names)
+    section = section_text(args, length, times, ratios, description)
     print(section)
     if args.output:
-        from features import replace_section
-
-        replace_section(args.output, *markers, section)
+        replace_section(args.output, *description[-1], section)
     return 0
 
 

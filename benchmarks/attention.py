@@ -32,8 +32,18 @@ import os
 import statistics
 import subprocess
 import sys
-import threading
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import (  # noqa: E402
+    PeakSampler,
+    alternate,
+    command_line,
+    cpu_name,
+    replace_section,
+    rss_mib,
+    write_head,
+)
 
 B, E, N, H = 4, 256, 4, 64
 IMPLS = ["sdpa_layer", "keras_mha", "sdpa_core", "keras_ops"]
@@ -109,69 +119,14 @@ def make_step(impl, length, which, policy="float32", jit_compile=False):
     return step
 
 
-def time_calls(step, repeats):
-    """Median seconds of `repeats` calls."""
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def alternate(ours, peer, rounds, repeats):
-    """Alternating rounds of two warmed-up steps: median times and per-round ratios. Who
-    goes first swaps every round, so neither always follows the other."""
-    ours(), peer()  # trace and compile both
-    mine, theirs = [], []
-    for index in range(rounds):
-        pairs = [(mine, ours), (theirs, peer)]
-        for times, step in pairs if index % 2 == 0 else pairs[::-1]:
-            times.append(time_calls(step, repeats))
-    ratios = sorted(a / b for a, b in zip(mine, theirs))
-    return {
-        "ms": statistics.median(mine) * 1e3,
-        "peer_ms": statistics.median(theirs) * 1e3,
-        "ratio": statistics.median(ratios),
-        "low": ratios[0],
-        "high": ratios[-1],
-    }
-
-
 def peak_memory(impl, length, which, policy, jit_compile):
     """Runs in a child process: the peak resident memory of one call, compilation included."""
     step = make_step(impl, length, which, policy, jit_compile)
-    base = _rss_mib()  # inputs and weights are in; nothing traced or run yet
-    sampler = _PeakSampler()
+    base = rss_mib()  # inputs and weights are in; nothing traced or run yet
+    sampler = PeakSampler()
     step()
     step()
     return {"peak_mib": sampler.stop() - base}
-
-
-def _rss_mib():
-    """Current resident memory of this process."""
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-
-
-class _PeakSampler:
-    """Samples resident memory every millisecond in a thread; `stop()` gives the peak."""
-
-    def __init__(self):
-        self.peak = _rss_mib()
-        self.running = True
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-
-    def _run(self):
-        while self.running:
-            self.peak = max(self.peak, _rss_mib())
-            time.sleep(0.001)
-
-    def stop(self):
-        self.running = False
-        self.thread.join()
-        return max(self.peak, _rss_mib())
 
 
 def matmul_gflops():
@@ -187,29 +142,6 @@ def matmul_gflops():
         mm().numpy()
         times.append(time.perf_counter() - start)
     return 2 * 2048**3 / statistics.median(times) / 1e9
-
-
-def cpu_name():
-    """The CPU's model name and its bfloat16 matrix units, from /proc/cpuinfo (Linux)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            info = f.read()
-    except OSError:
-        return "unknown CPU"
-    model = next(
-        (
-            line.split(":", 1)[1].strip()
-            for line in info.splitlines()
-            if line.startswith("model name")
-        ),
-        "unknown CPU",
-    )
-    flags = set(next((line for line in info.splitlines() if line.startswith("flags")), "").split())
-    units = [name for flag, name in (("amx_bf16", "AMX-BF16"), ("avx512_bf16", "AVX-512 BF16"))
-             if flag in flags]  # fmt: skip
-    return f"{model}, {os.cpu_count()} logical CPUs, " + (
-        " and ".join(units) if units else "no AMX or AVX-512 BF16"
-    )
 
 
 def run_child(impl, length, which, policy, jit_compile):
@@ -250,7 +182,7 @@ def table(times, memory, lengths, peak_gflops):
     return "\n".join(lines)
 
 
-def main(argv=None):
+def parse_arguments(argv):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[128, 512, 2048, 4096])
     parser.add_argument("--rounds", type=int, default=5, help="alternating rounds")
@@ -263,15 +195,11 @@ def main(argv=None):
         "--jit_compile", action="store_true", help="compile each whole step with XLA"
     )
     parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.child:
-        impl, length, which = args.child
-        print(json.dumps(peak_memory(impl, int(length), which, args.policy, args.jit_compile)))
-        return
-    print(cpu_name())
+    return parser.parse_args(argv)
 
-    peak = matmul_gflops()
-    print(f"float32 matmul rate of this machine (2048^3, TensorFlow): {peak:.1f} GFLOP/s")
+
+def measure_memory(args):
+    """`{(impl, length, pass): peak}`, each from its own child process."""
     memory = {}
     for length in args.lengths:
         for which in ("fwd", "fwd_bwd"):
@@ -281,6 +209,11 @@ def main(argv=None):
                     impl, length, which, args.policy, args.jit_compile
                 )
                 print(memory[(impl, length, which)], flush=True)
+    return memory
+
+
+def measure_times(args):
+    """`{(ours, length, pass): alternate's result}`, each pair in alternating rounds here."""
     times = {}
     for length in args.lengths:
         for which in ("fwd", "fwd_bwd"):
@@ -297,9 +230,13 @@ def main(argv=None):
                     result = {"error": f"{type(error).__name__}: {str(error)[:60]}"}
                 times[(ours, length, which)] = result
                 print(result, flush=True)
-    text = table(times, memory, args.lengths, peak)
+    return times
+
+
+def describe(args, peak):
+    """The paragraph above the table: the machine, the settings and what the columns mean."""
     step = "the whole step under `jit_compile=True`" if args.jit_compile else "`tf.function`"
-    header = (
+    return (
         f"{cpu_name()}. Policy `{args.policy}`, {step}. "
         f"B={B}, E={E}, N={N}, H={H}. Times: {args.rounds} alternating rounds of ours and the "
         f"peer in one process after one warm-up call each, {args.repeats} calls a round "
@@ -309,40 +246,50 @@ def main(argv=None):
         f"the first call (compilation included; sampled every ms; one child process per "
         f"implementation, length and pass). Matmul peak {peak:.1f} GFLOP/s.\n"
     )
-    print()
-    print(header)
-    print(text)
-    command = "python benchmarks/attention.py " + " ".join(argv if argv else sys.argv[1:])
-    if args.output and (args.policy != "float32" or args.jit_compile):
-        # Each policy and compilation has its own section; the float32 table stays on top.
-        from features import replace_section
 
+
+def write(args, argv, header, text):
+    """The float32 table at the top of `--output`; another policy or compilation in its own
+    section, so that the float32 table stays on top."""
+    command = command_line(__file__, argv)
+    if args.policy != "float32" or args.jit_compile:
         name = args.policy + ("-jit" if args.jit_compile else "")
         title = f"## Attention under `{args.policy}`" + (
             ", whole step under XLA" if args.jit_compile else ""
         )
-        section = f"{title}\n\nProduced by:\n\n    {command.strip()}\n\n{header}\n{text}\n"
+        section = f"{title}\n\nProduced by:\n\n    {command}\n\n{header}\n{text}\n"
         replace_section(
             args.output,
             f"<!-- attention-{name}:start -->",
             f"<!-- attention-{name}:end -->",
             section,
         )
-        print(f"\nwrote {os.path.abspath(args.output)}")
-    elif args.output:
-        notes = ""  # later sections (long sequences, notes) survive a rewrite of the table
-        if os.path.exists(args.output):
-            with open(args.output) as f:
-                old = f.read()
-            starts = [old.find(mark) for mark in ("\n<!-- ", "\n## ") if mark in old]
-            if starts:  # from the first later section, with its markers
-                notes = "\n" + old[min(starts) + 1 :]
-        with open(args.output, "w") as f:
-            f.write(
-                f"# Benchmarks\n\nProduced by:\n\n    {command.strip()}\n\n"
-                f"{header}\n{text}\n{notes}"
-            )
-        print(f"\nwrote {os.path.abspath(args.output)}")
+    else:  # later sections (long sequences, notes) survive a rewrite of the table
+        write_head(
+            args.output,
+            f"# Benchmarks\n\nProduced by:\n\n    {command}\n\n{header}\n{text}\n",
+        )
+
+
+def main(argv=None):
+    args = parse_arguments(argv)
+    if args.child:
+        impl, length, which = args.child
+        print(json.dumps(peak_memory(impl, int(length), which, args.policy, args.jit_compile)))
+        return
+    print(cpu_name())
+
+    peak = matmul_gflops()
+    print(f"float32 matmul rate of this machine (2048^3, TensorFlow): {peak:.1f} GFLOP/s")
+    memory = measure_memory(args)
+    times = measure_times(args)
+    text = table(times, memory, args.lengths, peak)
+    header = describe(args, peak)
+    print()
+    print(header)
+    print(text)
+    if args.output:
+        write(args, argv, header, text)
 
 
 if __name__ == "__main__":

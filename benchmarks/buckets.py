@@ -22,8 +22,7 @@ import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from attention import cpu_name  # noqa: E402
-from long_sequences import time_alternating  # noqa: E402
+from common import cpu_name, replace_section, time_alternating  # noqa: E402
 
 START, END = "<!-- buckets:start -->", "<!-- buckets:end -->"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -53,9 +52,7 @@ def build(config, vectorizer):
     if config["trigram_vocab_size"]:
         embedding.set_trigrams(data.read_ngrams(vectorizer, os.path.join(RUN, "trigrams.txt")))
     model.compile(
-        optimizer=Adam(
-            config["learning_rate"], weight_decay=config["weight_decay"] or None
-        ),
+        optimizer=Adam(config["learning_rate"], weight_decay=config["weight_decay"] or None),
         loss="binary_crossentropy",
         metrics=["accuracy"],
         jit_compile=False,
@@ -63,7 +60,7 @@ def build(config, vectorizer):
     return model
 
 
-def main(argv=None):
+def parse_arguments(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--data_dir", default=os.environ.get("TFDS_DATA_DIR"))
     parser.add_argument("--rounds", type=int, default=5)
@@ -74,33 +71,34 @@ def main(argv=None):
         parser.error(
             f"--rounds and --steps must be at least 1. Received: {args.rounds}, {args.steps}"
         )
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-    sys.path.insert(0, ROOT)
+    return args
+
+
+def load_batches(args, config):
+    """The vectorizer, and the first `--steps` batches of the app's training stream: cut to
+    their length buckets, and the same padded to the configuration's sequence length."""
     import numpy as np
 
     from apps.classifier import data
     from apps.training import batches
 
-    with open(os.path.join(RUN, "metrics.json")) as f:
-        config = json.load(f)["config"]
     length = config["sequence_length"]
     vectorizer = data.make_vectorizer(
         config["vocab_size"], length, vocabulary=os.path.join(RUN, "vocabulary.txt")
     )
     splits = data.load_splits(seed=config["seed"], data_dir=data.resolve_data_dir(args.data_dir))
     ids = data.vectorize(vectorizer, splits.train_text)
-    stream = batches.training_stream(
-        ids, splits.train_label, config["batch_size"], config["seed"]
-    )
+    stream = batches.training_stream(ids, splits.train_label, config["batch_size"], config["seed"])
     bucketed = [(x.numpy(), y.numpy()) for x, y in stream.take(args.steps)]
     padded = [(np.pad(x, ((0, 0), (0, length - x.shape[1]))), y) for x, y in bucketed]
-    widths = [x.shape[1] for x, _ in bucketed]
-    print(f"{args.steps} batches of {config['batch_size']}, widths {sorted(set(widths))}",
-          file=sys.stderr)  # fmt: skip
+    return vectorizer, {"bucketed": bucketed, "padded": padded}
 
+
+def time_batches(args, config, vectorizer, batches):
+    """Seconds per step of each kind of batch, two models with the same weights in
+    alternating rounds of one pass over its batches."""
     models = {"bucketed": build(config, vectorizer), "padded": build(config, vectorizer)}
     models["padded"].set_weights(models["bucketed"].get_weights())
-    batches = {"bucketed": bucketed, "padded": padded}
 
     def epoch_of(name):
         def step():
@@ -115,8 +113,13 @@ def main(argv=None):
     for index in range(args.rounds):
         latest = ", ".join(f"{name} {times[name][index] * 1e3:.0f} ms" for name in models)
         print(f"  round {index + 1}/{args.rounds}: {latest}", file=sys.stderr)
+    return times
+
+
+def section_text(args, config, widths, times):
+    length = config["sequence_length"]
     ratios = [a / b for a, b in zip(times["bucketed"], times["padded"])]
-    section = "\n".join(
+    return "\n".join(
         [
             "## The app's training step: length buckets against padding to 512",
             "",
@@ -142,10 +145,22 @@ def main(argv=None):
             "",
         ]
     )
+
+
+def main(argv=None):
+    args = parse_arguments(argv)
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    sys.path.insert(0, ROOT)
+    with open(os.path.join(RUN, "metrics.json")) as f:
+        config = json.load(f)["config"]
+    vectorizer, batches = load_batches(args, config)
+    widths = [x.shape[1] for x, _ in batches["bucketed"]]
+    print(f"{args.steps} batches of {config['batch_size']}, widths {sorted(set(widths))}",
+          file=sys.stderr)  # fmt: skip
+    times = time_batches(args, config, vectorizer, batches)
+    section = section_text(args, config, widths, times)
     print(section)
     if args.output:
-        from features import replace_section
-
         replace_section(args.output, START, END, section)
     return 0
 

@@ -18,8 +18,8 @@ import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from attention import cpu_name  # noqa: E402
-from long_sequences import B, E, H, N, make_step, time_alternating  # noqa: E402
+from common import command_line, cpu_name, replace_section, time_alternating  # noqa: E402
+from long_sequences import B, E, H, N, make_step  # noqa: E402
 
 START, END = "<!-- chunked-mixed:start -->", "<!-- chunked-mixed:end -->"
 POLICIES = ("float32", "mixed_bfloat16")
@@ -39,13 +39,12 @@ def main(argv=None):
     parser.add_argument("--chunk_size", type=int, default=2048)
     parser.add_argument("--output", help="a Markdown file whose chunked-mixed section is replaced")
     args = parser.parse_args(argv)
-    command = "python benchmarks/chunked_mixed.py " + " ".join(argv if argv else sys.argv[1:])
     lines = [
         "## The chunked path under mixed_bfloat16",
         "",
         "Produced by:",
         "",
-        f"    {command.strip()}",
+        f"    {command_line(__file__, argv)}",
         "",
         f"{cpu_name()}. One chunked self-attention layer, forward plus backward, B={B}, E={E}, "
         f"N={N}, H={H}, chunk_size={args.chunk_size}; {args.rounds} alternating rounds in one "
@@ -65,8 +64,6 @@ def main(argv=None):
     section = "\n".join(lines) + "\n"
     print(section)
     if args.output:
-        from features import replace_section
-
         replace_section(args.output, START, END, section)
 
 

@@ -36,8 +36,13 @@ from keras_hub.layers import CachedMultiHeadAttention
 from keras_sdpa import ScaledDotProductAttention
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from attention import alternate, cpu_name  # noqa: E402
-from features import child_peak_mib, replace_section  # noqa: E402
+from common import (  # noqa: E402
+    alternate,
+    at_least_one,
+    child_peak_mib,
+    cpu_name,
+    replace_section,
+)
 
 START, END = "<!-- decode:start -->", "<!-- decode:end -->"
 N, H = 8, 64
@@ -83,7 +88,7 @@ def make_step(kind, batch, length, kv_heads=N):
 
 
 def per_token(ours, peer, rounds, ours_tokens, peer_tokens):
-    """`attention.alternate`'s rounds (3 calls each), in milliseconds per generated token."""
+    """`common.alternate`'s rounds (3 calls each), in milliseconds per generated token."""
     result = alternate(ours, peer, rounds, repeats=3)
     scale = peer_tokens / ours_tokens  # a call of ours makes ours_tokens, the peer's peer_tokens
     return {
@@ -157,8 +162,7 @@ def main(argv=None):
     parser.add_argument("--memory_length", type=int, default=32768)
     parser.add_argument("--output", help="a Markdown file whose decode section is replaced")
     args = parser.parse_args(argv)  # fmt: skip
-    if args.rounds < 1:
-        parser.error(f"--rounds must be at least 1. Received: {args.rounds}")
+    at_least_one(parser, args, "rounds")
     rows = []
     for batch in (int(b) for b in args.batches.split(",") if b):
         for length in (int(s) for s in args.lengths.split(",") if s):

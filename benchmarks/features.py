@@ -20,18 +20,32 @@ Usage:
 """
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from attention import cpu_name  # noqa: E402
+from common import at_least_one, child_peak_mib, cpu_name, replace_section  # noqa: E402
 
 START, END = "<!-- features:start -->", "<!-- features:end -->"
 H = 64
+# The two comparisons: the row's label, ours, the peer, and the flag that sets their T=S.
+COMPARISONS = (
+    ("chunked, sliding_window={window} vs full chunked (N=4)", "window_chunked", "full_chunked",
+     "window_length"),
+    ("GQA 8 query / 2 key-value heads vs 8 full heads", "gqa_8_2", "mha_8", "gqa_length"),
+)  # fmt: skip
+
+
+def variant_arguments(name, window):
+    """The query heads, the key/value heads and the core's keyword arguments of a variant."""
+    return {
+        "full_chunked": (4, 4, dict(implementation="chunked")),
+        "window_chunked": (4, 4, dict(implementation="chunked", sliding_window=window)),
+        "mha_8": (8, 8, dict()),
+        "gqa_8_2": (8, 2, dict()),
+    }[name]
 
 
 def make_step(variant, length, window):
@@ -41,12 +55,7 @@ def make_step(variant, length, window):
 
     from keras_sdpa.ops import scaled_dot_product_attention
 
-    heads, kv_heads, kwargs = {
-        "full_chunked": (4, 4, dict(implementation="chunked")),
-        "window_chunked": (4, 4, dict(implementation="chunked", sliding_window=window)),
-        "mha_8": (8, 8, dict()),
-        "gqa_8_2": (8, 2, dict()),
-    }[variant]
+    heads, kv_heads, kwargs = variant_arguments(variant, window)
     q = tf.random.normal((1, length, heads, H), seed=1)
     k = tf.random.normal((1, length, kv_heads, H), seed=2)
     v = tf.random.normal((1, length, kv_heads, H), seed=3)
@@ -81,23 +90,6 @@ def alternate(ours, peer, length, window, rounds):
         print(f"  round {index + 1}/{rounds}: {ours} {times[ours][-1]:.2f} s, "
               f"{peer} {times[peer][-1]:.2f} s", file=sys.stderr)  # fmt: skip
     return times
-
-
-def child_peak_mib(module, step_args, timeout=1800):
-    """In a child process: the peak resident MiB of `module.make_step(*step_args)()` above
-    the level before the call (compilation included), or `"exit <code>"`."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    script = (
-        f"import sys, json; sys.path.insert(0, {here!r}); import {module} as m; "
-        "from attention import _PeakSampler, _rss_mib; base = _rss_mib(); s = _PeakSampler(); "
-        f"m.make_step(*{tuple(step_args)!r})(); print(json.dumps(s.stop() - base))"
-    )
-    result = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout
-    )
-    if result.returncode:
-        return f"exit {result.returncode}"
-    return round(json.loads(result.stdout.strip().splitlines()[-1]))
 
 
 def peak_memory(variant, length, window):
@@ -150,20 +142,6 @@ def table(rows, args):
     return "\n".join(lines) + "\n"
 
 
-def replace_section(path, start, end, section):
-    """Replaces the part of a Markdown file between two markers (or appends it), atomically."""
-    old = open(path).read() if os.path.exists(path) else ""
-    block = f"{start}\n{section}\n{end}"
-    if start in old and end in old:
-        new = old[: old.index(start)] + block + old[old.index(end) + len(end) :]
-    else:
-        new = old.rstrip("\n") + "\n\n" + block + "\n"
-    with open(path + ".tmp", "w") as f:
-        f.write(new)
-    os.replace(path + ".tmp", path)
-    print(f"wrote {path}", file=sys.stderr)
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
@@ -172,17 +150,11 @@ def main(argv=None):
     parser.add_argument("--gqa_length", type=int, default=4096)
     parser.add_argument("--output", help="a Markdown file whose features section is replaced")
     args = parser.parse_args(argv)
-    if args.rounds < 1:
-        parser.error(f"--rounds must be at least 1. Received: {args.rounds}")
+    at_least_one(parser, args, "rounds")
     rows = [
-        row(
-            f"chunked, sliding_window={args.window} vs full chunked (N=4)",
-            "window_chunked", "full_chunked", args.window_length, args.window, args.rounds,
-        ),
-        row(
-            "GQA 8 query / 2 key-value heads vs 8 full heads",
-            "gqa_8_2", "mha_8", args.gqa_length, args.window, args.rounds,
-        ),
+        row(label.format(window=args.window), ours, peer, getattr(args, flag), args.window,
+            args.rounds)
+        for label, ours, peer, flag in COMPARISONS
     ]  # fmt: skip
     section = table(rows, args)
     print(section)

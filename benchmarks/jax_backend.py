@@ -30,7 +30,15 @@ os.environ["KERAS_BACKEND"] = "jax"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from attention import _PeakSampler, _rss_mib, alternate, cpu_name  # noqa: E402
+from common import (  # noqa: E402
+    PeakSampler,
+    alternate,
+    at_least_one,
+    command_line,
+    cpu_name,
+    replace_section,
+    rss_mib,
+)
 
 B, E, N, H = 4, 256, 4, 64
 DECODE_N, DECODE_S, STEPS = 8, 8192, 32
@@ -123,8 +131,8 @@ def make(impl, length):
 
 def peak_memory(impl, length):
     """In a child process: the peak resident MiB of two calls, compilation included."""
-    base = _rss_mib()
-    sampler = _PeakSampler()
+    base = rss_mib()
+    sampler = PeakSampler()
     step = make(impl, length)
     step()
     step()
@@ -178,9 +186,7 @@ def main(argv=None):
     if args.child:
         print(json.dumps(peak_memory(args.child[0], int(args.child[1]))))
         return 0
-    for name in ("rounds", "repeats"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name} must be at least 1. Received: {getattr(args, name)}")
+    at_least_one(parser, args, "rounds", "repeats")
     import jax
 
     results = {}
@@ -190,18 +196,15 @@ def main(argv=None):
             timed = alternate(make(ours, length), make(peer, length), args.rounds, args.repeats)
             memory = (run_child(ours, length), run_child(peer, length))
             results[(ours, peer, length)] = (timed, *memory)
-    command = "python benchmarks/jax_backend.py " + " ".join(argv or sys.argv[1:])
     header = (
         f"## On Keras's JAX backend (jax {jax.__version__}, CPU)\n\n"
-        f"Produced by:\n\n    {command.strip()}\n\nMachine: {cpu_name()}. "
+        f"Produced by:\n\n    {command_line(__file__, argv)}\n\nMachine: {cpu_name()}. "
         f"{args.rounds} alternating rounds of {args.repeats} calls; ratio = ours / peer "
         "(below 1: ours is faster), median of the rounds, with their range."
     )
     text = header + "\n\n" + table(results) + "\n"
     print(text)
     if args.output:
-        from features import replace_section
-
         replace_section(args.output, START, END, text)  # prints where it wrote
     return 0
 

@@ -34,7 +34,14 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from attention import _PeakSampler, _rss_mib, cpu_name  # noqa: E402
+from common import (  # noqa: E402
+    PeakSampler,
+    command_line,
+    cpu_name,
+    replace_section,
+    rss_mib,
+    time_alternating,
+)
 
 B, E, N, H = 1, 256, 4, 64
 IMPLS = ["sdpa_chunked", "sdpa_dense", "keras_mha"]
@@ -77,29 +84,14 @@ def make_step(impl, length, chunk_size, dtype=None):
 def measure(impl, length, chunk_size):
     """In a child process: peak resident memory of the first two calls, and the second's time."""
     step = make_step(impl, length, chunk_size)
-    base = _rss_mib()
-    sampler = _PeakSampler()
+    base = rss_mib()
+    sampler = PeakSampler()
     step()  # trace and compile
     start = time.perf_counter()
     step()
     seconds = time.perf_counter() - start
     peak = sampler.stop()
     return {"ms": seconds * 1e3, "peak_mib": peak - base, "rss_mib": peak}
-
-
-def time_alternating(steps, rounds):
-    """Seconds of each of `steps` (name -> callable), once per round, after one call that
-    traces and compiles; the order reverses every round, so none always runs first."""
-    for step in steps.values():
-        step()  # trace and compile
-    seconds = {name: [] for name in steps}
-    for index in range(rounds):
-        order = list(steps.items())
-        for name, step in order if index % 2 == 0 else order[::-1]:
-            start = time.perf_counter()
-            step()
-            seconds[name].append(time.perf_counter() - start)
-    return seconds
 
 
 def alternate(impls, length, chunk_size, rounds):
@@ -228,21 +220,6 @@ def plot(memory, times, lengths, path):
     return path
 
 
-def write_section(path, section):
-    """Replaces this script's section of `path` (between its markers), keeping the rest."""
-    old = open(path).read() if os.path.exists(path) else "# Benchmarks\n"
-    block = f"{START}\n{section}\n{END}"
-    if START in old and END in old:
-        new = old[: old.index(START)] + block + old[old.index(END) + len(END) :]
-    elif "\n## Notes" in old:
-        at = old.index("\n## Notes")
-        new = old[:at] + "\n" + block + "\n" + old[at:]
-    else:
-        new = old.rstrip("\n") + "\n\n" + block + "\n"
-    with open(path, "w") as f:
-        f.write(new)
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192, 16384, 32768])
@@ -281,10 +258,9 @@ def main(argv=None):
     figure = plot(memory, times, args.lengths, args.plot)
     # The figure's path as the Markdown file (or, without one, the current folder) sees it.
     figure_link = os.path.relpath(figure, os.path.dirname(os.path.abspath(args.output or "-")))
-    command = "python benchmarks/long_sequences.py " + " ".join(argv if argv else sys.argv[1:])
     section = (
         "## Long sequences\n\n"
-        f"Produced by:\n\n    {command.strip()}\n\n"
+        f"Produced by:\n\n    {command_line(__file__, argv)}\n\n"
         f"{cpu_name()}. One self-attention layer, forward plus backward, B={B}, E={E}, "
         f"N={N}, H={H}, "
         f"chunk_size={args.chunk_size}. Times: {args.rounds} alternating rounds of the "
@@ -298,8 +274,8 @@ def main(argv=None):
     print()
     print(section)
     if args.output:
-        write_section(args.output, section)
-        print(f"wrote {os.path.abspath(args.output)}")
+        replace_section(args.output, START, END, section, before="\n## Notes",
+                        missing="# Benchmarks\n")  # fmt: skip
     print(f"wrote {figure}")
 
 

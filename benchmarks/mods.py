@@ -33,9 +33,13 @@ import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from attention import cpu_name  # noqa: E402
-from features import child_peak_mib, replace_section  # noqa: E402
-from long_sequences import time_alternating  # noqa: E402
+from common import (  # noqa: E402
+    at_least_one,
+    child_peak_mib,
+    cpu_name,
+    replace_section,
+    time_alternating,
+)
 
 START, END = "<!-- mods:start -->", "<!-- mods:end -->"
 N, H = 4, 64
@@ -168,8 +172,7 @@ def main(argv=None):
     parser.add_argument("--memory_lengths", default="16384,32768")
     parser.add_argument("--output", help="a Markdown file whose mods section is replaced")
     args = parser.parse_args(argv)
-    if args.rounds < 1:
-        parser.error(f"--rounds must be at least 1. Received: {args.rounds}")
+    at_least_one(parser, args, "rounds")
     lengths = [int(x) for x in args.memory_lengths.split(",") if x]
     t, d = args.length, args.dense_length
     rows = [

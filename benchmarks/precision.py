@@ -22,7 +22,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from attention import cpu_name  # noqa: E402
+from common import command_line, cpu_name, replace_section  # noqa: E402
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -114,10 +114,9 @@ def main(argv=None):
     parser.add_argument("--lengths", type=int, nargs="+", default=[64, 512, 2048])
     parser.add_argument("--output", help="a Markdown file whose precision section is replaced")
     args = parser.parse_args(argv)
-    command = "python benchmarks/precision.py " + " ".join(argv if argv else sys.argv[1:])
     section = (
         "## Accuracy under mixed precision\n\nProduced by:\n\n"
-        f"    {command.strip()}\n\n"
+        f"    {command_line(__file__, argv)}\n\n"
         f"On {cpu_name()}. B={B}, N={N}, K={K}, H={H}, T=S. "
         "Absolute errors against keras_sdpa's float64 result "
         "on the same half-precision inputs (the output, and the gradients of sum(out * dO) "
@@ -127,9 +126,6 @@ def main(argv=None):
     )
     print(section)
     if args.output:
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        from features import replace_section
-
         replace_section(args.output, START, END, section)
 
 

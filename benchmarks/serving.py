@@ -30,7 +30,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from attention import cpu_name  # noqa: E402
+from common import at_least_one, cpu_name, replace_section  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 START, END = "<!-- serving:start -->", "<!-- serving:end -->"
@@ -81,7 +81,7 @@ def predict_end_to_end(model, path, count, cache):
     return seconds
 
 
-def main(argv=None):
+def parse_arguments(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=os.path.join(ROOT, "saved_models/imdb_sdpa/saved_model"))
     parser.add_argument("--data_dir", default=os.environ.get("TFDS_DATA_DIR"))
@@ -94,19 +94,12 @@ def main(argv=None):
     parser.add_argument("--skip_predict", action="store_true", help="skip the 25,000-review run")
     parser.add_argument("--output", help="a Markdown file whose serving section is replaced")
     args = parser.parse_args(argv)
-    for name in ("rounds", "reviews", "latency_reviews", "latency_block"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name} must be at least 1. Received: {getattr(args, name)}")
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    import tensorflow as tf
-    import tensorflow_datasets as tfds
+    at_least_one(parser, args, "rounds", "reviews", "latency_reviews", "latency_block")
+    return args
 
-    builder = tfds.builder("imdb_reviews", data_dir=args.data_dir)
-    texts = list(tfds.as_numpy(builder.as_dataset(split="test", batch_size=-1))["text"])
-    loaded = tf.saved_model.load(args.model)
-    signatures = {name: loaded.signatures[name] for name in SIGNATURES}
-    sample = texts[: args.reviews]
 
+def measure_rates(args, signatures, sample):
+    """`(batch size, reviews, {signature: rates}, ratios)` at batch 256, 32 and 1."""
     rows = []
     for batch_size in (256, 32, 1):
         count = args.reviews if batch_size > 1 else min(args.reviews, 256)
@@ -124,8 +117,12 @@ def main(argv=None):
             )
         ratios = [a / b for a, b in zip(rates["serving_default"], rates["inspect"])]
         rows.append((batch_size, count, rates, ratios))
+    return rows
 
-    reviews = texts[args.reviews : args.reviews + args.latency_reviews]
+
+def measure_latencies(args, signatures, reviews):
+    """Seconds per one-review call of each signature: in alternating blocks of one signature,
+    and with the two interleaved call by call."""
     delays = {name: [] for name in SIGNATURES}  # blocks of one signature
     for index, start in enumerate(range(0, len(reviews), args.latency_block)):
         for name in SIGNATURES if index % 2 == 0 else SIGNATURES[::-1]:
@@ -136,20 +133,27 @@ def main(argv=None):
     for i, text in enumerate(reviews):
         for name in SIGNATURES if i % 2 == 0 else SIGNATURES[::-1]:
             mixed[name].extend(latencies(signatures[name], [text]))
+    return delays, mixed
 
-    predict_rows = []
-    if not args.skip_predict:
-        with tempfile.TemporaryDirectory() as folder:
-            path = os.path.join(folder, "reviews.txt")
-            with open(path, "wb") as f:
-                f.writelines(t.replace(b"\n", b" ").replace(b"\r", b" ") + b"\n" for t in texts)
-            cache = os.path.join(folder, "xla")
-            for label in ("empty XLA cache", "XLA cache kept by the first run"):
-                seconds = predict_end_to_end(args.model, path, len(texts), cache)
-                predict_rows.append((label, seconds))
-                print(f"  apps.predict, {label}: {seconds:.1f} s", file=sys.stderr)
-    assert "keras_sdpa" not in sys.modules, "the benchmark imported keras_sdpa"
 
+def measure_predict(args, texts):
+    """`(label, seconds)` of `apps.predict` on every text: with an empty XLA cache, then with
+    the one the first run kept."""
+    rows = []
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "reviews.txt")
+        with open(path, "wb") as f:
+            f.writelines(t.replace(b"\n", b" ").replace(b"\r", b" ") + b"\n" for t in texts)
+        cache = os.path.join(folder, "xla")
+        for label in ("empty XLA cache", "XLA cache kept by the first run"):
+            seconds = predict_end_to_end(args.model, path, len(texts), cache)
+            rows.append((label, seconds))
+            print(f"  apps.predict, {label}: {seconds:.1f} s", file=sys.stderr)
+    return rows
+
+
+def rate_lines(args, rows):
+    """The section's title, what it measured, and the table of reviews/s."""
     command = f"    python benchmarks/serving.py --rounds {args.rounds} --output BENCHMARKS.md"
     lines = [
         "## Serving the SavedModel",
@@ -175,7 +179,12 @@ def main(argv=None):
             f"{statistics.median(rates['inspect']):.0f} | **{statistics.median(ratios):.2f}** "
             f"({min(ratios):.2f}-{max(ratios):.2f}) |"
         )
-    lines += [
+    return lines
+
+
+def latency_lines(args, delays, mixed, predict_rows, count):
+    """The tables of latency and, when it ran, of `apps.predict` on `count` reviews."""
+    lines = [
         "",
         f"One review a call, {args.latency_reviews} reviews: in blocks of {args.latency_block} "
         "calls of one signature, the blocks alternating between the two (a service that "
@@ -195,20 +204,37 @@ def main(argv=None):
     if predict_rows:
         lines += [
             "",
-            f"`python -m apps.predict --input FILE --json` on all {len(texts):,} test reviews, "
+            f"`python -m apps.predict --input FILE --json` on all {count:,} test reviews, "
             "start-up (TensorFlow import, SavedModel load, XLA compilation) included:",
             "",
             "| run | seconds | reviews/s |",
             "|---|---|---|",
         ]
         for label, seconds in predict_rows:
-            lines.append(f"| {label} | {seconds:.1f} | {len(texts) / seconds:.0f} |")
+            lines.append(f"| {label} | {seconds:.1f} | {count / seconds:.0f} |")
+    return lines
+
+
+def main(argv=None):
+    args = parse_arguments(argv)
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import tensorflow as tf
+    import tensorflow_datasets as tfds
+
+    builder = tfds.builder("imdb_reviews", data_dir=args.data_dir)
+    texts = list(tfds.as_numpy(builder.as_dataset(split="test", batch_size=-1))["text"])
+    loaded = tf.saved_model.load(args.model)
+    signatures = {name: loaded.signatures[name] for name in SIGNATURES}
+    rows = measure_rates(args, signatures, texts[: args.reviews])
+    reviews = texts[args.reviews : args.reviews + args.latency_reviews]
+    delays, mixed = measure_latencies(args, signatures, reviews)
+    predict_rows = [] if args.skip_predict else measure_predict(args, texts)
+    assert "keras_sdpa" not in sys.modules, "the benchmark imported keras_sdpa"
+
+    lines = rate_lines(args, rows) + latency_lines(args, delays, mixed, predict_rows, len(texts))
     section = "\n".join(lines) + "\n"
     print(section)
     if args.output:
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        from features import replace_section
-
         replace_section(args.output, START, END, section)
     return 0
 

@@ -111,7 +111,7 @@ def main(argv=None):
         parser.error(f"--reviews must be at least 1. Received: {args.reviews}")
     sys.path.insert(0, ROOT)
     import numpy as np
-    from attention import cpu_name
+    from common import cpu_name
 
     from apps.classifier import data, short_reviews
 

@@ -30,8 +30,7 @@ import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from attention import cpu_name  # noqa: E402
-from long_sequences import time_alternating  # noqa: E402
+from common import at_least_one, cpu_name, replace_section, time_alternating  # noqa: E402
 
 START, END = "<!-- swap:start -->", "<!-- swap:end -->"
 WIDTH, HEADS, LAYERS = 128, 2, 2
@@ -112,8 +111,8 @@ def peak_mib(family, length, swapped, timeout=1800):
     here = os.path.dirname(os.path.abspath(__file__))
     script = (
         f"import sys, json; sys.path.insert(0, {here!r}); import swap as m; "
-        f"from attention import _PeakSampler, _rss_mib; step = m.build({family!r}, {length}, "
-        f"{swapped}); base = _rss_mib(); s = _PeakSampler(); step(); "
+        f"from common import PeakSampler, rss_mib; step = m.build({family!r}, {length}, "
+        f"{swapped}); base = rss_mib(); s = PeakSampler(); step(); "
         "print(json.dumps(s.stop() - base))"
     )
     result = subprocess.run(
@@ -148,9 +147,7 @@ def main(argv=None):
     parser.add_argument("--new_tokens", type=int, default=248)
     parser.add_argument("--output", help="a Markdown file whose swap section is replaced")
     args = parser.parse_args(argv)
-    for name in ("rounds", "image_size", "new_tokens"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name} must be at least 1. Received: {getattr(args, name)}")
+    at_least_one(parser, args, "rounds", "image_size", "new_tokens")
     rows = []
     for length in args.bert_lengths:
         rows.append(("BERT encoder, forward + backward", f"T={length:,}", "s",
@@ -191,8 +188,6 @@ def main(argv=None):
     section = "\n".join(lines) + "\n"
     print(section)
     if args.output:
-        from features import replace_section
-
         replace_section(args.output, START, END, section)
 
 

@@ -27,8 +27,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from attention import cpu_name  # noqa: E402
-from features import replace_section  # noqa: E402
+from common import at_least_one, cpu_name, replace_section  # noqa: E402
 
 START, END = "<!-- tracing:start -->", "<!-- tracing:end -->"
 B, T, N, H = 2, 256, 4, 32
@@ -118,8 +117,7 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--output", help="a Markdown file whose trace section is replaced")
     args = parser.parse_args(argv)
-    if args.rounds < 1:
-        parser.error(f"--rounds must be at least 1. Received: {args.rounds}")
+    at_least_one(parser, args, "rounds")
     seconds = {variant: [] for variant in VARIANTS}
     for index in range(args.rounds):
         for variant in VARIANTS if index % 2 == 0 else VARIANTS[::-1]:

@@ -256,7 +256,7 @@ def reading(fn, scope):
 
     On JAX a variable the mod reads from outside what it holds is a constant of the trace:
     its later values are not read and it gets no gradient. That warns, naming it."""
-    if not scope and keras.backend.backend() != "jax":
+    if not scope and not _backend.get().captures_variable_values():
         return fn
 
     def call(*args):

@@ -18,6 +18,7 @@ import keras
 from keras import ops
 
 from keras_sdpa import _backend, _block_mask, _checks, _chunked, mods
+from keras_sdpa import _masking as M
 
 FLASH_ATTENTION = (None, True, False)
 IMPLEMENTATIONS = ("auto", "dense", "chunked", "decode")
@@ -50,7 +51,6 @@ AUTO_CHUNKED_BYTES = 1 << 28
 # Inside a caller's XLA step with an unknown batch size, "auto" goes chunked above this many
 # bytes of one example's float32 scores (N * T * S * 4): 256 MiB at a batch of 8.
 AUTO_CHUNKED_BYTES_PER_EXAMPLE = AUTO_CHUNKED_BYTES // 8
-HALF_DTYPES = ("bfloat16", "float16")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -116,7 +116,7 @@ class Plan:
     @property
     def operand(self):
         """The products' operand precision for half-precision inputs (into float32), or None."""
-        return self.dtype if self.dtype in HALF_DTYPES else None
+        return self.dtype if self.dtype in M.HALF_DTYPES else None
 
     @property
     def logit_scale(self):

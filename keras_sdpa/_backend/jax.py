@@ -132,6 +132,11 @@ def vjp(fn, raw, params, variables, d_out):
     return d_raw, d_params, []
 
 
+def captures_variable_values():
+    """True: `jax.jit` fixes a variable read from outside its inputs as a constant of the trace."""
+    return True
+
+
 def cache_logits(q, key):
     """`q (B, K, G, T, H)` against a cache's `key (B, S, K, H)`: logits `(B, K, G, T, S)`,
     a dot on the transposed cache (JAX's XLA does not fuse TensorFlow's multiply-and-reduce
@@ -216,3 +221,9 @@ def per_replica(seed):
     """`seed` unchanged: a JAX program sharded over devices draws one array for the whole
     batch, so no two shards share a dropout mask."""
     return seed
+
+
+def variable_inputs(variables):
+    """The variables' values: `jax.jit` would compile a variable in as a constant, so its
+    value enters the program as an input (and the gradient reaches a trainable one)."""
+    return tuple(v.value for v in variables)

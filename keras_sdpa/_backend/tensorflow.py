@@ -94,6 +94,11 @@ def vjp(fn, raw, params, variables, d_out):
     )
 
 
+def captures_variable_values():
+    """False: a TensorFlow program reads a variable it captures by reference, at every run."""
+    return False
+
+
 def cache_logits(q, key):
     """`q (B, K, G, T, H)` against a cache's `key (B, S, K, H)`: logits `(B, K, G, T, S)`,
     a multiply-and-reduce that reads the cache where it lies (no transposed copy)."""
@@ -189,3 +194,9 @@ def per_replica(seed):
         return seed
     replica = tf.cast(context.replica_id_in_sync_group, seed.dtype)
     return seed + tf.stack([replica * 1_000_003, tf.zeros_like(replica)])
+
+
+def variable_inputs(variables):
+    """Nothing: TensorFlow's programs read variables by reference."""
+    del variables
+    return ()

@@ -1,0 +1,197 @@
+"""What the benchmark scripts share: the machine's name, timing, memory, and the results writer.
+
+Every script imports this module (and no script imports one that imports it back): the CPU
+named in each table, the alternating rounds that give every ratio, the peak resident memory of
+a child process, and the writer that puts a table between its markers in BENCHMARKS.md.
+
+    cpu_name()                          the CPU and its bfloat16 matrix units
+    alternate(ours, peer, rounds, repeats)
+                                        two steps in alternating rounds of `repeats` calls:
+                                        median times and the median and range of the ratios
+    time_alternating(steps, rounds)     seconds of named steps, one call each a round
+    rss_mib(), PeakSampler              resident memory now, and its peak while a step runs
+    child_peak_mib(module, step_args)   the peak of `module.make_step(*step_args)()` in a child
+    at_least_one(parser, args, *names)  the flags that must be at least 1
+    command_line(script, argv)          the script's command, for "Produced by:"
+    replace_section(path, start, end, section)
+                                        the section between two markers of a Markdown file
+    write_head(path, head)              the part of a Markdown file before its first section
+"""
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def cpu_name():
+    """The CPU's model name and its bfloat16 matrix units, from /proc/cpuinfo (Linux)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = f.read()
+    except OSError:
+        return "unknown CPU"
+    model = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in info.splitlines()
+            if line.startswith("model name")
+        ),
+        "unknown CPU",
+    )
+    flags = set(next((line for line in info.splitlines() if line.startswith("flags")), "").split())
+    units = [name for flag, name in (("amx_bf16", "AMX-BF16"), ("avx512_bf16", "AVX-512 BF16"))
+             if flag in flags]  # fmt: skip
+    return f"{model}, {os.cpu_count()} logical CPUs, " + (
+        " and ".join(units) if units else "no AMX or AVX-512 BF16"
+    )
+
+
+# ---- timing
+
+
+def time_calls(step, repeats):
+    """Median seconds of `repeats` calls."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def alternate(ours, peer, rounds, repeats):
+    """Alternating rounds of two warmed-up steps: median times and per-round ratios. Who
+    goes first swaps every round, so neither always follows the other."""
+    ours(), peer()  # trace and compile both
+    mine, theirs = [], []
+    for index in range(rounds):
+        pairs = [(mine, ours), (theirs, peer)]
+        for times, step in pairs if index % 2 == 0 else pairs[::-1]:
+            times.append(time_calls(step, repeats))
+    ratios = sorted(a / b for a, b in zip(mine, theirs))
+    return {
+        "ms": statistics.median(mine) * 1e3,
+        "peer_ms": statistics.median(theirs) * 1e3,
+        "ratio": statistics.median(ratios),
+        "low": ratios[0],
+        "high": ratios[-1],
+    }
+
+
+def time_alternating(steps, rounds):
+    """Seconds of each of `steps` (name -> callable), once per round, after one call that
+    traces and compiles; the order reverses every round, so none always runs first."""
+    for step in steps.values():
+        step()  # trace and compile
+    seconds = {name: [] for name in steps}
+    for index in range(rounds):
+        order = list(steps.items())
+        for name, step in order if index % 2 == 0 else order[::-1]:
+            start = time.perf_counter()
+            step()
+            seconds[name].append(time.perf_counter() - start)
+    return seconds
+
+
+# ---- memory
+
+
+def rss_mib():
+    """Current resident memory of this process."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+class PeakSampler:
+    """Samples resident memory every millisecond in a thread; `stop()` gives the peak."""
+
+    def __init__(self):
+        self.peak = rss_mib()
+        self.running = True
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        while self.running:
+            self.peak = max(self.peak, rss_mib())
+            time.sleep(0.001)
+
+    def stop(self):
+        self.running = False
+        self.thread.join()
+        return max(self.peak, rss_mib())
+
+
+def child_peak_mib(module, step_args, timeout=1800):
+    """In a child process: the peak resident MiB of `module.make_step(*step_args)()` above
+    the level before the call (compilation included), or `"exit <code>"`."""
+    script = (
+        f"import sys, json; sys.path.insert(0, {HERE!r}); import {module} as m; "
+        "from common import PeakSampler, rss_mib; base = rss_mib(); s = PeakSampler(); "
+        f"m.make_step(*{tuple(step_args)!r})(); print(json.dumps(s.stop() - base))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout
+    )
+    if result.returncode:
+        return f"exit {result.returncode}"
+    return round(json.loads(result.stdout.strip().splitlines()[-1]))
+
+
+# ---- arguments and results
+
+
+def at_least_one(parser, args, *names):
+    """Stops with a usage error naming the first of `names` (flags) below 1, and its value."""
+    for name in names:
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be at least 1. Received: {getattr(args, name)}")
+
+
+def command_line(script, argv):
+    """`python benchmarks/<script> <arguments>`: the command that made a table."""
+    arguments = " ".join(argv if argv else sys.argv[1:])
+    return f"python benchmarks/{os.path.basename(script)} {arguments}".strip()
+
+
+def _write(path, text):
+    """Writes `path` atomically and says where, on stderr."""
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
+    print(f"wrote {os.path.abspath(path)}", file=sys.stderr)
+
+
+def replace_section(path, start, end, section, *, before=None, missing=""):
+    """Replaces the part of a Markdown file between two markers, markers kept. Without them
+    the block goes before the first `before` (such as `"\\n## Notes"`) when given and found,
+    else at the end. `missing` is the file's text when there is no file yet."""
+    old = open(path).read() if os.path.exists(path) else missing
+    block = f"{start}\n{section}\n{end}"
+    if start in old and end in old:
+        new = old[: old.index(start)] + block + old[old.index(end) + len(end) :]
+    elif before is not None and before in old:
+        at = old.index(before)
+        new = old[:at] + "\n" + block + "\n" + old[at:]
+    else:
+        new = old.rstrip("\n") + "\n\n" + block + "\n"
+    _write(path, new)
+
+
+def write_head(path, head):
+    """Replaces the part of a Markdown file before its first later section (a marked one, or
+    a `## ` heading), which is kept with all that follows it."""
+    notes = ""
+    if os.path.exists(path):
+        with open(path) as f:
+            old = f.read()
+        starts = [old.find(mark) for mark in ("\n<!-- ", "\n## ") if mark in old]
+        if starts:  # from the first later section, with its markers
+            notes = "\n" + old[min(starts) + 1 :]
+    _write(path, head + notes)
