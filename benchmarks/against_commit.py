@@ -28,17 +28,21 @@ Usage:
 """
 
 import argparse
-import io
 import os
-import re
 import subprocess
 import sys
-import tarfile
 import tempfile
 from functools import partial
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import alternate, at_least_one, command_line, cpu_name, replace_section  # noqa: E402
+from common import (  # noqa: E402
+    alternate,
+    at_least_one,
+    command_line,
+    cpu_name,
+    export_commit,
+    replace_section,
+)
 from features import COMPARISONS, variant_arguments  # noqa: E402
 from features import H as FEATURE_H  # noqa: E402
 
@@ -57,27 +61,6 @@ FEATURE_LABELS = {
     "gqa_8_2": "GQA, 8 query / 2 key-value heads",
     "mha_8": "8 query / 8 key-value heads",
 }
-
-
-def export_commit(commit, folder):
-    """The commit's `keras_sdpa/` as the package `keras_sdpa_before` under `folder`."""
-    archive = subprocess.run(
-        ["git", "archive", "--format=tar", commit, "keras_sdpa"],
-        cwd=ROOT, capture_output=True, check=True,
-    ).stdout  # fmt: skip
-    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
-        for member in tar.getmembers():
-            if not member.isfile():
-                continue
-            text = tar.extractfile(member).read().decode()
-            # `from keras_sdpa import x`, `import keras_sdpa.ops`, "keras_sdpa._backend.jax";
-            # not the name its objects are registered under with Keras ("keras_sdpa").
-            text = re.sub(r"\bkeras_sdpa\b(?=[.\s])", "keras_sdpa_before", text)
-            path = os.path.join(folder, member.name.replace("keras_sdpa", "keras_sdpa_before", 1))
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            with open(path, "w") as f:
-                f.write(text)
-    sys.path.insert(0, folder)
 
 
 # ---- the steps, on either backend

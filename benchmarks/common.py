@@ -16,17 +16,22 @@ a child process, and the writer that puts a table between its markers in BENCHMA
     replace_section(path, start, end, section)
                                         the section between two markers of a Markdown file
     write_head(path, head)              the part of a Markdown file before its first section
+    export_commit(commit, folder)       a commit's `keras_sdpa/`, importable as `keras_sdpa_before`
 """
 
+import io
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
+import tarfile
 import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
 
 
 def cpu_name():
@@ -195,3 +200,24 @@ def write_head(path, head):
         if starts:  # from the first later section, with its markers
             notes = "\n" + old[min(starts) + 1 :]
     _write(path, head + notes)
+
+
+def export_commit(commit, folder):
+    """The commit's `keras_sdpa/` as the package `keras_sdpa_before` under `folder`."""
+    archive = subprocess.run(
+        ["git", "archive", "--format=tar", commit, "keras_sdpa"],
+        cwd=ROOT, capture_output=True, check=True,
+    ).stdout  # fmt: skip
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        for member in tar.getmembers():
+            if not member.isfile():
+                continue
+            text = tar.extractfile(member).read().decode()
+            # `from keras_sdpa import x`, `import keras_sdpa.ops`, "keras_sdpa._backend.jax";
+            # not the name its objects are registered under with Keras ("keras_sdpa").
+            text = re.sub(r"\bkeras_sdpa\b(?=[.\s])", "keras_sdpa_before", text)
+            path = os.path.join(folder, member.name.replace("keras_sdpa", "keras_sdpa_before", 1))
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "w") as f:
+                f.write(text)
+    sys.path.insert(0, folder)

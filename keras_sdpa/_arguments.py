@@ -1,12 +1,35 @@
-"""The layer's arguments: the constructor's checks, the inputs' shapes, and the mods' configs.
+"""The layer's arguments: the constructor's checks, the call's inputs, and the config.
 
 Every error names the argument and the received value, as Keras's layers do.
 """
 
 import keras
 
-from keras_sdpa import mods, ops
+from keras_sdpa import _plan, mods, ops
 from keras_sdpa._rank_n import normalize_axes
+
+# The constructor's arguments in its order, as `get_config` records them; those that are
+# objects are saved by their serializer, the activity regularizer from where the layer keeps
+# it (MultiHeadAttention's place: each projection's, not the layer's own).
+ARGUMENTS = (
+    "num_heads", "key_dim", "value_dim", "dropout", "use_bias", "output_shape",
+    "attention_axes", "sliding_window", "flash_attention", "kernel_initializer",
+    "bias_initializer", "kernel_regularizer", "bias_regularizer", "activity_regularizer",
+    "kernel_constraint", "bias_constraint", "use_gate", "seed", "num_key_value_heads",
+    "output_projection", "implementation", "chunk_size", "scale", "attn_logits_soft_cap",
+    "score_mod", "mask_mod", "replaces",
+)  # fmt: skip
+_SERIALIZERS = {
+    "kernel_initializer": keras.initializers.serialize,
+    "bias_initializer": keras.initializers.serialize,
+    "kernel_regularizer": keras.regularizers.serialize,
+    "bias_regularizer": keras.regularizers.serialize,
+    "activity_regularizer": keras.regularizers.serialize,
+    "kernel_constraint": keras.constraints.serialize,
+    "bias_constraint": keras.constraints.serialize,
+    "score_mod": lambda mod: serialize_mod("score_mod", mod),
+    "mask_mod": lambda mod: serialize_mod("mask_mod", mod),
+}
 
 
 def check(
@@ -46,16 +69,8 @@ def check(
             )
         attention_axes = tuple(attention_axes)
     ops.check_sliding_window(sliding_window)
-    if flash_attention not in (None, True, False):
-        raise ValueError(
-            "`flash_attention` must be None, True or False. "
-            f"Received: flash_attention={flash_attention!r}"
-        )
-    if implementation not in ("auto", "dense", "chunked"):
-        raise ValueError(
-            '`implementation` must be "auto", "dense" or "chunked". '
-            f"Received: implementation={implementation!r}"
-        )
+    _plan.check_flash_attention(flash_attention)
+    _plan.check_implementation(implementation, layer=True)
     if chunk_size is not None and (
         not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size <= 0
     ):
@@ -70,6 +85,56 @@ def check(
     ops._check_mod("mask_mod", mask_mod)
     mods.check_heads(score_mod, num_heads)
     return output_shape, attention_axes, scale
+
+
+def config(layer):
+    """`{argument: value}` of `layer`'s constructor arguments (`ARGUMENTS`), as saved."""
+    saved = {}
+    for name in ARGUMENTS:
+        value = getattr(layer, "_activity_regularizer" if name == "activity_regularizer" else name)
+        saved[name] = _SERIALIZERS[name](value) if name in _SERIALIZERS else value
+    return saved
+
+
+def from_config(config):
+    """The constructor's keyword arguments from a saved `config`: the mods rebuilt."""
+    config = dict(config)
+    for name in ("score_mod", "mask_mod"):
+        if config.get(name) is not None:
+            config[name] = keras.saving.deserialize_keras_object(config[name])
+    return config
+
+
+def check_call_inputs(query, value, key, widths, attention_axes):
+    """The call's inputs: floating, as wide as the layer was built for (`widths` of the
+    query, value and key), and shaped alike (`check_shapes`)."""
+    for name, tensor, width in zip(("query", "value", "key"), (query, value, key), widths):
+        dtype = keras.backend.standardize_dtype(tensor.dtype)
+        if not keras.backend.is_float_dtype(dtype):
+            raise ValueError(f"`{name}` must be a floating tensor. Received: {name}.dtype={dtype}")
+        if tensor.shape[-1] is not None and tensor.shape[-1] != width:
+            raise ValueError(
+                f"The last axis of `{name}` must be {width}, the width "
+                f"this layer was built with. Received: {name}.shape={tuple(tensor.shape)}"
+            )
+    check_shapes(attention_axes, tuple(query.shape), tuple(value.shape), tuple(key.shape))
+
+
+def check_overridden_core(layer_class, score_mod, mask_mod, attention_bias):
+    """What reaches only the layer's own `_compute_attention`, refused for a subclass
+    (`layer_class`, its name) that overrides it."""
+    if score_mod is not None or mask_mod is not None:
+        raise ValueError(
+            "`score_mod` and `mask_mod` reach only this layer's own "
+            f"`_compute_attention`; {layer_class} overrides it. Received: "
+            f"score_mod={score_mod!r}, mask_mod={mask_mod!r}"
+        )
+    if attention_bias is not None:
+        raise ValueError(
+            "`attention_bias` reaches only this layer's own `_compute_attention`; "
+            f"{layer_class} overrides it. Received: attention_bias with shape "
+            f"{tuple(attention_bias.shape)}"
+        )
 
 
 def check_shapes(attention_axes, query_shape, value_shape, key_shape):

@@ -5,12 +5,14 @@ of a query block that starts at a position in it.
 `CachedMultiHeadAttention` layout. Query `i` of row `b` sits at position `index[b] + i`: a
 causal mask, a window and the mods count from there (bottom-right alignment), so keys past a
 row's position are never read.
+
+The layer projects and writes (`check`, `update`), then attends here (`attend`).
 """
 
 import keras
 import numpy as np
 
-from keras_sdpa import _backend, mods
+from keras_sdpa import _backend, _layer_masks, mods, ops
 
 
 def check(cache, index, query, value_mask, key_mask, kv_heads, key_dim, value_dim):
@@ -63,6 +65,42 @@ def update(cache, index, key, new_keys_and_values):
         new_keys, new_values = (keras.ops.cast(x, cache.dtype) for x in new_keys_and_values())
         cache = write_rows(cache, keras.ops.stack([new_keys, new_values], axis=1), offset)
     return cache[:, 0], cache[:, 1], offset, cache
+
+
+def attend(
+    q, keys, values, offset, attention_mask, attention_bias, use_causal_mask, mask_mod, *,
+    score_mod, sliding_window, num_heads, dtype, **core,
+):  # fmt: skip
+    """The core on the projected queries `q` `(B, T, N, H)` against the cached `keys` and
+    `values` `(B, S, K, H)`, the queries starting at `offset` `(B,)`: the causal mask, the
+    window and the mods (`mask_mod` this call's, `score_mod` the layer's) count from there.
+
+    `core` holds the layer's keywords of `keras_sdpa.ops.attend` (`flash_attention`,
+    `implementation`, dropout, ...). With `training` and a `dropout`, the attention weights
+    are dropped as in the uncached call (keras-hub's too). Returns the attention output
+    `(B, T, N, H)`, the weights (or None) and the mask as the core took it.
+    """
+    # The core sees the score mod only inside the positioned wrapper, whose head count it
+    # cannot read: checked here, for a score mod set after the layer was made too.
+    mods.check_heads(score_mod, num_heads)
+    positioned = Positioned(offset, bool(use_causal_mask), sliding_window, mask_mod, score_mod)
+    mask = _layer_masks.to_core(attention_mask)  # (B|1, N|1, T, S)
+    bias = None if attention_bias is None else keras.ops.cast(attention_bias, dtype)
+    result = ops.attend(
+        q,
+        keras.ops.cast(keys, q.dtype),
+        keras.ops.cast(values, q.dtype),
+        mask,
+        # One new token against the cache: the core's decode path reads the cache in its
+        # (B, S, K, H) layout, where the others would transpose a copy of it every token.
+        cached=True,
+        bias=bias,
+        score_mod=positioned.score_mod(),
+        mask_mod=positioned.mask_mod(),
+        **core,
+    )
+    out, weights = result if core.get("return_weights") else (result, None)
+    return out, weights, mask
 
 
 def check_index(index, new, size):

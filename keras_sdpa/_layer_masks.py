@@ -6,7 +6,9 @@ import contextlib
 import keras
 from keras.src import backend as keras_backend  # the mask accessors have no public name
 
-from keras_sdpa import mods
+from keras_sdpa import _rank_n, mods
+
+_RANK_3 = _rank_n.Flattener(3, (1,), None, None)  # rank-3 inputs: every step the identity
 
 
 def as_bool(mask):
@@ -15,6 +17,16 @@ def as_bool(mask):
     if keras.backend.standardize_dtype(mask.dtype) != "bool":
         mask = keras.ops.not_equal(mask, keras.ops.zeros((), mask.dtype))
     return mask
+
+
+def to_core(attention_mask, flat=_RANK_3, num_heads=1):
+    """An attention mask in MultiHeadAttention's layout (True or nonzero: may attend) as the
+    core takes it, boolean `(B'|1, N|1, T|1, S)`, or None; `flat` the call's
+    `_rank_n.Flattener` (rank-3 inputs by default: `(T, S)` and `(B, T, S)` gain their
+    leading axes, `(B, N|1, T, S)` passes)."""
+    if attention_mask is None:
+        return None
+    return flat.scores(as_bool(attention_mask), num_heads, "attention_mask")
 
 
 @contextlib.contextmanager
@@ -60,9 +72,7 @@ def empty_rows(mask, query_mask, t, s, causal=False, window=None):
     banded = causal or window is not None
     may = None  # (B|1, N|1, T|1): whether the row may attend to some key
     if mask is not None:
-        mask = as_bool(mask)
-        while len(mask.shape) < 4:
-            mask = keras.ops.expand_dims(mask, -3)  # (B|1, N|1, T|1, S), as Keras broadcasts
+        mask = to_core(mask)  # (B|1, N|1, T|1, S), as Keras broadcasts
         if banded and mask.shape[2] == 1:
             may = _kept_in_band(mask[:, :, 0], t, s, causal, window)
         elif banded:  # a mask with a query axis: already (B, N|1, T, S) in memory
@@ -129,9 +139,12 @@ def combine_masks(query_mask, value_mask, key_mask, attention_mask, rank):
     return mask
 
 
-def causal_mask(t, s):
-    """MultiHeadAttention's causal mask: `(1, T, S)`, True where `s <= t`."""
-    return (keras.ops.arange(t)[:, None] >= keras.ops.arange(s)[None, :])[None]
+def with_causal(mask, query, value):
+    """`mask` (MultiHeadAttention's layout, or None) and MultiHeadAttention's causal mask
+    `(1, T, S)`, True where `s <= t`, for rank-3 `query` and `value`."""
+    t, s = keras.ops.shape(query)[1], keras.ops.shape(value)[1]
+    causal = (keras.ops.arange(t)[:, None] >= keras.ops.arange(s)[None, :])[None]  # (1, T, S)
+    return causal if mask is None else keras.ops.logical_and(mask, causal)
 
 
 def bind_segment_ids(mask_mod, segment_ids, query, key, cache):

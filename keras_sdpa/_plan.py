@@ -166,21 +166,10 @@ def make(
     `implementation`; `cached` (the layer's call against a key/value cache) runs the decode
     path for one query row when neither chooses.
     """
-    _checks._check_inputs(query, key, value)
-    mask_pattern = bias_pattern = None
-    if mask is not None:
-        mask, mask_pattern = _checks._check_mask(ops.convert_to_tensor(mask), query, key)
-    if bias is not None:
-        bias, bias_pattern = _checks._check_bias(bias, query, key)
-    if not 0.0 <= dropout_rate < 1.0:
-        raise ValueError(f"`dropout_rate` must be in [0, 1). Received: dropout_rate={dropout_rate}")
-    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
-    _checks._check_scale(scale)
-    _checks.check_sliding_window(sliding_window)
-    _checks.check_soft_cap(attn_logits_soft_cap)
-    _checks._check_mod("score_mod", score_mod)
-    _checks._check_mod("mask_mod", mask_mod)
-    mods.check_heads(score_mod, query.shape[2])
+    (mask, mask_pattern), (bias, bias_pattern), scale = _checked(
+        query, key, value, mask, bias, dropout_rate, scale, sliding_window,
+        attn_logits_soft_cap, score_mod, mask_mod,
+    )  # fmt: skip
     implementation = _implementation(
         implementation, flash_attention, cached, return_weights, query.shape[1]
     )
@@ -230,6 +219,27 @@ def make(
         ),
     )
     return plan, call
+
+
+def _checked(query, key, value, mask, bias, dropout_rate, scale, sliding_window, cap,
+             score_mod, mask_mod):  # fmt: skip
+    """The arguments' checks: the mask and the bias with their broadcast patterns, the scale."""
+    _checks._check_inputs(query, key, value)
+    mask_and_pattern = bias_and_pattern = (None, None)
+    if mask is not None:
+        mask_and_pattern = _checks._check_mask(ops.convert_to_tensor(mask), query, key)
+    if bias is not None:
+        bias_and_pattern = _checks._check_bias(bias, query, key)
+    if not 0.0 <= dropout_rate < 1.0:
+        raise ValueError(f"`dropout_rate` must be in [0, 1). Received: dropout_rate={dropout_rate}")
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+    _checks._check_scale(scale)
+    _checks.check_sliding_window(sliding_window)
+    _checks.check_soft_cap(cap)
+    _checks._check_mod("score_mod", score_mod)
+    _checks._check_mod("mask_mod", mask_mod)
+    mods.check_heads(score_mod, query.shape[2])
+    return mask_and_pattern, bias_and_pattern, scale
 
 
 def _implementation(implementation, flash_attention, cached, return_weights, length):

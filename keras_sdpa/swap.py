@@ -23,7 +23,7 @@ import warnings
 
 import keras
 
-from keras_sdpa import _references, _scope
+from keras_sdpa import _plan, _references, _scope
 from keras_sdpa.layer import ScaledDotProductAttention
 
 # The classes as Keras defines them, read before any scope patches their public names.
@@ -59,11 +59,7 @@ def _config(layer):
 
 
 def _check_options(flash_attention, layer_options):
-    if flash_attention not in (None, True, False):
-        raise ValueError(
-            f"`flash_attention` must be None, True or False. Received: "
-            f"flash_attention={flash_attention!r}"
-        )
+    _plan.check_flash_attention(flash_attention)
     known = set(inspect.signature(ScaledDotProductAttention.__init__).parameters)
     unknown = sorted(set(layer_options) - (known - {"replaces"}))
     if unknown:

@@ -104,9 +104,7 @@ def test_the_check_sees_an_upward_import(tmp_path):
     path = tmp_path / "model.py"
     path.write_text("def f():\n    from ..training import train\n    return train\n")
     found = upward_imports({"apps.classifier.model": str(path)})
-    assert found == [
-        "apps.classifier.model:2 (classifier) imports apps.training.train (training)"
-    ]
+    assert found == ["apps.classifier.model:2 (classifier) imports apps.training.train (training)"]
 
 
 def test_shared_modules_import_no_layer():
@@ -164,7 +162,7 @@ LIBRARY_MODULES = sorted(
     for path in glob.glob(os.path.join(PACKAGE, "**", "*.py"), recursive=True)
     if not path.endswith(os.path.join("_backend", "tensorflow.py"))
 )
-LAYER_PARTS = ("_arguments", "_cache", "_folded", "_layer_masks", "_rank_n")
+LAYER_PARTS = ("_arguments", "_cache", "_folded", "_layer_masks", "_rank_n", "_shapes")
 
 
 def imported_modules(path):
@@ -200,14 +198,6 @@ def test_the_shims_of_both_backends_have_the_same_names_in_the_same_order():
     assert len(functions("jax")) >= 15
 
 
-def test_no_library_module_is_over_about_700_lines():
-    sizes = {
-        m: len(open(os.path.join(PACKAGE, f"{m}.py")).read().splitlines())
-        for m in LIBRARY_MODULES
-    }
-    assert max(sizes.values()) <= 760, sizes
-
-
 def _outside_functions(tree):
     """Every node of a module that runs on import: inside `if` and `try` too, not inside a
     function's or a class's body."""
@@ -240,3 +230,241 @@ def test_the_library_test_files_import_no_tensorflow_at_the_top():
                 on_top.setdefault(name, []).append(node.lineno)
     assert on_top == {}
     assert len(files) >= 13
+
+
+# The library's house (issue #55): `keras_sdpa/` and `benchmarks/` are held to `apps/`'s 500
+# lines a module and 80 a function; the docstring of a public function is counted apart.
+HOUSE = {
+    os.path.relpath(path, ROOT): path
+    for folder in ("keras_sdpa", "benchmarks")
+    for path in sorted(glob.glob(os.path.join(ROOT, folder, "**", "*.py"), recursive=True))
+}
+
+
+def function_lengths(path):
+    """`(line, qualified name, lines)` of every function in a file, nested ones included in
+    their parent's lines; a public function's (or public class's method's) docstring is not
+    counted."""
+    found = []
+
+    def visit(node, prefix, public):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = child.end_lineno - child.lineno + 1
+                doc = child.body[0] if ast.get_docstring(child) else None
+                if doc is not None and public and not child.name.startswith("_"):
+                    lines -= doc.end_lineno - doc.lineno + 1
+                found.append((child.lineno, prefix + child.name, lines))
+                visit(child, f"{prefix}{child.name}.", False)
+            elif isinstance(child, ast.ClassDef):
+                visit(child, f"{prefix}{child.name}.", public and not child.name.startswith("_"))
+            else:
+                visit(child, prefix, public)
+
+    visit(ast.parse(open(path, encoding="utf-8").read(), path), "", True)
+    return found
+
+
+def long_functions(files):
+    return [
+        f"{name}:{line} {function} {lines}"
+        for name, path in files.items()
+        for line, function, lines in function_lengths(path)
+        if lines > MAX_FUNCTION_LINES
+    ]
+
+
+@pytest.mark.parametrize("name", list(HOUSE))
+def test_library_and_benchmark_modules_are_at_most_500_lines(name):
+    with open(HOUSE[name], encoding="utf-8") as f:
+        lines = sum(1 for _ in f)
+    assert lines <= MAX_MODULE_LINES, f"{name}: {lines} lines"
+
+
+def test_no_library_or_benchmark_function_is_longer_than_a_screen():
+    assert long_functions(HOUSE) == []
+
+
+def test_the_check_counts_nested_functions_and_only_a_public_docstring_apart(tmp_path):
+    """A public function's long docstring is not counted; a private one's is, and so is a
+    nested function's body in its parent's."""
+    doc = '    """' + "\n" * 90 + '    """\n'
+    body = "    x = 1\n"
+    nested = "        x = 1\n"
+    path = tmp_path / "m.py"
+    path.write_text(
+        f"def public():\n{doc}{body}\n\ndef _private():\n{doc}{body}\n\n"
+        f"def outer():\n    def inner():\n{nested * 90}\n    return inner\n"
+    )
+    assert [name.split(" ")[1] for name in long_functions({"m.py": str(path)})] == [
+        "_private", "outer", "outer.inner",
+    ]  # fmt: skip
+
+
+def _library_trees():
+    for name, path in HOUSE.items():
+        if name.startswith("keras_sdpa"):
+            yield name, ast.parse(open(path, encoding="utf-8").read(), path)
+
+
+def _named(node):
+    return node.id if isinstance(node, ast.Name) else getattr(node, "attr", None)
+
+
+def _decides(node, parent):
+    """Whether `node` is read to decide something: compared (other than with None), tested
+    (`if`, a conditional expression, `while`, `and`/`or`/`not`), or looked up by."""
+    if isinstance(parent, ast.Compare):
+        others = [parent.left, *parent.comparators]
+        none_check = all(isinstance(op, (ast.Is, ast.IsNot)) for op in parent.ops) and any(
+            isinstance(x, ast.Constant) and x.value is None for x in others
+        )
+        return not none_check
+    if isinstance(parent, (ast.If, ast.IfExp, ast.While, ast.Assert)):
+        return parent.test is node
+    if isinstance(parent, ast.Subscript):
+        return parent.slice is node
+    if isinstance(parent, ast.Match):
+        return True
+    return isinstance(parent, ast.BoolOp) or (
+        isinstance(parent, ast.UnaryOp) and isinstance(parent.op, ast.Not)
+    )
+
+
+def path_choices_outside_the_plan(trees):
+    """Every place outside `_plan.py` that reads `flash_attention` or `implementation` to
+    decide something. Passing the value on (an argument, an attribute, a config entry) or
+    asking whether it was given (`is None`) is not deciding."""
+    found = []
+    for name, tree in trees:
+        if name.endswith("_plan.py"):
+            continue
+        parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+        for node in ast.walk(tree):
+            if _named(node) in ("flash_attention", "implementation") and isinstance(
+                getattr(node, "ctx", None), ast.Load
+            ):
+                if _decides(node, parents[node]):
+                    found.append(f"{name}:{node.lineno} {_named(node)}")
+    return found
+
+
+def test_only_the_plan_decides_the_path():
+    """`flash_attention` (the layer's), `implementation` (the core's) and a cached call's
+    decode become one `Plan.path` in `keras_sdpa/_plan.py`, and nowhere else."""
+    assert path_choices_outside_the_plan(_library_trees()) == []
+
+
+def test_the_plan_check_sees_a_choice_made_elsewhere():
+    """The old layer's `path` property and cached decode, written again, are found."""
+    source = (
+        "def path(self):\n"
+        "    if self.flash_attention is None:\n"
+        "        return self.implementation\n"
+        "    return 'chunked' if self.flash_attention else 'dense'\n"
+        "def cached(self, t):\n"
+        "    return 'decode' if self.implementation == 'auto' and t == 1 else 'x'\n"
+        "def given(flash_attention):\n"
+        "    return f(flash_attention=flash_attention) if flash_attention is not None else 0\n"
+    )
+    found = path_choices_outside_the_plan([("keras_sdpa/layer.py", ast.parse(source))])
+    assert found == [
+        "keras_sdpa/layer.py:4 flash_attention",
+        "keras_sdpa/layer.py:6 implementation",
+    ]
+
+
+def test_backends_are_told_apart_only_in_the_shims():
+    """No `keras.backend.backend()` outside `keras_sdpa/_backend/`: what differs per backend
+    is a shim function with the same name in both."""
+    found = [
+        f"{name}:{node.lineno}"
+        for name, tree in _library_trees()
+        if "_backend" not in name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call) and ast.unparse(node.func) == "keras.backend.backend"
+    ]
+    assert found == []
+
+
+def test_the_core_keeps_no_module_state():
+    """No `globals()` writes, no `global` statements and no module-level dict, list or set
+    that a call could fill: the compiled programs are keyed by their plan. (`_scope.py` is
+    apart: `sdpa_scope` patches names of the whole process, and counts its scopes there.)"""
+    found = []
+    for name, tree in _library_trees():
+        if name.endswith("_scope.py"):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Global) or (
+                isinstance(node, ast.Call) and _named(node.func) == "globals"
+            ):
+                found.append(f"{name}:{node.lineno}")
+        for node in tree.body:
+            if isinstance(node, ast.Assign) and isinstance(
+                node.value, (ast.Dict, ast.List, ast.Set, ast.DictComp, ast.ListComp)
+            ):
+                target = _named(node.targets[0]) or ""
+                if not (target.isupper() or target.lstrip("_").isupper() or target == "__all__"):
+                    found.append(f"{name}:{node.lineno} {target}")
+    assert found == []
+
+
+def benchmark_imports():
+    """`{script: the benchmark modules it imports}`, at the top or inside a function."""
+    names = {
+        os.path.basename(path)[:-3] for name, path in HOUSE.items() if name.startswith("benchmarks")
+    }
+    graph = {}
+    for name, path in HOUSE.items():
+        if name.startswith("benchmarks"):
+            graph[os.path.basename(path)[:-3]] = {
+                module.split(".")[0] for module in imported_modules(path)
+            } & names
+    return graph
+
+
+def test_benchmark_scripts_import_no_circle():
+    """The scripts share `benchmarks/common.py` (the CPU name, timing, the results writer),
+    and none imports one that imports it back."""
+    graph = benchmark_imports()
+    assert "common" in graph and graph["common"] == set()
+
+    def reaches(start, target, seen=()):
+        return any(
+            module == target or (module not in seen and reaches(module, target, (*seen, module)))
+            for module in graph.get(start, ())
+        )
+
+    assert [name for name in graph if reaches(name, name)] == []
+
+
+def calls_back_into_the_layer(trees):
+    """Calls from a module below the layer to one of the layer class's own private methods
+    (`layer._compute_attention(...)`): data flows up, the layer calls down."""
+    layer = ast.parse(open(os.path.join(PACKAGE, "layer.py"), encoding="utf-8").read())
+    methods = {
+        node.name
+        for cls in layer.body
+        if isinstance(cls, ast.ClassDef)
+        for node in cls.body
+        if isinstance(node, ast.FunctionDef) and node.name.startswith("_")
+        and not node.name.startswith("__")
+    }  # fmt: skip
+    above = ("layer.py", "swap.py", "_scope.py", "_references.py", "__init__.py")
+    return [
+        f"{name}:{node.lineno} {ast.unparse(node.func)}"
+        for name, tree in trees
+        if not name.endswith(above)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+        and node.func.attr in methods and ast.unparse(node.func.value) != "self"
+    ]  # fmt: skip
+
+
+def test_nothing_below_the_layer_calls_back_up_into_it():
+    assert calls_back_into_the_layer(_library_trees()) == []
+    old = ast.parse("def attend(layer, q):\n    return layer._compute_attention(q, q, q)\n")
+    assert calls_back_into_the_layer([("keras_sdpa/_folded.py", old)]) == [
+        "keras_sdpa/_folded.py:2 layer._compute_attention"
+    ]
