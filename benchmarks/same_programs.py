@@ -30,6 +30,7 @@ MARKERS = {
     "jax": ("<!-- same-programs-jax:start -->", "<!-- same-programs-jax:end -->"),
 }
 Q, KV, DECODE_Q = (2, 64, 4, 16), (2, 64, 2, 16), (2, 1, 4, 16)  # (B, T|S, N|K, H)
+RAGGED_Q, RAGGED_KV = (2, 40, 4, 16), (2, 60, 2, 16)  # T != S, neither a multiple of 16
 # name: (options, query shape); "bias", "alibi", "document" and "cache" are made per package.
 CASES = {
     "dense": (dict(), Q),
@@ -52,7 +53,18 @@ CASES = {
     "chunked, causal, bfloat16": (
         dict(dtype="bfloat16", implementation="chunked", chunk_size=16, is_causal=True), Q,
     ),  # fmt: skip
+    "chunked, T=40, S=60, key padding": (
+        dict(implementation="chunked", chunk_size=16, mask="ragged"), RAGGED_Q, RAGGED_KV,
+    ),  # fmt: skip
+    "chunked, block_mask, float16": (
+        dict(mask_mod="local", block_mask=True, implementation="chunked", chunk_size=16,
+             dtype="float16"), Q,
+    ),  # fmt: skip
+    "dense, float64, T=40, S=60": (dict(dtype="float64"), RAGGED_Q, RAGGED_KV),
     "decode, key padding": (dict(implementation="decode", mask="cache"), DECODE_Q),
+    "decode, window, ALiBi score_mod": (
+        dict(implementation="decode", sliding_window=8, score_mod="alibi"), DECODE_Q,
+    ),  # fmt: skip
 }
 
 
@@ -69,7 +81,7 @@ def normalize(text):
     return re.sub(r"\b(fused|wrapped|region|body|cond|closed_call)[\w.\-]*", "f", text)
 
 
-def inputs(options, query_shape, mods):
+def inputs(options, query_shape, kv_shape, package):
     """The case's `q`, `k`, `v` and its options, with its tensors and mods made."""
     import keras
     import numpy as np
@@ -81,23 +93,29 @@ def inputs(options, query_shape, mods):
     def tensor(shape):
         return keras.ops.convert_to_tensor(rng.standard_normal(shape).astype("float32"), dtype)
 
-    q, k, v = tensor(query_shape), tensor(KV), tensor(KV)
+    q, k, v = tensor(query_shape), tensor(kv_shape), tensor(kv_shape)
     made = {
         "bias": lambda: tensor((1, Q[2], Q[1], KV[1])),
-        "alibi": lambda: mods.alibi(Q[2]),
-        "local": lambda: mods.chunked_local(8),
+        "alibi": lambda: package.mods.alibi(Q[2]),
+        "local": lambda: package.mods.chunked_local(8),
         "causal": lambda: np.tril(np.ones((Q[1], KV[1]), bool))[None, None],
         "cache": lambda: np.arange(KV[1])[None, None, None, :] < 50,
+        "ragged": lambda: np.arange(kv_shape[1])[None, None, None, :] < 50,
     }
     options = {key: made[value]() if value in made else value for key, value in options.items()}
+    if options.pop("block_mask", False):  # made by the package, for the call's sizes
+        b, t, n, _ = query_shape
+        options["block_mask"] = package.create_block_mask(
+            options["mask_mod"], b, n, t, kv_shape[1], block_size=options["chunk_size"]
+        )
     return (q, k, v), options
 
 
-def optimized_hlo(package, options, query_shape, backward):
+def optimized_hlo(package, options, query_shape, kv_shape, backward):
     """The optimized HLO of one case's forward (or forward plus backward) with `package`."""
     import keras
 
-    (q, k, v), options = inputs(options, query_shape, package.mods)
+    (q, k, v), options = inputs(options, query_shape, kv_shape, package)
 
     def forward(q, k, v):
         return package.scaled_dot_product_attention(q, k, v, **options)
@@ -126,14 +144,15 @@ def optimized_hlo(package, options, query_shape, backward):
 def compare(now, before):
     """`[(case, forward, forward and backward)]`: "same", "differs" or the error of each."""
     rows = []
-    for name, (options, query_shape) in CASES.items():
+    for name, (options, query_shape, *kv_shape) in CASES.items():
+        kv_shape = kv_shape[0] if kv_shape else KV
         cells = []
         for backward in (False, True):
             if backward and name.startswith("decode"):
                 cells.append("(inference only)")
                 continue
             try:
-                a, b = (normalize(optimized_hlo(p, options, query_shape, backward))
+                a, b = (normalize(optimized_hlo(p, options, query_shape, kv_shape, backward))
                         for p in (now, before))  # fmt: skip
                 cells.append(f"same ({len(a.splitlines())} lines)" if a == b else "differs")
             except Exception as error:  # noqa: BLE001 (a case one commit cannot run)
@@ -164,7 +183,7 @@ def main(argv=None):
         f"### The compiled programs against {args.commit}, {title} (CPU: {cpu_name()})",
         "",
         f"Produced by: `KERAS_BACKEND={backend} {command_line(__file__, argv)}`. Shapes: "
-        "B=2, T=S=64, 4 query and 2 key/value heads, H=16, blocks of 16.",
+        "B=2, T=S=64 unless named, 4 query and 2 key/value heads, H=16, blocks of 16.",
         "",
         "| case | forward | forward and backward |",
         "|---|---|---|",

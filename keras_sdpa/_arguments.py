@@ -3,6 +3,8 @@
 Every error names the argument and the received value, as Keras's layers do.
 """
 
+import types
+
 import keras
 
 from keras_sdpa import _plan, mods, ops
@@ -19,7 +21,7 @@ ARGUMENTS = (
     "output_projection", "implementation", "chunk_size", "scale", "attn_logits_soft_cap",
     "score_mod", "mask_mod", "replaces",
 )  # fmt: skip
-_SERIALIZERS = {
+_SERIALIZERS = types.MappingProxyType({
     "kernel_initializer": keras.initializers.serialize,
     "bias_initializer": keras.initializers.serialize,
     "kernel_regularizer": keras.regularizers.serialize,
@@ -29,7 +31,7 @@ _SERIALIZERS = {
     "bias_constraint": keras.constraints.serialize,
     "score_mod": lambda mod: serialize_mod("score_mod", mod),
     "mask_mod": lambda mod: serialize_mod("mask_mod", mod),
-}
+})
 
 
 def check(

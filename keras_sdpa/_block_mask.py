@@ -3,7 +3,7 @@ shared by the calls (and layers) that pass them as `block_mask=`."""
 
 import numbers
 
-from keras_sdpa import _backend, _checks, _chunked, mods
+from keras_sdpa import _backend, _blocks, _checks, _chunked, mods
 from keras_sdpa import _masking as M
 
 
@@ -76,7 +76,7 @@ def _block_kinds(tensors, variable_values=(), *, template, B, N, K, T, S, C):
     mask_mod = M.reading(mask_mod, tuple(zip(mods.variables_of(template), variable_values)))
     b_index = M.batch_index(B)
     # T and S as ints: JAX sizes the array of block kinds while tracing.
-    return _chunked.kinds_of_blocks(mask_mod, b_index, N, K, T, S, C)
+    return _blocks.kinds_of_blocks(mask_mod, b_index, N, K, T, S, C)
 
 
 _block_kinds_xla = _backend.compile(

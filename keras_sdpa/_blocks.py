@@ -1,6 +1,6 @@
 """The chunked path's blocks: their geometry, masks and kinds, and the ranges its loops visit.
 
-`Grid` holds one call's block geometry and masks, what every loop body of `_chunked.py` reads;
+`Blocking` holds one call's block geometry and masks, what every loop body of `_chunked.py` reads;
 the functions below move tensors into blocks and back, and class and range the blocks that a
 mask empties.
 """
@@ -11,7 +11,7 @@ from keras_sdpa import _backend
 from keras_sdpa import _masking as M
 
 
-class Grid:
+class Blocking:
     """One call's block geometry and masks: what every block of every loop reads."""
 
     def __init__(self, q, k, plan, tensors):
@@ -239,9 +239,9 @@ def take(blocks, i):
 
 
 def block(grid, pattern, i, j):
-    """Block (i, j) of a grid from `_grid`, `(B|1, K|1, G|1, C|1, C|1)`."""
-    block = take(grid, i if pattern[2] else 0)
-    return take(block, j if pattern[3] else 0)
+    """Block (i, j) of a grid from `grid_of`, `(B|1, K|1, G|1, C|1, C|1)`."""
+    row = take(grid, i if pattern[2] else 0)
+    return take(row, j if pattern[3] else 0)
 
 
 def add_block(d_grid, pattern, i, j, d_scores):

@@ -8,7 +8,7 @@ Written once on `keras.ops`. The loops are `keras.ops.while_loop`s with traced b
 `tf.while_loop` or a `jax.lax.while_loop`); what differs per backend is in
 `keras_sdpa._backend` (`# ---- the chunked path's loops`): the per-block outputs (a
 `TensorArray`, or a preallocated array updated in place), reading a block, adding one into
-the bias's grid, the per-block dropout seed, and a custom gradient whose forward reads the
+the bias's blocking, the per-block dropout seed, and a custom gradient whose forward reads the
 masks, block kinds and mods' tensors without taking them as inputs.
 """
 
@@ -19,7 +19,7 @@ from keras import ops
 from keras_sdpa import _backend
 from keras_sdpa import _masking as M
 from keras_sdpa._blocks import (  # noqa: F401 (the ranges and kinds: the block mask's, tests')
-    Grid,
+    Blocking,
     add_block,
     block,
     from_blocks,
@@ -75,8 +75,8 @@ def attend(q, k, v, plan, tensors, count_visits=False):
     a `(2,)` int32 tensor, the number of blocks the forward pass computed and how many of
     them called the mask_mod (then without the custom gradient: the counters are for tests).
     """
-    grid = Grid(q, k, plan, tensors)
-    c, num_q, num_k = plan.chunk_size, grid.num_q, grid.num_k
+    blocking = Blocking(q, k, plan, tensors)
+    c, num_q, num_k = plan.chunk_size, blocking.num_q, blocking.num_k
     blocks = _Blocks(
         q=to_blocks(q, num_q, c, axis=3),  # (nq, B, K, G, C, H)
         k=to_blocks(k, num_k, c, axis=2),  # (nk, B, K, C, H)
@@ -85,8 +85,8 @@ def attend(q, k, v, plan, tensors, count_visits=False):
     if tensors.bias is not None:  # (nq|1, nk|1, B|1, K|1, G|1, C|1, C|1)
         blocks = blocks._replace(bias=grid_of(tensors.bias, plan.bias_pattern, num_q, num_k, c))
     if count_visits:  # the forward alone, with its counters (for tests)
-        out_blocks, _, visits = _forward(grid, blocks)
-        return from_blocks(out_blocks, grid.t), visits
+        out_blocks, _, visits = _forward(blocking, blocks)
+        return from_blocks(out_blocks, blocking.t), visits
     has_bias, params = blocks.bias is not None, tensors.params
 
     # The forward and its gradient read the masks, block kinds, seed and mods' tensors as
@@ -94,18 +94,18 @@ def attend(q, k, v, plan, tensors, count_visits=False):
     def attend_blocks(*inputs):
         forward = blocks._replace(q=inputs[0], k=inputs[1], v=inputs[2],
                                   bias=inputs[3] if has_bias else None)  # fmt: skip
-        out_blocks, lse_blocks, _ = _forward(grid, forward)
+        out_blocks, lse_blocks, _ = _forward(blocking, forward)
 
         def grad_fn(d_out_blocks, variables=None):
             saved = forward._replace(out=out_blocks, lse=lse_blocks, d_out=d_out_blocks)
-            grads, d_variables = _grad(grid, saved, params, variables or ())
+            grads, d_variables = _grad(blocking, saved, params, variables or ())
             return (grads, d_variables) if variables else grads
 
         return out_blocks, grad_fn
 
     inputs = [blocks.q, blocks.k, blocks.v, *([blocks.bias] if has_bias else []), *params]
     out_blocks = _backend.get().custom_gradient(attend_blocks)(*inputs)
-    return from_blocks(out_blocks, grid.t), None  # (B, K, G, T, Hv)
+    return from_blocks(out_blocks, blocking.t), None  # (B, K, G, T, Hv)
 
 
 class _Blocks(typing.NamedTuple):
@@ -114,7 +114,7 @@ class _Blocks(typing.NamedTuple):
     q: object
     k: object
     v: object
-    bias: object = None  # a grid from `_grid`
+    bias: object = None  # a grid from `grid_of`
     out: object = None  # (nq, B, K, G, C, Hv)
     lse: object = None  # (nq, B, K, G, C, 1)
     d_out: object = None  # (nq, B, K, G, C, Hv)
@@ -124,37 +124,37 @@ class _Blocks(typing.NamedTuple):
 # ---- the forward: for each query block, the key blocks in an online softmax
 
 
-def _forward(grid, blocks):
+def _forward(blocking, blocks):
     """The output blocks `(nq, B, K, G, C, Hv)`, their log-sum-exp `(nq, B, K, G, C, 1)` and
     the `(2,)` visit counters."""
     shim = _backend.get()
     out_shape = (*ops.shape(blocks.q)[1:-1], ops.shape(blocks.v)[-1])  # (B, K, G, C, Hv)
     _, outs, lses, visits = ops.while_loop(
-        lambda i, *_: i < grid.num_q,
-        lambda i, outs, lses, visits: _forward_query_block(grid, blocks, i, outs, lses, visits),
+        lambda i, *_: i < blocking.num_q,
+        lambda i, outs, lses, visits: _forward_query_block(blocking, blocks, i, outs, lses, visits),
         (
             ops.convert_to_tensor(0, "int32"),
-            shim.block_array(grid.num_q, out_shape, grid.plan.compute),
-            shim.block_array(grid.num_q, (*out_shape[:-1], 1), grid.plan.compute),
+            shim.block_array(blocking.num_q, out_shape, blocking.plan.compute),
+            shim.block_array(blocking.num_q, (*out_shape[:-1], 1), blocking.plan.compute),
             ops.zeros((2,), "int32"),
         ),
     )
     return shim.stack_blocks(outs), shim.stack_blocks(lses), visits
 
 
-def _forward_query_block(grid, blocks, i, outs, lses, visits):
+def _forward_query_block(blocking, blocks, i, outs, lses, visits):
     """Query block `i` over its key blocks; its normalized output and log-sum-exp written."""
-    shim, compute = _backend.get(), grid.plan.compute
+    shim, compute = _backend.get(), blocking.plan.compute
     q_i = take(blocks.q, i)  # (B, K, G, C, H)
     row = ops.zeros_like(q_i[..., :1], dtype=compute)  # (B, K, G, C, 1)
 
     def key_block(j, *carried):
         def compute_block(with_mod):
-            return _forward_key_block(grid, blocks, i, j, q_i, *carried, with_mod)
+            return _forward_key_block(blocking, blocks, i, j, q_i, *carried, with_mod)
 
-        return (j + 1, *grid.visit(i, j, carried, compute_block))
+        return (j + 1, *blocking.visit(i, j, carried, compute_block))
 
-    lo, hi = grid.key_range(i)
+    lo, hi = blocking.key_range(i)
     acc = ops.zeros((*ops.shape(q_i)[:4], ops.shape(blocks.v)[-1]), compute)
     _, m, total, acc, visits = ops.while_loop(
         lambda j, *_: j < hi, key_block, (lo, row + M.MASKED_SCORE, row, acc, visits)
@@ -166,19 +166,19 @@ def _forward_query_block(grid, blocks, i, outs, lses, visits):
     return i + 1, outs, lses, visits
 
 
-def _forward_key_block(grid, blocks, i, j, q_i, m, total, acc, visits, with_mod):
+def _forward_key_block(blocking, blocks, i, j, q_i, m, total, acc, visits, with_mod):
     """Key block `j` into the running maximum `m`, row sum `total` and output `acc`."""
     shim = _backend.get()
-    scores = grid.logits(blocks, i, j, q_i)  # (B, K, G, C, C)
-    ok = grid.allowed(i, j, with_mod)
+    scores = blocking.logits(blocks, i, j, q_i)  # (B, K, G, C, C)
+    ok = blocking.allowed(i, j, with_mod)
     scores = ops.where(ok, scores, M.MASKED_SCORE)
     m_new = ops.maximum(m, ops.max(scores, axis=-1, keepdims=True))
     p = ops.where(ok, ops.exp(scores - m_new), 0.0)  # (B, K, G, C, C)
     correction = ops.exp(m - m_new)  # (B, K, G, C, 1)
     total_new = total * correction + ops.sum(p, axis=-1, keepdims=True)
-    if grid.scale_keep is not None:
-        p = ops.where(grid.keep(i, j, ops.shape(p)), p * grid.scale_keep, 0.0)
-    update = M.from_rows(grid.matmul(M.to_rows(p), take(blocks.v, j)), grid.groups)
+    if blocking.scale_keep is not None:
+        p = ops.where(blocking.keep(i, j, ops.shape(p)), p * blocking.scale_keep, 0.0)
+    update = M.from_rows(blocking.matmul(M.to_rows(p), take(blocks.v, j)), blocking.groups)
     acc_new = acc * correction + update  # (B, K, G, C, Hv)
     # Broadcasting with a mask block can hide a size known before (K = 1): the
     # loop's carried shapes must stay as they entered.
@@ -193,10 +193,10 @@ def _forward_key_block(grid, blocks, i, j, q_i, m, total, acc, visits, with_mod)
 # key blocks (dk, dv), each recomputing its blocks from the saved log-sum-exp
 
 
-def _grad(grid, blocks, params, variables):
-    """The inputs' gradients (`dq`, `dk`, `dv` blocks, the bias grid's, the params') and the
+def _grad(blocking, blocks, params, variables):
+    """The inputs' gradients (`dq`, `dk`, `dv` blocks, the bias blocking's, the params') and the
     variables'."""
-    shim, compute = _backend.get(), grid.plan.compute
+    shim, compute = _backend.get(), blocking.plan.compute
     blocks = blocks._replace(row_dot=ops.sum(blocks.d_out * blocks.out, axis=-1, keepdims=True))
     # Block counts from the shapes this function sees, not the forward's tensors:
     # under an outer XLA program a TensorArray's size must be a compile-time constant
@@ -207,7 +207,7 @@ def _grad(grid, blocks, params, variables):
     variables = list(variables)
     _, d_qs, d_bias, d_params, d_vars = ops.while_loop(
         lambda i, *_: i < num_q,
-        lambda i, *carried: _d_query_block(grid, blocks, params, variables, i, *carried),
+        lambda i, *carried: _d_query_block(blocking, blocks, params, variables, i, *carried),
         (
             ops.convert_to_tensor(0, "int32"),
             shim.block_array(num_q, ops.shape(blocks.q)[1:], compute),
@@ -218,7 +218,7 @@ def _grad(grid, blocks, params, variables):
     )
     _, d_ks, d_vs = ops.while_loop(
         lambda j, *_: j < num_k,
-        lambda j, d_ks, d_vs: _d_key_block(grid, blocks, j, d_ks, d_vs),
+        lambda j, d_ks, d_vs: _d_key_block(blocking, blocks, j, d_ks, d_vs),
         (
             ops.convert_to_tensor(0, "int32"),
             shim.block_array(num_k, ops.shape(blocks.k)[1:], compute),
@@ -235,55 +235,56 @@ def _grad(grid, blocks, params, variables):
     return grads + list(d_params), list(d_vars)
 
 
-def _d_query_block(grid, blocks, params, variables, i, d_qs, d_bias, d_params, d_vars):
+def _d_query_block(blocking, blocks, params, variables, i, d_qs, d_bias, d_params, d_vars):
     """`dq_i = sum_j dS_ij k_j`, and block row i's share of the bias's and the mod's."""
     row_i = tuple(take(x, i) for x in (blocks.q, blocks.d_out, blocks.lse, blocks.row_dot))
     q_i = row_i[0]
 
     def key_block(j, *carried):
         def compute_block(with_mod):
-            return _d_query_key_block(grid, blocks, params, variables, i, j, row_i, *carried,
+            return _d_query_key_block(blocking, blocks, params, variables, i, j, row_i, *carried,
                                       with_mod)  # fmt: skip
 
-        return (j + 1, *grid.visit(i, j, carried, compute_block))
+        return (j + 1, *blocking.visit(i, j, carried, compute_block))
 
-    lo, hi = grid.key_range(i)
+    lo, hi = blocking.key_range(i)
     _, d_q, d_bias, d_params, d_vars = ops.while_loop(
         lambda j, *_: j < hi,
         key_block,
-        (lo, ops.zeros_like(q_i, dtype=grid.plan.compute), d_bias, d_params, d_vars),
+        (lo, ops.zeros_like(q_i, dtype=blocking.plan.compute), d_bias, d_params, d_vars),
     )
-    d_qs = _backend.get().write_block(d_qs, i, M.scaled(d_q, grid.plan.logit_scale))
+    d_qs = _backend.get().write_block(d_qs, i, M.scaled(d_q, blocking.plan.logit_scale))
     return i + 1, d_qs, d_bias, d_params, d_vars
 
 
 def _d_query_key_block(
-    grid, blocks, params, variables, i, j, row_i, d_q, d_bias, d_params, d_vars, with_mod
+    blocking, blocks, params, variables, i, j, row_i, d_q, d_bias, d_params, d_vars, with_mod
 ):
     """Block (i, j)'s share of `dq_i`, of the bias's gradient and of the mod's. `row_i` is
     query block i's `q`, `dO`, log-sum-exp and `rowsum(dO * O)`, taken once per row."""
-    plan = grid.plan
+    plan = blocking.plan
     q_i, d_out_i, lse_i, row_dot_i = row_i
-    raw = grid.raw_logits(blocks, j, q_i)
-    scores = grid.logits(blocks, i, j, q_i, raw)
-    p = ops.where(grid.allowed(i, j, with_mod), ops.exp(scores - lse_i), 0.0)
+    raw = blocking.raw_logits(blocks, j, q_i)
+    scores = blocking.logits(blocks, i, j, q_i, raw)
+    p = ops.where(blocking.allowed(i, j, with_mod), ops.exp(scores - lse_i), 0.0)
     d_p = M.from_rows(
-        grid.matmul(M.to_rows(d_out_i), take(blocks.v, j), transpose_b=True), grid.groups
+        blocking.matmul(M.to_rows(d_out_i), take(blocks.v, j), transpose_b=True), blocking.groups
     )
-    if grid.scale_keep is not None:
-        d_p = ops.where(grid.keep(i, j, ops.shape(p)), d_p * grid.scale_keep, 0.0)
+    if blocking.scale_keep is not None:
+        d_p = ops.where(blocking.keep(i, j, ops.shape(p)), d_p * blocking.scale_keep, 0.0)
     d_scores = p * (d_p - row_dot_i)  # (B, K, G, C, C)
     if plan.cap is not None:
         d_scores = d_scores * M.cap_derivative(scores, plan.cap)
     d_raw, new_params, new_vars = d_scores, d_params, d_vars
-    if grid.tensors.score_mod is not None:
+    if blocking.tensors.score_mod is not None:
         d_raw, g_params, g_vars = M.mod_vjp(
-            grid.tensors.score_mod, raw, grid.b_index, plan.num_heads, *grid.positions(i, j),
-            d_scores, params, variables,
+            blocking.tensors.score_mod, raw, blocking.b_index, plan.num_heads,
+            *blocking.positions(i, j), d_scores, params, variables,
         )  # fmt: skip
         new_params = [a + b for a, b in zip(d_params, g_params)]
         new_vars = [a + ops.convert_to_tensor(b) for a, b in zip(d_vars, g_vars)]
-    d_q_new = d_q + M.from_rows(grid.matmul(M.to_rows(d_raw), take(blocks.k, j)), grid.groups)
+    d_q_block = blocking.matmul(M.to_rows(d_raw), take(blocks.k, j))
+    d_q_new = d_q + M.from_rows(d_q_block, blocking.groups)
     # As it entered the loop (see the forward).
     d_q_new = _backend.get().with_static_shape(d_q_new, d_q.shape)
     new_bias = d_bias
@@ -292,86 +293,86 @@ def _d_query_key_block(
     return d_q_new, new_bias, new_params, new_vars
 
 
-def _d_key_block(grid, blocks, j, d_ks, d_vs):
+def _d_key_block(blocking, blocks, j, d_ks, d_vs):
     """`dk_j = sum_i dS_ij^T q_i` and `dv_j = sum_i P_ij^T dO_i`."""
-    shim, compute = _backend.get(), grid.plan.compute
+    shim, compute = _backend.get(), blocking.plan.compute
     k_j, v_j = take(blocks.k, j), take(blocks.v, j)
-    share = _modded_block if grid.tensors.score_mod is not None else _transposed_block
+    share = _modded_block if blocking.tensors.score_mod is not None else _transposed_block
 
     def query_block(i, d_k, d_v):
         def compute_block(with_mod):
-            return share(grid, blocks, i, j, k_j, v_j, d_k, d_v, with_mod)
+            return share(blocking, blocks, i, j, k_j, v_j, d_k, d_v, with_mod)
 
-        return (i + 1, *grid.visit(i, j, (d_k, d_v), compute_block))
+        return (i + 1, *blocking.visit(i, j, (d_k, d_v), compute_block))
 
-    lo, hi = grid.query_range(j)
+    lo, hi = blocking.query_range(j)
     _, d_k, d_v = ops.while_loop(
         lambda i, *_: i < hi,
         query_block,
         (lo, ops.zeros_like(k_j, dtype=compute), ops.zeros_like(v_j, dtype=compute)),
     )
-    d_ks = shim.write_block(d_ks, j, M.scaled(d_k, grid.plan.logit_scale))
+    d_ks = shim.write_block(d_ks, j, M.scaled(d_k, blocking.plan.logit_scale))
     return j + 1, d_ks, shim.write_block(d_vs, j, d_v)
 
 
-def _transposed_block(grid, blocks, i, j, k_j, v_j, d_k, d_v, with_mod):
+def _transposed_block(blocking, blocks, i, j, k_j, v_j, d_k, d_v, with_mod):
     """Block (i, j)'s share of `dk_j` and `dv_j`, in the (keys, group, queries) layout, so
     that no product reads a block transposed (XLA's CPU matmul is slow at that)."""
-    plan, c, shim = grid.plan, grid.plan.chunk_size, _backend.get()
+    plan, c, shim = blocking.plan, blocking.plan.chunk_size, _backend.get()
     q_i, d_out_i = take(blocks.q, i), take(blocks.d_out, i)
     rows_q, rows_d_out = M.to_rows(q_i), M.to_rows(d_out_i)
     lse_t = M.keys_first(take(blocks.lse, i))  # (B, K, 1, G, C)
-    raw_t = grid.matmul(k_j, rows_q, transpose_b=True)  # (B, K, C_k, G * C_q)
+    raw_t = blocking.matmul(k_j, rows_q, transpose_b=True)  # (B, K, C_k, G * C_q)
     raw_t = M.scaled(raw_t, plan.logit_scale)
-    shape_t = (*ops.shape(raw_t)[:3], grid.groups, c)
+    shape_t = (*ops.shape(raw_t)[:3], blocking.groups, c)
     bias_t = None
     if blocks.bias is not None:
         bias_t = M.keys_first(block(blocks.bias, plan.bias_pattern, i, j))
     scores_t = M.logits(ops.reshape(raw_t, shape_t), bias_t, plan.cap)
-    ok_t = M.keys_first(grid.allowed(i, j, with_mod))
+    ok_t = M.keys_first(blocking.allowed(i, j, with_mod))
     p_t = ops.where(ok_t, ops.exp(scores_t - lse_t), 0.0)  # (B, K, C_k, G, C_q)
     applied_t, keep_t = p_t, None
-    if grid.scale_keep is not None:
-        keep_t = M.keys_first(grid.keep(i, j, (*shape_t[:2], grid.groups, c, c)))
-        applied_t = ops.where(keep_t, p_t * grid.scale_keep, 0.0)
-    d_v_new = d_v + grid.matmul(ops.reshape(applied_t, ops.shape(raw_t)), rows_d_out)
-    d_p_t = ops.reshape(grid.matmul(v_j, rows_d_out, transpose_b=True), shape_t)
+    if blocking.scale_keep is not None:
+        keep_t = M.keys_first(blocking.keep(i, j, (*shape_t[:2], blocking.groups, c, c)))
+        applied_t = ops.where(keep_t, p_t * blocking.scale_keep, 0.0)
+    d_v_new = d_v + blocking.matmul(ops.reshape(applied_t, ops.shape(raw_t)), rows_d_out)
+    d_p_t = ops.reshape(blocking.matmul(v_j, rows_d_out, transpose_b=True), shape_t)
     if keep_t is not None:
-        d_p_t = ops.where(keep_t, d_p_t * grid.scale_keep, 0.0)
+        d_p_t = ops.where(keep_t, d_p_t * blocking.scale_keep, 0.0)
     row_dot_t = M.keys_first(take(blocks.row_dot, i))
     d_scores_t = p_t * (d_p_t - row_dot_t)
     if plan.cap is not None:
         d_scores_t = d_scores_t * M.cap_derivative(scores_t, plan.cap)
-    d_k_new = d_k + grid.matmul(ops.reshape(d_scores_t, ops.shape(raw_t)), rows_q)
+    d_k_new = d_k + blocking.matmul(ops.reshape(d_scores_t, ops.shape(raw_t)), rows_q)
     # as they entered the loop (see the forward)
     return shim.with_static_shape(d_k_new, d_k.shape), shim.with_static_shape(d_v_new, d_v.shape)
 
 
-def _modded_block(grid, blocks, i, j, k_j, v_j, d_k, d_v, with_mod):
+def _modded_block(blocking, blocks, i, j, k_j, v_j, d_k, d_v, with_mod):
     """Block (i, j)'s share of `dk_j` and `dv_j` with a score_mod, whose positions are laid
     out as the logits (B, N, t, s): the queries' layout, and products that read the block
     transposed."""
-    plan, shim = grid.plan, _backend.get()
+    plan, shim = blocking.plan, _backend.get()
     q_i, d_out_i = take(blocks.q, i), take(blocks.d_out, i)
     lse_i, row_dot_i = take(blocks.lse, i), take(blocks.row_dot, i)
     rows_q, rows_d_out = M.to_rows(q_i), M.to_rows(d_out_i)
-    raw = grid.raw_logits(blocks, j, q_i)
-    scores = grid.logits(blocks, i, j, q_i, raw)
-    p = ops.where(grid.allowed(i, j, with_mod), ops.exp(scores - lse_i), 0.0)
+    raw = blocking.raw_logits(blocks, j, q_i)
+    scores = blocking.logits(blocks, i, j, q_i, raw)
+    p = ops.where(blocking.allowed(i, j, with_mod), ops.exp(scores - lse_i), 0.0)
     applied, keep = p, None
-    if grid.scale_keep is not None:
-        keep = grid.keep(i, j, ops.shape(p))
-        applied = ops.where(keep, p * grid.scale_keep, 0.0)
-    d_p = M.from_rows(grid.matmul(rows_d_out, v_j, transpose_b=True), grid.groups)
+    if blocking.scale_keep is not None:
+        keep = blocking.keep(i, j, ops.shape(p))
+        applied = ops.where(keep, p * blocking.scale_keep, 0.0)
+    d_p = M.from_rows(blocking.matmul(rows_d_out, v_j, transpose_b=True), blocking.groups)
     if keep is not None:
-        d_p = ops.where(keep, d_p * grid.scale_keep, 0.0)
+        d_p = ops.where(keep, d_p * blocking.scale_keep, 0.0)
     d_scores = p * (d_p - row_dot_i)
     if plan.cap is not None:
         d_scores = d_scores * M.cap_derivative(scores, plan.cap)
     d_raw, _, _ = M.mod_vjp(
-        grid.tensors.score_mod, raw, grid.b_index, plan.num_heads, *grid.positions(i, j),
-        d_scores, (), (),
+        blocking.tensors.score_mod, raw, blocking.b_index, plan.num_heads,
+        *blocking.positions(i, j), d_scores, (), (),
     )  # fmt: skip
-    d_v_new = d_v + grid.matmul(M.to_rows(applied), rows_d_out, transpose_a=True)
-    d_k_new = d_k + grid.matmul(M.to_rows(d_raw), rows_q, transpose_a=True)
+    d_v_new = d_v + blocking.matmul(M.to_rows(applied), rows_d_out, transpose_a=True)
+    d_k_new = d_k + blocking.matmul(M.to_rows(d_raw), rows_q, transpose_a=True)
     return shim.with_static_shape(d_k_new, d_k.shape), shim.with_static_shape(d_v_new, d_v.shape)

@@ -34,6 +34,17 @@ def check_flash_attention(flash_attention):
     return flash_attention
 
 
+def check_scores(flash_attention, return_attention_scores):
+    """The layer's scores need the whole (T, S) matrix, which `flash_attention=True` refuses
+    to form."""
+    if return_attention_scores and flash_attention:
+        raise ValueError(
+            "`return_attention_scores=True` needs the whole (T, S) matrix, which "
+            "`flash_attention=True` never forms. Received: flash_attention=True, "
+            "return_attention_scores=True"
+        )
+
+
 def check_implementation(implementation, layer=False):
     """`implementation` of the core, or of the layer (`layer`: no `"decode"`, which the layer
     picks itself for a cached call of one query row)."""
@@ -57,7 +68,8 @@ AUTO_CHUNKED_BYTES_PER_EXAMPLE = AUTO_CHUNKED_BYTES // 8
 class Template:
     """A mod's template (`mods.split`) in a plan: compared by its config when it is a built-in
     `mods.Mod` (a new `document(ids)` each call must not trace a new program), else by
-    identity. `slots`: no weak reference, so `tf.function` keys it by value."""
+    identity. The plan holds the template, so the compiled programs' caches keep it alive
+    (and a template keyed by identity is never confused with a later one at its address)."""
 
     key: object
     mod: object = dataclasses.field(compare=False)
@@ -75,6 +87,9 @@ class Template:
 @dataclasses.dataclass(frozen=True, slots=True)
 class Plan:
     """Every static fact of one attention call: what the compiled program is keyed by.
+
+    Frozen and slotted: with no `__weakref__`, `tf.function` keys its trace by the plan's
+    value (a `Literal`), as `jax.jit` does a static argument.
 
     `path` is `"dense"`, `"chunked"` or `"decode"`. With `by_size`, the sizes are only known
     at run time (TensorFlow, unknown lengths): the program runs `path="chunked"` when the
@@ -125,7 +140,7 @@ class Plan:
         return self.scale if self.operand else None
 
 
-class Call(typing.NamedTuple):
+class CallTensors(typing.NamedTuple):
     """What a call passes to its program besides `q`, `k`, `v`: checked, and in the plan's forms."""
 
     mask: object  # (B|1, N|1, T|1, S|1) booleans or None
@@ -160,11 +175,12 @@ def make(
     flash_attention=None,
     cached=False,
 ):
-    """The `Plan` and the `Call` of `scaled_dot_product_attention`'s arguments, checked.
+    """The `Plan` and the `CallTensors` of `scaled_dot_product_attention`'s arguments, checked.
 
     `flash_attention` (the layer's: `True` chunked, `False` dense) overrides
     `implementation`; `cached` (the layer's call against a key/value cache) runs the decode
-    path for one query row when neither chooses.
+    path for one query row when neither chooses. A cached call with `flash_attention=True`
+    returns its scores from the dense path (only an uncached one refuses them).
     """
     (mask, mask_pattern), (bias, bias_pattern), scale = _checked(
         query, key, value, mask, bias, dropout_rate, scale, sliding_window,
@@ -207,7 +223,7 @@ def make(
         score_mod=Template.of(score_template),
         mask_mod=Template.of(mask_template),
     )
-    call = Call(
+    call = CallTensors(
         mask=mask,
         bias=bias,
         seed=_checks._as_seed(seed) if dropout_rate > 0.0 else None,
@@ -248,12 +264,8 @@ def _implementation(implementation, flash_attention, cached, return_weights, len
     check_flash_attention(flash_attention)
     check_implementation(implementation)
     if flash_attention is not None:
-        if return_weights and flash_attention:
-            raise ValueError(
-                "`return_attention_scores=True` needs the whole (T, S) matrix, which "
-                "`flash_attention=True` never forms. Received: flash_attention=True, "
-                "return_attention_scores=True"
-            )
+        if not cached:  # a cached call returns them from the dense path, as it always has
+            check_scores(flash_attention, return_weights)
         return "chunked" if flash_attention else "dense"
     if cached and implementation == "auto" and length == 1:
         # One new token against the cache: the decode path reads the cache in its

@@ -7,6 +7,7 @@ all masked.
 """
 
 import inspect
+import types
 
 import keras
 from keras.src import backend as keras_backend  # the mask accessors have no public name
@@ -21,7 +22,7 @@ _KERAS = (
     "query", "value", "key", "query_mask", "value_mask", "key_mask", "attention_mask",
     "return_attention_scores", "training", "use_causal_mask",
 )  # fmt: skip
-CALL_ARGUMENTS = {
+CALL_ARGUMENTS = types.MappingProxyType({
     "MultiHeadAttention": _KERAS,
     "GroupedQueryAttention": _KERAS,
     "CachedMultiHeadAttention": (
@@ -34,7 +35,7 @@ CALL_ARGUMENTS = {
         "return_attention_scores",
         "training",
     ),  # fmt: skip
-}
+})
 
 
 def check(replaces, use_gate, sliding_window):

@@ -12,6 +12,7 @@ import keras
 
 from keras_sdpa import _arguments, _backend, _cache, _folded, _layer_masks, _rank_n, _shapes, ops
 from keras_sdpa import _stand_in as stand_in
+from keras_sdpa._plan import check_scores
 
 
 @keras.saving.register_keras_serializable(package="keras_sdpa")
@@ -61,15 +62,16 @@ class ScaledDotProductAttention(keras.layers.Layer):
         output_projection: whether to apply `W_O`. Defaults to `True` when
             `num_heads > 1` or `output_shape` is set.
         implementation: `"auto"` (default), `"dense"` or `"chunked"`: the path
-            of `keras_sdpa.ops.scaled_dot_product_attention`.
-        chunk_size: block size of the chunked path.
+            of `keras_sdpa.ops.scaled_dot_product_attention`; "auto" goes chunked
+            when the float32 scores would pass 256 MiB (docs/core.md).
+        chunk_size: block size of the chunked path; defaults as in the core's.
         scale: multiplies the scores `Q K^T`. Defaults to `1 / sqrt(key_dim)`.
         attn_logits_soft_cap: optional positive float `cap`: the logits become
             `cap * tanh(logits / cap)` before the softmax (Gemma 2).
         score_mod: optional `score_mod(score, b, h, q_idx, kv_idx) -> score`,
             applied to the scaled logits before `attention_bias` (`keras_sdpa.mods`).
         mask_mod: optional `mask_mod(b, h, q_idx, kv_idx) -> bool`, True meaning
-            "may attend", combined with the other masks.
+            "may attend", combined with the other masks (saved if registered).
         replaces: None, or the class this layer stands in for, as the swap sets
             it (`keras_sdpa._stand_in`).
 
@@ -288,6 +290,7 @@ class ScaledDotProductAttention(keras.layers.Layer):
         if not own_core:
             # A subclass that overrides MultiHeadAttention's `_compute_attention`
             # gets MHA's contract: the causal mask folded into `attention_mask`.
+            check_scores(self.flash_attention, return_attention_scores)
             _arguments.check_overridden_core(
                 type(self).__name__, self.score_mod, self.mask_mod, attention_bias
             )

@@ -39,6 +39,10 @@ from keras_sdpa._checks import (  # noqa: F401 (the layer's checks too)
     check_soft_cap,
 )
 
+__all__ = ["BlockMask", "create_block_mask", "scaled_dot_product_attention"]
+# (`attend`, the layer's entry, and the program's `Tensors` are the package's own.)
+BlockMask.__module__ = create_block_mask.__module__ = __name__  # where users find them
+
 # A caller's `tf.function` converts the functions it calls with AutoGraph, and every function
 # those call, on its first trace. This module branches only on static values (shapes, dtypes,
 # flags), so conversion would change nothing but the time a trace takes: its two entry points

@@ -89,6 +89,41 @@ def test_the_layer_decodes_one_cached_token_and_nothing_else(decode_spy):
     assert len(decode_spy) == 1
 
 
+def test_a_cached_token_takes_the_path_flash_attention_names(monkeypatch, decode_spy):
+    """`flash_attention` chooses for a cached call too: False runs dense and True chunked,
+    never decode, all to the same numbers; with True the scores a cached call returns come
+    from the dense path (an uncached call refuses them)."""
+    from keras_sdpa import ops as sdpa_ops
+
+    paths, compiled = [], sdpa_ops._attention_xla
+
+    def spy(*args, **kwargs):
+        paths.append(kwargs["plan"].path)
+        return compiled(*args, **kwargs)
+
+    monkeypatch.setattr(sdpa_ops, "_attention_xla", spy)
+    x = tensor(np.random.default_rng(1).normal(size=(2, 5, 16)), "float32")
+    cache = ops.zeros((2, 2, 13, 4, 4))
+    weights, outputs = None, {}
+    for flash in (None, False, True):
+        layer = ScaledDotProductAttention(num_heads=4, key_dim=4, flash_attention=flash)
+        layer(x, x)
+        weights = weights or layer.get_weights()
+        layer.set_weights(weights)
+        paths.clear()
+        out, _ = layer(x[:, :1], x[:, :1], cache=cache, cache_update_index=5)
+        outputs[flash] = numpy(out)
+        assert paths == [{None: "decode", False: "dense", True: "chunked"}[flash]], flash
+        np.testing.assert_allclose(outputs[flash], outputs[None], atol=1e-6)
+    paths.clear()
+    _, scores, _ = layer(x[:, :1], x[:, :1], cache=cache, cache_update_index=5,
+                         return_attention_scores=True)  # fmt: skip
+    assert paths == ["dense"] and tuple(scores.shape) == (2, 4, 1, 13)
+    assert len(decode_spy) == 1
+    with pytest.raises(ValueError, match="`flash_attention=True` never forms"):
+        layer(x, x, return_attention_scores=True)
+
+
 def test_dropout_runs_dense_with_the_same_keep_mask(decode_spy):
     q, k, v = inputs(t=1, s=S + 5, k=K, dtype="float32")
     args = dict(dropout_rate=0.5, training=True, seed=7)

@@ -20,7 +20,8 @@ def compile(fn, static_argnames=()):
     """`fn` as one XLA program per static configuration (`tf.function(jit_compile=True)`).
 
     Without AutoGraph: the core's loops are `tf.while_loop`s and its branches are on static
-    values. Keyword arguments are static (TensorFlow keys the trace by their values).
+    values. Keyword arguments are static: TensorFlow keys the trace by each one's value
+    (hashable values without weak references, such as a `Plan`), or by its identity.
     """
     del static_argnames  # tf.function keys its trace by every Python argument
     return tf.function(fn, jit_compile=True, reduce_retracing=True, autograph=False)
