@@ -63,6 +63,68 @@ verdict, so part of the gap is the task's.
 """
 
 
+def _pretraining_section(metrics):
+    """The card's "Pretraining" section and each stage's time, from `metrics.json`."""
+    stages = metrics.get("stage_seconds")
+    times = ""
+    if stages:
+        named = {"data": "data", "pretraining": "pretraining", "fine_tuning": "fine-tuning",
+                 "report": "report and export"}  # fmt: skip
+        times = (
+            "Wall time per stage: "
+            + ", ".join(
+                f"{named.get(name, name)} {seconds / 60:.1f} min"
+                for name, seconds in stages.items()
+                if seconds is not None
+            )
+            + f" (total {sum(s for s in stages.values() if s is not None) / 60:.1f} min).\n"
+        )
+    record = metrics.get("pretraining")
+    if not record:
+        return f"\n## Pretraining\n\nNone (`--pretrain_steps 0`).\n{times}" if stages else ""
+    config = metrics["config"]
+    reused = " (loaded from `pretrained/`, made by an earlier run with this configuration)"
+    return f"""
+## Pretraining
+
+Masked-word prediction (BERT's objective: {config["mask_rate"]:.0%} of each review's words
+hidden, the {config["predicted_words"]:,} most frequent predicted through the tied word table) on
+{record["reviews"]:,} reviews that carry no label here: the training reviews and IMDB's unlabelled
+ones, never a validation or test review. {record["steps"]:,} steps of {record["batch_size"]}
+reviews in {record["seconds"] / 60:.1f} minutes{reused if record.get("reused") else ""}; the
+last steps' masked-word loss {record["loss"]:.3f}, accuracy {record["accuracy"]:.1%}. The
+classifier then fine-tunes the pretrained embedding and blocks on the labels.
+{times}"""
+
+
+def _out_of_domain_section(folder):
+    """The card's out-of-domain table, from the folder's `out_of_domain.json` (written by
+    `python -m apps.out_of_domain`); empty without one."""
+    path = os.path.join(folder, "out_of_domain.json")
+    if not os.path.isfile(path):
+        return ""
+    from .out_of_domain import table
+
+    with open(path) as f:
+        report = json.load(f)
+    compared = ""
+    if report.get("baseline"):
+        compared = (
+            f" Beside this model, `{report['baseline']['model']}` (seed "
+            f"{report['baseline'].get('seed')}, `--pretrain_steps "
+            f"{report['baseline'].get('pretrain_steps')}`), measured the same way."
+        )
+    return f"""## Short texts from outside IMDB
+
+Texts that people rated one at a time, none of them a movie review: {report["source"]}. Rule:
+{report["rule"]}.{compared} Accuracy, and the expected calibration error of the probability
+(15 bins), as `serving_default` gives them from raw text (`out_of_domain.json`):
+
+{table(report)}
+
+"""
+
+
 def write_model_card(metrics, path):
     """A short README.md for the run's folder, written from `metrics.json`'s own numbers."""
     config = metrics["config"]
@@ -119,8 +181,8 @@ or, with TensorFlow alone:
     serve(text=tf.constant(["A wonderful film."]))["probability"]
 
 
-{_calibration_section(metrics)}{_short_reviews_section(metrics)}
-{_serving_section(os.path.dirname(path))}
+{_pretraining_section(metrics)}{_calibration_section(metrics)}{_short_reviews_section(metrics)}
+{_out_of_domain_section(os.path.dirname(path))}{_serving_section(os.path.dirname(path))}
 ## Per epoch
 
 | epoch | loss | accuracy | val_loss | val_accuracy |

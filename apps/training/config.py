@@ -40,6 +40,15 @@ class Config:
     # output (block), or each position's own embedding (embedding)
     pooling_values: str = "embedding"
     dropout: float = 0.4
+    # pretraining (apps/training/pretrain.py): masked-word prediction trains the embedding and
+    # the blocks first, on the reviews `--vocabulary_source` names (never validation or test)
+    pretrain_steps: int = 1500  # 0 = no pretraining
+    pretrain_batch_size: int = 64
+    # Adam: linear warm-up over the first 10% of the steps, then cosine decay to 0
+    pretrain_learning_rate: float = 1e-3
+    # of each review's words, hidden as BERT does (80% hidden, 10% a random word, 10% kept)
+    mask_rate: float = 0.15
+    predicted_words: int = 8192  # the most frequent words are the ones predicted
     # training
     # Keras's dtype policy for the run: mixed_bfloat16 or mixed_float16 (loss-scaled), with the
     # classifier's output and the variables in float32; None = float32 throughout
@@ -75,6 +84,8 @@ _RUN_DEFINING = (
     "embed_dim", "num_heads", "key_dim", "ff_dim", "num_layers", "dropout", "batch_size",
     "learning_rate", "weight_decay", "seed", "max_steps", "epochs", "strategy", "logical_cpus",
     "monitor", "mixed_precision", "pooling_scale", "pooling_values", "ngram_dim", "short_spans",
+    "pretrain_steps", "pretrain_batch_size", "pretrain_learning_rate", "mask_rate",
+    "predicted_words",
 )  # fmt: skip
 
 
@@ -84,7 +95,9 @@ _RUN_DEFINING = (
 FIRST_DEFAULTS = {
     "trigram_vocab_size": 0, "ngram_dim": None, "vocabulary_source": "train",
     "naive_bayes_alpha": 0.0, "pooling_scale": None, "pooling_values": "block",
-    "mixed_precision": None, "weight_decay": 0.0, "short_spans": 0.0,
+    "mixed_precision": None, "weight_decay": 0.0, "short_spans": 0.0, "pretrain_steps": 0,
+    "pretrain_batch_size": 64, "pretrain_learning_rate": 1e-3, "mask_rate": 0.15,
+    "predicted_words": 8192,
 }  # fmt: skip
 
 
@@ -121,12 +134,14 @@ def check_config(config):
     """A `ValueError` naming the first flag of `config` that is out of its range."""
     _check_sizes(config)
     _check_training(config)
+    _check_pretraining(config)
 
 
 def _check_sizes(config):
     positive = (
         "vocab_size", "sequence_length", "embed_dim", "num_heads", "key_dim", "ff_dim",
         "num_layers", "batch_size", "epochs", "patience", "save_every", "naive_bayes_folds",
+        "pretrain_batch_size", "pretrain_learning_rate",
     )  # fmt: skip
     for name in positive:
         if getattr(config, name) <= 0:
@@ -152,6 +167,21 @@ def _check_sizes(config):
         raise ValueError(
             "`--trigram_vocab_size` must be >= 0 (0 turns word triples off). "
             f"Received: trigram_vocab_size={config.trigram_vocab_size}"
+        )
+
+
+def _check_pretraining(config):
+    if config.pretrain_steps < 0:
+        raise ValueError(
+            "`--pretrain_steps` must be >= 0 (0 turns pretraining off). "
+            f"Received: pretrain_steps={config.pretrain_steps}"
+        )
+    if not 0.0 < config.mask_rate < 1.0:
+        raise ValueError(f"`--mask_rate` must be in (0, 1). Received: mask_rate={config.mask_rate}")
+    if config.predicted_words < 3:
+        raise ValueError(
+            "`--predicted_words` must be at least 3 (ids 0 and 1 are padding and unknown). "
+            f"Received: predicted_words={config.predicted_words}"
         )
 
 

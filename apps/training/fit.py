@@ -144,6 +144,21 @@ def _raise_keyboard_interrupt(signum, frame):
 
 
 @contextlib.contextmanager
+def interrupts_raised():
+    """SIGINT and SIGTERM raise KeyboardInterrupt inside the block. (SIGINT too: a process
+    started in the background by a shell inherits SIGINT ignored.)"""
+    previous = {
+        number: signal.signal(number, _raise_keyboard_interrupt)
+        for number in (signal.SIGINT, signal.SIGTERM)
+    }
+    try:
+        yield
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+
+
+@contextlib.contextmanager
 def _interrupts_deferred():
     """Holds SIGINT and SIGTERM until the block is done, then raises KeyboardInterrupt."""
     received = []
@@ -164,11 +179,10 @@ def fit_model(config, run, model, train_ids, train_labels, validation, steps_per
     """`model.fit` from where the run stands, with checkpoints, early stopping and a saved
     state on Ctrl-C or SIGTERM. Returns `(train_seconds, stopped_early)`, or None if
     interrupted."""
-    multi_worker = distribute.is_multi_worker(run.strategy)
     distribute.fix_keras_for_multi_worker(model, run.strategy)
     state = TrainingState(run.checkpoints, config.save_every)
     state.set_model(model)  # fit sets it too; restore() and an early Ctrl-C need it before
-    if run.resuming:
+    if run.resuming and os.path.exists(state.json_path):  # not if pretraining was interrupted
         state.restore()
 
     step = optimizer_step(model)
@@ -179,36 +193,10 @@ def fit_model(config, run, model, train_ids, train_labels, validation, steps_per
 
     callbacks, early_stopping = _callbacks(config, run, state, history)
     stopped = _stopped_early(history, config.patience, config.monitor)
-    # SIGINT too: a process started in the background by a shell inherits SIGINT ignored.
-    previous_handlers = {
-        number: signal.signal(number, _raise_keyboard_interrupt)
-        for number in (signal.SIGINT, signal.SIGTERM)
-    }
     try:
-        for initial_epoch, epochs, steps in _segments(step, steps_per_epoch, config.epochs):
-            if stopped:
-                break
-            # Multi-worker Keras finds its strategy in the scope (see apps/training/distribute.py);
-            # evaluation and export then run on each worker alone, with the same weights.
-            fitting = run.strategy.scope() if multi_worker else contextlib.nullcontext()
-            with fitting:
-                model.fit(
-                    training_stream(
-                        train_ids,
-                        train_labels,
-                        run.global_batch,
-                        config.seed,
-                        start_step=optimizer_step(model),
-                    ),  # fmt: skip
-                    initial_epoch=initial_epoch,
-                    epochs=epochs,
-                    steps_per_epoch=steps,
-                    validation_data=validation,
-                    callbacks=callbacks,
-                    shuffle=False,  # the stream is already shuffled, deterministically
-                    verbose=int(config.verbose) if config.verbose.isdigit() else config.verbose,
-                )
-            stopped = early_stopping.stopped_epoch > 0
+        with interrupts_raised():
+            _fit_segments(config, run, model, train_ids, train_labels, validation,
+                          steps_per_epoch, callbacks, early_stopping, stopped)  # fmt: skip
     except KeyboardInterrupt:
         state.save()
         print(
@@ -218,10 +206,38 @@ def fit_model(config, run, model, train_ids, train_labels, validation, steps_per
             file=sys.stderr,
         )
         return None
-    finally:
-        for number, handler in previous_handlers.items():
-            signal.signal(number, handler)
     return state.seconds(), stopped
+
+
+def _fit_segments(config, run, model, train_ids, train_labels, validation, steps_per_epoch,
+                  callbacks, early_stopping, stopped):  # fmt: skip
+    """`model.fit` over what is left of the run's epochs (`_segments`), unless stopped early."""
+    # Multi-worker Keras finds its strategy in the scope (see apps/training/distribute.py);
+    # evaluation and export then run on each worker alone, with the same weights.
+    multi_worker = distribute.is_multi_worker(run.strategy)
+    step = optimizer_step(model)
+    for initial_epoch, epochs, steps in _segments(step, steps_per_epoch, config.epochs):
+        if stopped:
+            break
+        fitting = run.strategy.scope() if multi_worker else contextlib.nullcontext()
+        with fitting:
+            model.fit(
+                training_stream(
+                    train_ids,
+                    train_labels,
+                    run.global_batch,
+                    config.seed,
+                    start_step=optimizer_step(model),
+                ),  # fmt: skip
+                initial_epoch=initial_epoch,
+                epochs=epochs,
+                steps_per_epoch=steps,
+                validation_data=validation,
+                callbacks=callbacks,
+                shuffle=False,  # the stream is already shuffled, deterministically
+                verbose=int(config.verbose) if config.verbose.isdigit() else config.verbose,
+            )
+        stopped = early_stopping.stopped_epoch > 0
 
 
 def _callbacks(config, run, state, history):

@@ -30,13 +30,14 @@ def prepare_data(config, run):
         f"({splits.test_split} split, for the final report only)"
     )
     counted_text = splits.train_text
-    if config.vocabulary_source == "train+unsupervised" and not run.resuming:
+    # Read again on `--resume` too: pretraining reads them.
+    if config.vocabulary_source == "train+unsupervised":
         unlabeled = data.load_unlabeled(config.dataset, data_dir)
         # IMDB's unlabelled split repeats some labelled reviews word for word (270 of the test
         # split's, 27 of validation's): those stay out, so no held-out text is counted.
         held_out = {*splits.validation_text, *splits.test_text}
         unlabeled = np.array([text for text in unlabeled if text not in held_out], dtype=object)
-        print(f"Counting the vocabularies on train and {len(unlabeled)} unlabelled reviews")
+        print(f"Reading train and {len(unlabeled)} unlabelled reviews for the vocabularies")
         counted_text = np.concatenate([splits.train_text, unlabeled])
     if run.resuming and os.path.exists(run.vocabulary):
         vectorizer = data.make_vectorizer(

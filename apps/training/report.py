@@ -6,6 +6,7 @@ import os
 import shlex
 import shutil
 import sys
+import time
 
 import keras
 import numpy as np
@@ -24,9 +25,14 @@ SHORT_REVIEWS = 2000  # test reviews that the short spans are cut from
 
 
 def report_run(config, output, model, inspector, vectorizer, splits, history, best_epoch,
-               train_seconds, stopped, validation, distribution, argv, git_commit):  # fmt: skip
+               train_seconds, stopped, validation, distribution, argv, git_commit,
+               pretraining=None, stages=None):  # fmt: skip
     """Calibrates, evaluates and exports the trained `model`, writes `metrics.json` and the
-    model card to `output`, and prints where every artifact went. Returns 0."""
+    model card to `output`, and prints where every artifact went. Returns 0.
+
+    `pretraining` is the pretraining stage's record (None: no pretraining); `stages`, the
+    seconds each stage before this one took (the report's own are added here)."""
+    report_started = time.time()
     global_batch = distribution["global_batch_size"]
     limit = None if config.max_steps is None else config.max_steps * global_batch
     # One compiled classifier for every pass below: it reads the model's variables, so it
@@ -56,6 +62,8 @@ def report_run(config, output, model, inspector, vectorizer, splits, history, be
         "stopped_early": bool(stopped),
         "train_steps": optimizer_step(model),
         "train_seconds": round(train_seconds, 1),
+        "pretraining": pretraining,
+        "stage_seconds": {**(stages or {}), "report": round(time.time() - report_started, 1)},
         "machine": files.machine(),
         "parameters": int(model.count_params()),
         "export_max_abs_difference": max_difference,

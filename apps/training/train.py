@@ -41,6 +41,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -54,6 +55,7 @@ from .build import build_model, dtype_policy  # noqa: E402
 from .config import Config, check_config, check_same_run  # noqa: E402
 from .fit import best_row, fit_model, read_history  # noqa: E402
 from .prepare import prepare_data, training_examples  # noqa: E402
+from .pretrain import pretrain  # noqa: E402
 from .report import report_run  # noqa: E402
 
 
@@ -110,6 +112,7 @@ def train(config, argv=None):
 
 
 def _train(config, argv, git_commit):
+    started = time.time()
     run = _start_run(config)
     splits, vectorizer, train_ids, validation_ids, counted_ids = prepare_data(config, run)
     fit_ids, train_labels = training_examples(config, splits, vectorizer, train_ids)
@@ -119,6 +122,12 @@ def _train(config, argv, git_commit):
     model, inspector = build_model(
         config, run, vectorizer, train_ids, splits.train_label, counted_ids, steps_per_epoch
     )
+    data_seconds = time.time() - started
+    # The texts the vocabularies are counted on: train's, and the unlabelled reviews with
+    # `--vocabulary_source train+unsupervised`; never a validation or test review.
+    pretraining = pretrain(config, run, model, counted_ids)
+    if pretraining == "interrupted":
+        return 130  # the state is saved
     # Smoke runs (`--max_steps`) evaluate the first `max_steps` batches' worth of examples.
     limit = None if config.max_steps is None else config.max_steps * run.global_batch
     validation = eval_dataset(validation_ids, splits.validation_label, run.global_batch, limit)
@@ -130,9 +139,16 @@ def _train(config, argv, git_commit):
     if os.path.exists(run.best_weights):
         model.load_weights(run.best_weights)
     best_epoch = best_row(history, config.monitor)["epoch"] if history else None
+    stages = {
+        "data": round(data_seconds, 1),
+        # A reused encoder costs this run nothing; its record keeps what it cost to make.
+        "pretraining": pretraining and (0.0 if pretraining["reused"] else pretraining["seconds"]),
+        "fine_tuning": round(train_seconds, 1),
+    }
     return report_run(
         config, run.output, model, inspector, vectorizer, splits, history, best_epoch,
         train_seconds, stopped, validation, run.distribution, argv, git_commit,
+        pretraining=pretraining, stages=stages,
     )  # fmt: skip
 
 
@@ -163,10 +179,10 @@ def _start_run(config):
         + ("" if chief else f", writing to {output}")
     )
     checkpoints = os.path.join(output, "checkpoints")
-    state_json = os.path.join(checkpoints, "state.json")
+    states = [os.path.join(checkpoints, *stage, "state.json") for stage in ((), ("pretrain",))]
     config_path = os.path.join(checkpoints, "config.json")
     resuming = False
-    if os.path.exists(state_json):
+    if any(os.path.exists(state) for state in states):
         if not config.resume:
             raise ValueError(
                 f"`--output` holds an interrupted run ({checkpoints}). Pass --resume to continue "

@@ -1,0 +1,183 @@
+"""The pretraining stage: masked-word prediction on the training and unlabelled reviews,
+which trains the classifier's embedding and blocks before it learns the labels.
+
+The encoder it makes is saved in `<output>/pretrained/` with the configuration that made it;
+a later run into the same folder whose configuration matches loads it and skips the stage.
+An interrupted stage saves its state in `<output>/checkpoints/pretrain/`, and `--resume`
+continues it on the same batches and the same hidden words."""
+
+import hashlib
+import json
+import os
+import sys
+import time
+
+import keras
+import numpy as np
+
+from .. import files
+from ..classifier import masked_lm
+from ..classifier.optimizer import Adam
+from .batches import training_stream
+from .fit import TrainingState, interrupts_raised, optimizer_step
+
+# The flags that decide what the pretrained encoder is: a saved one is reused only if these,
+# and the vocabulary and n-gram files, are the same.
+_ENCODER_DEFINING = (
+    "dataset", "validation_fraction", "vocab_size", "sequence_length", "bigram_vocab_size",
+    "trigram_vocab_size", "ngram_dim", "vocabulary_source", "embed_dim", "num_heads", "key_dim",
+    "ff_dim", "num_layers", "seed", "mixed_precision", "pretrain_steps", "pretrain_batch_size",
+    "pretrain_learning_rate", "mask_rate", "predicted_words",
+)  # fmt: skip
+
+
+def encoder_folder(output):
+    return os.path.join(output, "pretrained")
+
+
+def encoder_key(config, run):
+    """What made an encoder: the defining flags and the hashes of the word, pair and triple
+    vocabularies it embeds."""
+    key = {name: getattr(config, name) for name in _ENCODER_DEFINING}
+    for path in (run.vocabulary, run.bigrams, run.trigrams):
+        if os.path.exists(path):
+            with open(path, "rb") as f:
+                key[os.path.basename(path)] = hashlib.sha256(f.read()).hexdigest()
+    return key
+
+
+def pretrain(config, run, model, texts_ids):
+    """Pretrains `model`'s encoder on `texts_ids` `(n, L)` (no label, no held-out review),
+    or loads the encoder a previous run into the same folder made with the same configuration.
+
+    Returns the stage's record for `metrics.json` (None with `--pretrain_steps 0`), or the
+    string "interrupted" if Ctrl-C or SIGTERM stopped it (its state is saved)."""
+    if not config.pretrain_steps:
+        return None
+    folder = encoder_folder(run.output)
+    weights_path = os.path.join(folder, "encoder.npz")
+    record_path = os.path.join(folder, "encoder.json")
+    key = encoder_key(config, run)
+    saved = _read_json(record_path)
+    if saved is not None and saved.get("key") == key and os.path.exists(weights_path):
+        with np.load(weights_path) as weights:
+            masked_lm.set_encoder_weights(model, weights)
+        print(
+            f"Pretraining: reusing the encoder in {folder} (made by a run with this "
+            f"configuration in {saved['record']['seconds']:.0f} s)"
+        )
+        return {**saved["record"], "reused": True}
+    record = _train_encoder(config, run, model, texts_ids)
+    if record is None:
+        return "interrupted"
+    os.makedirs(folder, exist_ok=True)
+    temporary = weights_path + ".partial.npz"
+    np.savez(temporary, **masked_lm.encoder_weights(model))
+    os.replace(temporary, weights_path)
+    files.write_json_atomic(record_path, {"key": key, "record": record})
+    print(f"Pretrained encoder written to {weights_path}")
+    return {**record, "reused": False}
+
+
+def _read_json(path):
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def _train_encoder(config, run, model, texts_ids):
+    """`config.pretrain_steps` steps of masked-word prediction, resumable. Returns the
+    stage's record, or None if interrupted (the state saved)."""
+    with run.strategy.scope():
+        predictor = masked_lm.MaskedWordModel(model, config.predicted_words)
+        warmup = max(1, config.pretrain_steps // 10)
+        schedule = keras.optimizers.schedules.CosineDecay(
+            0.0,
+            decay_steps=max(1, config.pretrain_steps - warmup),
+            warmup_target=config.pretrain_learning_rate,
+            warmup_steps=warmup,
+        )
+        predictor.compile(
+            optimizer=Adam(schedule),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            weighted_metrics=[keras.metrics.SparseCategoricalAccuracy(name="accuracy")],
+            jit_compile=False,
+        )
+        length = min(texts_ids.shape[1], 8)
+        predictor((np.ones((1, length), "int32"), np.zeros((1, 1), "int32")))  # builds it
+        predictor.optimizer.build(predictor.trainable_variables)
+    state = TrainingState(os.path.join(run.checkpoints, "pretrain"), config.save_every)
+    state.set_model(predictor)
+    if os.path.exists(state.json_path):
+        state.restore()
+    start = optimizer_step(predictor)
+    print(
+        f"Pretraining: masked-word prediction on {len(texts_ids)} reviews (train and "
+        f"unlabelled; never validation or test), {config.pretrain_steps} steps of "
+        f"{config.pretrain_batch_size}" + (f", resuming at step {start}" if start else "")
+    )
+    try:
+        with interrupts_raised():
+            logs = _steps(config, predictor, state, texts_ids, start)
+    except KeyboardInterrupt:
+        state.save()
+        print(
+            f"\nInterrupted at pretraining step {optimizer_step(predictor)}. State saved to "
+            f"{state.directory}.\nContinue with: python -m apps.train_sentiment --resume "
+            f"--output {config.output}",
+            file=sys.stderr,
+        )
+        return None
+    return {
+        "steps": config.pretrain_steps,
+        "batch_size": config.pretrain_batch_size,
+        "reviews": len(texts_ids),
+        "loss": round(float(logs.get("loss", float("nan"))), 4),
+        "accuracy": round(float(logs.get("accuracy", float("nan"))), 4),
+        "seconds": round(state.seconds(), 1),
+    }
+
+
+def _steps(config, predictor, state, texts_ids, start):
+    """The training steps from `start` on, with a progress bar. Returns the loss and accuracy
+    averaged over the last steps (an exponential moving average, 50 steps' span)."""
+    stream = training_stream(
+        texts_ids,
+        np.zeros(len(texts_ids), "float32"),
+        config.pretrain_batch_size,
+        config.seed,
+        start_step=start,
+    ).as_numpy_iterator()
+    # As `model.fit`'s `verbose`: a bar ("auto", 1), a line now and then (2), nothing (0).
+    bar = keras.utils.Progbar(
+        config.pretrain_steps,
+        verbose=1 if config.verbose in ("auto", "1") else 0,
+        stateful_metrics=["loss", "accuracy", "reviews/s"],
+    )
+    bar.update(start)
+    began, average = time.perf_counter(), {}
+    for step in range(start, config.pretrain_steps):
+        ids, _ = next(stream)
+        rng = np.random.default_rng([config.seed, step])
+        corrupted, positions, targets, weights = masked_lm.hide_words(
+            ids, rng, config.predicted_words, config.mask_rate
+        )
+        logs = predictor.train_on_batch(
+            (corrupted, positions), targets, sample_weight=weights, return_dict=True
+        )
+        for name, value in logs.items():
+            average[name] = 0.96 * average.get(name, float(value)) + 0.04 * float(value)
+        done = step + 1 - start
+        rate = done * len(ids) / max(time.perf_counter() - began, 1e-9)
+        bar.update(step + 1, [*average.items(), ("reviews/s", rate)])
+        if config.verbose == "2" and ((step + 1) % 100 == 0 or step + 1 == config.pretrain_steps):
+            print(
+                f"pretraining step {step + 1}/{config.pretrain_steps} - "
+                + " - ".join(f"{name}: {value:.4f}" for name, value in average.items())
+                + f" - {rate:.1f} reviews/s",
+                flush=True,
+            )
+        if (step + 1) % config.save_every == 0:
+            state.save()
+    return average
