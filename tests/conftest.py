@@ -221,8 +221,8 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=rank)  # stable: collection order within each rank
 
 
-# One tiny training run for the whole session: 2 epochs of 6 steps on real IMDB reviews, cut to
-# 96 tokens, so that batches run at the length buckets 64 and 96, with word pairs and triples,
+# One tiny training run for the whole session: 6 steps of pretraining, then 2 epochs of 6 steps
+# on real IMDB reviews, cut to 96 tokens, so that batches run at the length buckets 64 and 96, with word pairs and triples,
 # the attention export and the deletion tests. The tests that need "a trained model and its
 # SavedModel" (the app, serving, the predictor, the faithfulness CLI) read this one run.
 TINY_RUN = [
@@ -231,6 +231,7 @@ TINY_RUN = [
     "--bigram_vocab_size", "20000", "--trigram_vocab_size", "5000",
     "--vocabulary_source", "train",  # with the unlabelled reviews: a large test of test_app
     "--save_every", "2", "--inspect_examples", "6", "--faithfulness_examples", "24",
+    "--pretrain_steps", "6", "--predicted_words", "1000",  # pretrains on train's reviews
     "--verbose", "0",
 ]  # fmt: skip
 

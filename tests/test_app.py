@@ -66,7 +66,7 @@ EXPECTED_ARTIFACTS = {
     "attention_heatmaps.png", "attention.html", "attention.jsonl", "bigrams.txt", "trigrams.txt",
     "history.csv", "model.keras", "metrics.json", "README.md", "saved_model", "logs",
     "training_curves.png", "vocabulary.txt", "faithfulness.json", "faithfulness.md",
-    "faithfulness.png", "serving.json", "calibration.png",
+    "faithfulness.png", "serving.json", "calibration.png", "pretrained",
 }  # fmt: skip
 
 
@@ -561,6 +561,11 @@ def test_predict_cli_text_arguments_and_errors(run, capsys, tmp_path):
         (["--pooling_values", "sum"], "pooling_values='sum'"),
         (["--ngram_dim", "0"], "ngram_dim=0"),
         (["--short_spans", "1.5"], "short_spans=1.5"),
+        (["--pretrain_steps", "-1"], "pretrain_steps=-1"),
+        (["--mask_rate", "1.5"], "mask_rate=1.5"),
+        (["--predicted_words", "2"], "predicted_words=2"),
+        (["--pretrain_batch_size", "0"], "pretrain_batch_size=0"),
+        (["--pretrain_learning_rate", "0"], "pretrain_learning_rate=0.0"),
     ],
     ids=[
         "heads",
@@ -578,6 +583,11 @@ def test_predict_cli_text_arguments_and_errors(run, capsys, tmp_path):
         "pooling_values",
         "ngram_dim",
         "short_spans",
+        "pretrain_steps",
+        "mask_rate",
+        "predicted_words",
+        "pretrain_batch",
+        "pretrain_lr",
     ],
 )
 def test_train_rejects_bad_flags_with_argparse_errors(flags, match, tmp_path, capsys):

@@ -27,12 +27,19 @@ _ENCODER_DEFINING = (
     "dataset", "validation_fraction", "vocab_size", "sequence_length", "bigram_vocab_size",
     "trigram_vocab_size", "ngram_dim", "vocabulary_source", "embed_dim", "num_heads", "key_dim",
     "ff_dim", "num_layers", "seed", "mixed_precision", "pretrain_steps", "pretrain_batch_size",
-    "pretrain_learning_rate", "mask_rate", "predicted_words",
+    "pretrain_learning_rate", "mask_rate", "predicted_words", "max_steps",
 )  # fmt: skip
 
 
 def encoder_folder(output):
     return os.path.join(output, "pretrained")
+
+
+def planned_steps(config):
+    """`--pretrain_steps`, cut to `--max_steps` in a smoke run."""
+    if config.max_steps is None:
+        return config.pretrain_steps
+    return min(config.pretrain_steps, config.max_steps)
 
 
 def encoder_key(config, run):
@@ -87,14 +94,15 @@ def _read_json(path):
 
 
 def _train_encoder(config, run, model, texts_ids):
-    """`config.pretrain_steps` steps of masked-word prediction, resumable. Returns the
-    stage's record, or None if interrupted (the state saved)."""
+    """`planned_steps` of masked-word prediction, resumable. Returns the stage's record, or
+    None if interrupted (the state saved)."""
+    steps = planned_steps(config)
     with run.strategy.scope():
         predictor = masked_lm.MaskedWordModel(model, config.predicted_words)
-        warmup = max(1, config.pretrain_steps // 10)
+        warmup = max(1, steps // 10)
         schedule = keras.optimizers.schedules.CosineDecay(
             0.0,
-            decay_steps=max(1, config.pretrain_steps - warmup),
+            decay_steps=max(1, steps - warmup),
             warmup_target=config.pretrain_learning_rate,
             warmup_steps=warmup,
         )
@@ -114,12 +122,12 @@ def _train_encoder(config, run, model, texts_ids):
     start = optimizer_step(predictor)
     print(
         f"Pretraining: masked-word prediction on {len(texts_ids)} reviews (train and "
-        f"unlabelled; never validation or test), {config.pretrain_steps} steps of "
+        f"unlabelled; never validation or test), {steps} steps of "
         f"{config.pretrain_batch_size}" + (f", resuming at step {start}" if start else "")
     )
     try:
         with interrupts_raised():
-            logs = _steps(config, predictor, state, texts_ids, start)
+            logs = _steps(config, predictor, state, texts_ids, start, steps)
     except KeyboardInterrupt:
         state.save()
         print(
@@ -130,7 +138,7 @@ def _train_encoder(config, run, model, texts_ids):
         )
         return None
     return {
-        "steps": config.pretrain_steps,
+        "steps": steps,
         "batch_size": config.pretrain_batch_size,
         "reviews": len(texts_ids),
         "loss": round(float(logs.get("loss", float("nan"))), 4),
@@ -139,7 +147,7 @@ def _train_encoder(config, run, model, texts_ids):
     }
 
 
-def _steps(config, predictor, state, texts_ids, start):
+def _steps(config, predictor, state, texts_ids, start, steps):
     """The training steps from `start` on, with a progress bar. Returns the loss and accuracy
     averaged over the last steps (an exponential moving average, 50 steps' span)."""
     stream = training_stream(
@@ -151,13 +159,13 @@ def _steps(config, predictor, state, texts_ids, start):
     ).as_numpy_iterator()
     # As `model.fit`'s `verbose`: a bar ("auto", 1), a line now and then (2), nothing (0).
     bar = keras.utils.Progbar(
-        config.pretrain_steps,
+        steps,
         verbose=1 if config.verbose in ("auto", "1") else 0,
         stateful_metrics=["loss", "accuracy", "reviews/s"],
     )
     bar.update(start)
     began, average = time.perf_counter(), {}
-    for step in range(start, config.pretrain_steps):
+    for step in range(start, steps):
         ids, _ = next(stream)
         rng = np.random.default_rng([config.seed, step])
         corrupted, positions, targets, weights = masked_lm.hide_words(
@@ -171,9 +179,9 @@ def _steps(config, predictor, state, texts_ids, start):
         done = step + 1 - start
         rate = done * len(ids) / max(time.perf_counter() - began, 1e-9)
         bar.update(step + 1, [*average.items(), ("reviews/s", rate)])
-        if config.verbose == "2" and ((step + 1) % 100 == 0 or step + 1 == config.pretrain_steps):
+        if config.verbose == "2" and ((step + 1) % 100 == 0 or step + 1 == steps):
             print(
-                f"pretraining step {step + 1}/{config.pretrain_steps} - "
+                f"pretraining step {step + 1}/{steps} - "
                 + " - ".join(f"{name}: {value:.4f}" for name, value in average.items())
                 + f" - {rate:.1f} reviews/s",
                 flush=True,

@@ -78,6 +78,8 @@ def report_run(config, output, model, inspector, vectorizer, splits, history, be
         "git_commit": git_commit,
         "versions": _versions(),
     }
+    if pretraining:
+        paths["pretrained_encoder"] = os.path.join(output, "pretrained", "encoder.npz")
     paths["metrics"] = os.path.join(output, "metrics.json")
     paths["model_card"] = os.path.join(output, "README.md")
     metrics["artifacts"] = {name: os.path.relpath(path, output) for name, path in paths.items()}
