@@ -222,9 +222,10 @@ def pytest_collection_modifyitems(config, items):
 
 
 # One tiny training run for the whole session: 6 steps of pretraining, then 2 epochs of 6 steps
-# on real IMDB reviews, cut to 96 tokens, so that batches run at the length buckets 64 and 96, with word pairs and triples,
-# the attention export and the deletion tests. The tests that need "a trained model and its
-# SavedModel" (the app, serving, the predictor, the faithfulness CLI) read this one run.
+# on real IMDB reviews, cut to 96 tokens, so that batches run at the length buckets 64 and 96,
+# with word pairs and triples, the attention export and the deletion tests. The tests that need
+# "a trained model and its SavedModel" (the app, serving, the predictor, the faithfulness
+# CLI) read this one run.
 TINY_RUN = [
     "--epochs", "2", "--max_steps", "6", "--batch_size", "32", "--sequence_length", "96",
     "--vocab_size", "3000", "--embed_dim", "16", "--key_dim", "8", "--ff_dim", "32",

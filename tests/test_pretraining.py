@@ -158,16 +158,15 @@ def test_pretraining_reads_train_and_unlabelled_never_validation_or_test(tmp_pat
     # Independently of the app: TFDS's splits, the run's vocabulary, the same 10% carve-out.
     from apps.classifier import data
 
-    vectorizer = data.make_vectorizer(
-        3000, 96, vocabulary=str(tmp_path / "run" / "vocabulary.txt")
-    )
+    vectorizer = data.make_vectorizer(3000, 96, vocabulary=str(tmp_path / "run" / "vocabulary.txt"))
 
     def rows(texts):
         return {row.tobytes() for row in data.vectorize(vectorizer, texts).astype("int64")}
 
     split = {
-        name: tfds.as_numpy(tfds.load("imdb_reviews", split=name, data_dir=DATA_DIR,
-                                      batch_size=-1))["text"]  # fmt: skip
+        name: tfds.as_numpy(
+            tfds.load("imdb_reviews", split=name, data_dir=DATA_DIR, batch_size=-1)
+        )["text"]  # fmt: skip
         for name in ("train", "test", "unsupervised")
     }
     order = np.random.default_rng(0).permutation(len(split["train"]))

@@ -256,13 +256,14 @@ def test_seed_table_is_recomputed_from_its_metrics_files():
     folder = ROOT / "saved_models/experiments/seeds"
     table = (folder / "README.md").read_text()
     rows = re.findall(
-        r"^\| `([^`]+)` \| `[^`]*` \| `[^`]*` \| ([\d, ]+) \| ([^|]+) \| ([^|]+) \| ([\d.]+) \|$",
+        r"^\| `([^`]+)` \| `[^`]*` \| `[^`]*` \| ([\d, ]+) \| ([^|]+) \| ([^|]+) \| ([\d.]+) "
+        r"\| ([\d.]+) \|$",
         table,
         flags=re.M,
     )
     configurations = [path for path in folder.iterdir() if path.is_dir()]
     assert len(rows) == len(configurations) >= 1
-    for name, seeds, validation, test, minutes in rows:
+    for name, seeds, validation, test, minutes, pretraining in rows:
         runs = [json.loads(path.read_text()) for path in sorted((folder / name).glob("*.json"))]
         assert sorted(int(seed) for seed in seeds.split(", ")) == sorted(
             run["config"]["seed"] for run in runs
@@ -273,6 +274,8 @@ def test_seed_table_is_recomputed_from_its_metrics_files():
             expected = f"{statistics.fmean(values):.2f} ± {std:.2f} (min {min(values):.2f})"
             assert cell.strip() == expected, (name, key)
         assert float(minutes) == round(statistics.fmean(r["train_seconds"] for r in runs) / 60, 1)
+        made = [(r.get("pretraining") or {}).get("seconds", 0.0) for r in runs]
+        assert float(pretraining) == round(statistics.fmean(made) / 60, 1)
 
 
 def test_readme_quotes_the_best_configuration_from_its_seed_files():
@@ -681,8 +684,10 @@ def test_serving_figures_are_the_measured_ones():
     assert f"({int(rate):,} reviews/s at batch 256 and {p50} ms p50 for one review in" in text
     seconds = re.findall(r"^\| (?:empty XLA cache|XLA cache kept[^|]*) \| ([\d.]+) \|",
                          benchmarks, flags=re.M)  # fmt: skip
-    assert f"re-run on 2026-12-03 with the predictor's changes since, reads {seconds[0]} and " \
+    assert (
+        f"re-run on 2026-12-03 with the predictor's changes since, reads {seconds[0]} and "
         f"{seconds[1]} s" in text
+    )
 
 
 def test_mods_figures_are_the_benchmarks():

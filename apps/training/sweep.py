@@ -36,8 +36,16 @@ def parse_args(argv=None):
     parser.add_argument("--runs", default="/tmp/keras_sdpa_sweep", help="where the runs write")
     parser.add_argument("--folder", default=SEEDS_FOLDER, help="where metrics.json files are kept")
     parser.add_argument("--table_only", action="store_true", help="only rewrite the table")
+    parser.add_argument(
+        "--compare", nargs="+", metavar="NAME", help="print these configurations seed by seed"
+    )
     args, flags = parser.parse_known_args(argv)
     flags = [flag for flag in flags if flag != "--"]
+    if args.compare:
+        missing = [n for n in args.compare if not os.path.isdir(os.path.join(args.folder, n))]
+        if missing:
+            parser.error(f"`--compare` names configurations not in --folder. Received: {missing}")
+        args.table_only = True
     if not args.table_only and not args.name:
         parser.error("a configuration `name` is required (or pass --table_only)")
     if args.name and (os.sep in args.name or args.name.startswith(".")):
@@ -133,6 +141,36 @@ def against_defaults(config, defaults):
     return " ".join(flags) or "(today's defaults)"
 
 
+def _pretraining_seconds(metrics):
+    """What a run's pretrained encoder cost to make (0 without pretraining)."""
+    return (metrics.get("pretraining") or {}).get("seconds", 0.0)
+
+
+def comparison(folder, names):
+    """A markdown table of configurations `names` seed by seed: validation and test accuracy
+    (%) of each seed they share, then mean ± sample std, from their `metrics.json` files."""
+    runs = {
+        name: {m["config"]["seed"]: m for m in read_configurations(folder)[name]} for name in names
+    }
+    seeds = sorted(set.intersection(*(set(by_seed) for by_seed in runs.values())))
+    head = "| seed | " + " | ".join(f"`{name}` validation | `{name}` test" for name in names)
+    lines = [head + " |", "|---" * (1 + 2 * len(names)) + "|"]
+    for seed in seeds:
+        cells = [
+            f"{100 * runs[name][seed][key]:.2f}%"
+            for name in names
+            for key in ("validation_accuracy", "test_accuracy")
+        ]
+        lines.append(f"| {seed} | " + " | ".join(cells) + " |")
+    cells = []
+    for name in names:
+        for key in ("validation_accuracy", "test_accuracy"):
+            mean, std, _ = summarize([100 * runs[name][seed][key] for seed in seeds])
+            cells.append(f"{mean:.2f} ± {std:.2f}%")
+    lines.append("| mean ± std | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def write_table(folder):
     import dataclasses
 
@@ -146,12 +184,14 @@ def write_table(folder):
         validation = summarize([100 * m["validation_accuracy"] for m in runs])
         test = summarize([100 * m["test_accuracy"] for m in runs])
         minutes = statistics.fmean(m["train_seconds"] for m in runs) / 60
+        pretraining = statistics.fmean(_pretraining_seconds(m) for m in runs) / 60
         seeds = ", ".join(str(m["config"]["seed"]) for m in runs)
         rows.append(
             f"| `{name}` | `{_flags(runs[0])}` | `{against_defaults(runs[0]['config'], defaults)}` "
             f"| {seeds} | "
             f"{validation[0]:.2f} ± {validation[1]:.2f} (min {validation[2]:.2f}) | "
-            f"{test[0]:.2f} ± {test[1]:.2f} (min {test[2]:.2f}) | {minutes:.1f} |"
+            f"{test[0]:.2f} ± {test[1]:.2f} (min {test[2]:.2f}) | {minutes:.1f} "
+            f"| {pretraining:.1f} |"
         )
     lines = [
         "# Configurations of the training app, over seeds",
@@ -163,8 +203,8 @@ def write_table(folder):
         "the same configuration as flags on `python -m apps.train_sentiment` today.",
         "",
         "| configuration | flags | against today's defaults | seeds | validation | test "
-        "| train minutes |",
-        "|---|---|---|---|---|---|---|",
+        "| train minutes | pretraining minutes |",
+        "|---|---|---|---|---|---|---|---|",
         *rows,
         "",
     ]
@@ -177,6 +217,9 @@ def write_table(folder):
 
 def main(argv=None):
     args, flags = parse_args(argv)
+    if args.compare:
+        print(comparison(args.folder, args.compare))
+        return 0
     code = 0
     if not args.table_only:
         code = run_seeds(args.name, args.seeds, flags, args.runs, args.folder)
