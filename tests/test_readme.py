@@ -880,3 +880,57 @@ def test_backends_page_and_readme_quote_the_jax_benchmarks():
     assert len(ratios) == 4
     quoted = ", ".join(f"{ratio}x" for _, _, ratio in ratios)
     assert f"({quoted}: the layer and the core, T=512 and 2,048)" in page
+
+
+NO_PRETRAINING_SEEDS = "unsup_poolemb_ngram16_pairs200k_tri200k_vocab30k_drop04_wd05"
+
+
+def test_app_page_quotes_the_pretraining_ablation_from_its_seed_files():
+    """The ablation table: each seed's validation and test accuracy without and with
+    pretraining, from the two configurations' metrics.json, and their mean ± std."""
+    import statistics
+
+    folder = ROOT / "saved_models/experiments/seeds"
+    arms = []
+    for name in (NO_PRETRAINING_SEEDS, DEFAULT_SEEDS):
+        runs = {}
+        for path in (folder / name).glob("*.json"):
+            run = json.loads(path.read_text())
+            runs[run["config"]["seed"]] = run
+        arms.append(runs)
+    assert all(arms[0][s]["config"].get("pretrain_steps", 0) == 0 for s in arms[0])
+    assert all(arms[1][s]["config"]["pretrain_steps"] > 0 for s in arms[1])
+    seeds = sorted(set(arms[0]) & set(arms[1]))
+    assert seeds == [0, 1, 2]
+    text = (ROOT / "docs/app.md").read_text()
+    keys = ("validation_accuracy", "test_accuracy")
+    for seed in seeds:
+        cells = " | ".join(_percent(runs[seed][key]) for runs in arms for key in keys)
+        assert f"| {seed} | {cells} |" in text, seed
+    means = []
+    for runs in arms:
+        for key in keys:
+            values = [100 * runs[seed][key] for seed in seeds]
+            means.append(f"{statistics.fmean(values):.2f} ± {statistics.stdev(values):.2f}%")
+    assert f"| mean ± std | {' | '.join(means)} |" in text
+
+
+def test_app_page_quotes_the_shipped_runs_stages_and_out_of_domain_table():
+    from apps.inspection import out_of_domain
+
+    shipped = ROOT / "saved_models/imdb_sdpa"
+    metrics = json.loads((shipped / "metrics.json").read_text())
+    stages = metrics["stage_seconds"]
+    total = sum(stages.values()) / 60
+    text = " ".join((ROOT / "docs/app.md").read_text().split())
+    assert (
+        f"data {stages['data'] / 60:.1f} min, pretraining {stages['pretraining'] / 60:.1f} min, "
+        f"fine-tuning {stages['fine_tuning'] / 60:.1f} min, report and export "
+        f"{stages['report'] / 60:.1f} min: {total:.1f} minutes in all"
+    ) in text
+    assert total <= 25
+    report = json.loads((shipped / "out_of_domain.json").read_text())
+    assert report["model"] == "saved_models/imdb_sdpa" and report["baseline"]["pretrain_steps"] == 0
+    table = out_of_domain.table(report)
+    assert table in (ROOT / "docs/app.md").read_text()
+    assert table in (shipped / "README.md").read_text()

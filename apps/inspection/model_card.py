@@ -63,6 +63,15 @@ verdict, so part of the gap is the task's.
 """
 
 
+_STAGES = ("data", "pretraining", "fine_tuning", "report")  # in the order they run
+
+
+def _order(stage):
+    """Where `stage` comes in a run ("data", "pretraining", "fine_tuning", "report")."""
+    order = ("data", "pretraining", "fine_tuning", "report")
+    return order.index(stage) if stage in order else len(order)
+
+
 def _pretraining_section(metrics):
     """The card's "Pretraining" section and each stage's time, from `metrics.json`."""
     stages = metrics.get("stage_seconds")
@@ -74,7 +83,7 @@ def _pretraining_section(metrics):
             "Wall time per stage: "
             + ", ".join(
                 f"{named.get(name, name)} {seconds / 60:.1f} min"
-                for name, seconds in stages.items()
+                for name, seconds in sorted(stages.items(), key=lambda item: _order(item[0]))
                 if seconds is not None
             )
             + f" (total {sum(s for s in stages.values() if s is not None) / 60:.1f} min).\n"
@@ -89,7 +98,7 @@ def _pretraining_section(metrics):
 
 Masked-word prediction (BERT's objective: {config["mask_rate"]:.0%} of each review's words
 hidden, the {config["predicted_words"]:,} most frequent predicted through the tied word table) on
-{record["reviews"]:,} reviews that carry no label here: the training reviews and IMDB's unlabelled
+{record["reviews"]:,} reviews read without a label: the training reviews and IMDB's unlabelled
 ones, never a validation or test review. {record["steps"]:,} steps of {record["batch_size"]}
 reviews in {record["seconds"] / 60:.1f} minutes{reused if record.get("reused") else ""}; the
 last steps' masked-word loss {record["loss"]:.3f}, accuracy {record["accuracy"]:.1%}. The
@@ -112,7 +121,8 @@ def _out_of_domain_section(folder):
         compared = (
             f" Beside this model, `{report['baseline']['model']}` (seed "
             f"{report['baseline'].get('seed')}, `--pretrain_steps "
-            f"{report['baseline'].get('pretrain_steps')}`), measured the same way."
+            f"{report['baseline'].get('pretrain_steps')}`, trained at commit "
+            f"{str(report['baseline'].get('git_commit'))[:10]}), measured the same way."
         )
     return f"""## Short texts from outside IMDB
 

@@ -130,6 +130,7 @@ def _model_record(folder):
         record["seed"] = metrics["config"]["seed"]
         record["pretrain_steps"] = metrics["config"].get("pretrain_steps", 0)
         record["test_accuracy"] = metrics["test_accuracy"]
+        record["git_commit"] = metrics.get("git_commit")
     return record
 
 

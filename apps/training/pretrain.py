@@ -53,6 +53,18 @@ def encoder_key(config, run):
     return key
 
 
+def without_held_out(texts_ids, held_out_ids):
+    """The rows of `texts_ids` `(n, L)` that are no row of `held_out_ids` `(m, L)`: what the
+    model would read of a held-out review, it never reads in pretraining.
+
+    The unlabelled split repeats held-out reviews with small differences (markup, a word)
+    that an exact match of the text misses; as token ids, cut to the run's length, they are
+    the same input."""
+    held_out = {row.tobytes() for row in np.asarray(held_out_ids, np.int64)}
+    keep = [row.tobytes() not in held_out for row in np.asarray(texts_ids, np.int64)]
+    return np.asarray(texts_ids)[np.array(keep, bool)]
+
+
 def pretrain(config, run, model, texts_ids):
     """Pretrains `model`'s encoder on `texts_ids` `(n, L)` (no label, no held-out review),
     or loads the encoder a previous run into the same folder made with the same configuration.

@@ -46,16 +46,18 @@ import time
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from .. import cli, files  # noqa: E402
+from ..classifier import data  # noqa: E402
 from . import distribute  # noqa: E402
 from .batches import eval_dataset  # noqa: E402
 from .build import build_model, dtype_policy  # noqa: E402
 from .config import Config, check_config, check_same_run  # noqa: E402
 from .fit import best_row, fit_model, read_history  # noqa: E402
 from .prepare import prepare_data, training_examples  # noqa: E402
-from .pretrain import pretrain  # noqa: E402
+from .pretrain import pretrain, without_held_out  # noqa: E402
 from .report import report_run  # noqa: E402
 
 
@@ -124,8 +126,17 @@ def _train(config, argv, git_commit):
     )
     data_seconds = time.time() - started
     # The texts the vocabularies are counted on: train's, and the unlabelled reviews with
-    # `--vocabulary_source train+unsupervised`; never a validation or test review.
-    pretraining = pretrain(config, run, model, counted_ids)
+    # `--vocabulary_source train+unsupervised`, less any that read as a validation or test one.
+    pretraining = None
+    if config.pretrain_steps:
+        held_out = [validation_ids, data.vectorize(vectorizer, splits.test_text)]
+        texts_ids = without_held_out(counted_ids, np.concatenate(held_out))
+        if len(texts_ids) < len(counted_ids):
+            print(
+                f"{len(counted_ids) - len(texts_ids)} reviews left out of pretraining: as token "
+                "ids they are a validation or test review"
+            )
+        pretraining = pretrain(config, run, model, texts_ids)
     if pretraining == "interrupted":
         return 130  # the state is saved
     # Smoke runs (`--max_steps`) evaluate the first `max_steps` batches' worth of examples.
