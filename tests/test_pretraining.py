@@ -316,3 +316,27 @@ def test_shipped_out_of_domain_figures_are_measured_again(tmp_path):
     with open(os.path.join(shipped, "README.md")) as f:
         card = f.read()
     assert out_of_domain.table(report) in card
+
+
+def test_the_tiny_run_pretrained_and_says_so(tiny_run):
+    output, metrics = tiny_run
+    record = metrics["pretraining"]
+    assert record["steps"] == 6 and record["reused"] is False
+    assert 22_000 < record["reviews"] <= 22_500  # train, less what reads as held out
+    assert set(metrics["stage_seconds"]) == {"data", "pretraining", "fine_tuning", "report"}
+    assert metrics["stage_seconds"]["pretraining"] == record["seconds"] > 0
+    with open(os.path.join(output, "pretrained", "encoder.json")) as f:
+        saved = json.load(f)
+    assert saved["key"] == pretrain_lib.encoder_key(
+        train_sentiment.parse_args([*TINY_RUN, "--output", output]),
+        type("Run", (), {name: os.path.join(output, f"{name}.txt") for name in
+                         ("vocabulary", "bigrams", "trigrams")}),
+    )  # fmt: skip
+    with open(os.path.join(output, "README.md")) as f:
+        card = f.read()
+    assert "## Pretraining" in card and f"{record['steps']:,} steps of" in card
+    model = keras.saving.load_model(os.path.join(output, "model.keras"))
+    with np.load(os.path.join(output, "pretrained", "encoder.npz")) as weights:
+        names = set(weights.files)
+        masked_lm.set_encoder_weights(model, weights)  # the run's own shapes
+    assert {name.split("/")[0] for name in names} == {"embedding", "block_0"}
