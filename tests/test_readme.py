@@ -934,3 +934,14 @@ def test_app_page_quotes_the_shipped_runs_stages_and_out_of_domain_table():
     table = out_of_domain.table(report)
     assert table in (ROOT / "docs/app.md").read_text()
     assert table in (shipped / "README.md").read_text()
+
+
+def test_pretraining_screens_table_matches_its_metrics_files():
+    folder = ROOT / "saved_models/experiments/pretraining"
+    table = (folder / "README.md").read_text()
+    rows = re.findall(r"^\| `([^`]+)` \| [^|]+ \| ([\d.]+%) \| ([\d.]+%) \|$", table, flags=re.M)
+    assert len(rows) == len(list(folder.glob("*.metrics.json"))) >= 4
+    for name, validation, test in rows:
+        metrics = json.loads((folder / name).read_text())
+        assert validation == _percent(metrics["validation_accuracy"])
+        assert test == _percent(metrics["test_accuracy"])
