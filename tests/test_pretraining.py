@@ -18,7 +18,8 @@ from conftest import TINY_RUN
 
 from apps.classifier import masked_lm
 from apps.classifier import model as model_lib
-from apps.inspection import model_card, out_of_domain
+from apps.inspection import model_card
+from apps.training import out_of_domain
 from apps.training import pretrain as pretrain_lib
 from apps.training import train as train_sentiment
 
@@ -315,7 +316,7 @@ def test_shipped_out_of_domain_figures_are_measured_again(tmp_path):
         assert abs(measured[name]["ece"] - result["ece"]) <= 2e-3
     with open(os.path.join(shipped, "README.md")) as f:
         card = f.read()
-    assert out_of_domain.table(report) in card
+    assert model_card.out_of_domain_table(report) in card
 
 
 def test_the_tiny_run_pretrained_and_says_so(tiny_run):

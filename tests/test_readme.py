@@ -916,7 +916,7 @@ def test_app_page_quotes_the_pretraining_ablation_from_its_seed_files():
 
 
 def test_app_page_quotes_the_shipped_runs_stages_and_out_of_domain_table():
-    from apps.inspection import out_of_domain
+    from apps.inspection import model_card
 
     shipped = ROOT / "saved_models/imdb_sdpa"
     metrics = json.loads((shipped / "metrics.json").read_text())
@@ -931,7 +931,7 @@ def test_app_page_quotes_the_shipped_runs_stages_and_out_of_domain_table():
     assert total <= 25
     report = json.loads((shipped / "out_of_domain.json").read_text())
     assert report["model"] == "saved_models/imdb_sdpa" and report["baseline"]["pretrain_steps"] == 0
-    table = out_of_domain.table(report)
+    table = model_card.out_of_domain_table(report)
     assert table in (ROOT / "docs/app.md").read_text()
     assert table in (shipped / "README.md").read_text()
 

@@ -112,8 +112,6 @@ def _out_of_domain_section(folder):
     path = os.path.join(folder, "out_of_domain.json")
     if not os.path.isfile(path):
         return ""
-    from .out_of_domain import table
-
     with open(path) as f:
         report = json.load(f)
     compared = ""
@@ -130,7 +128,7 @@ Texts that people rated one at a time, none of them a movie review: {report["sou
 {report["rule"]}.{compared} Accuracy, and the expected calibration error of the probability
 (15 bins), as `serving_default` gives them from raw text (`out_of_domain.json`):
 
-{table(report)}
+{out_of_domain_table(report)}
 
 """
 
@@ -301,3 +299,29 @@ the sequence the model sees, as if the word were not in the text.
 {explain.markdown_table(payload)}
 ![faithfulness](faithfulness.png)
 """
+
+
+def out_of_domain_table(report):
+    """The markdown table of `report` (`out_of_domain.json`, written by
+    `python -m apps.out_of_domain`): one row per set."""
+    baseline = report.get("baseline")
+    if baseline:
+        before = f"pretrain_steps {baseline.get('pretrain_steps', '?')}"
+        after = f"pretrain_steps {report.get('pretrain_steps', '?')}"
+        head = (
+            f"| set | texts (positive) | accuracy, {before} | accuracy, {after} "
+            f"| ECE, {before} | ECE, {after} |\n|---|---|---|---|---|---|"
+        )
+    else:
+        head = "| set | texts (positive) | accuracy | ECE |\n|---|---|---|---|"
+    rows = []
+    for name, result in report["sets"].items():
+        row = f"| {name} | {result['texts']:,} ({result['positive']:,}) |"
+        if baseline:
+            old = baseline["sets"][name]
+            row += f" {old['accuracy']:.2%} | {result['accuracy']:.2%} |"
+            row += f" {old['ece']:.3f} | {result['ece']:.3f} |"
+        else:
+            row += f" {result['accuracy']:.2%} | {result['ece']:.3f} |"
+        rows.append(row)
+    return "\n".join([head, *rows])

@@ -30,6 +30,7 @@ import tarfile
 import numpy as np
 
 from .. import files
+from ..inspection import model_card
 
 PACKAGE = "vaderSentiment==3.3.2"
 ARCHIVE = "vaderSentiment-3.3.2.tar.gz"
@@ -100,7 +101,7 @@ def measure(model_path, sets):
     """`{name: {texts, positive, neutral_left_out, accuracy, ece, log_loss}}` of the
     SavedModel at `model_path` (a SavedModel or a run folder) on `sets`, served from raw text."""
     from ..serving import predict
-    from ..training import calibration
+    from . import calibration
 
     _, serve, _ = predict.load(predict.resolve_model_path(model_path))
     results = {}
@@ -165,40 +166,13 @@ def main(argv=None):
         return 2
     path = os.path.join(args.model, "out_of_domain.json")
     files.write_json_atomic(path, report)
-    print(table(report))
+    print(model_card.out_of_domain_table(report))
     print(f"Wrote {path}")
     metrics_path = os.path.join(args.model, "metrics.json")
     if os.path.exists(metrics_path):
-        from . import model_card
-
         with open(metrics_path) as f:
             metrics = json.load(f)
         card = os.path.join(args.model, "README.md")
         model_card.write_model_card(metrics, card)
         print(f"Wrote {card}")
     return 0
-
-
-def table(report):
-    """The markdown table of `report` (`out_of_domain.json`): one row per set."""
-    baseline = report.get("baseline")
-    if baseline:
-        before = f"pretrain_steps {baseline.get('pretrain_steps', '?')}"
-        after = f"pretrain_steps {report.get('pretrain_steps', '?')}"
-        head = (
-            f"| set | texts (positive) | accuracy, {before} | accuracy, {after} "
-            f"| ECE, {before} | ECE, {after} |\n|---|---|---|---|---|---|"
-        )
-    else:
-        head = "| set | texts (positive) | accuracy | ECE |\n|---|---|---|---|"
-    rows = []
-    for name, result in report["sets"].items():
-        row = f"| {name} | {result['texts']:,} ({result['positive']:,}) |"
-        if baseline:
-            old = baseline["sets"][name]
-            row += f" {old['accuracy']:.2%} | {result['accuracy']:.2%} |"
-            row += f" {old['ece']:.3f} | {result['ece']:.3f} |"
-        else:
-            row += f" {result['accuracy']:.2%} | {result['ece']:.3f} |"
-        rows.append(row)
-    return "\n".join([head, *rows])
