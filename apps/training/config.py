@@ -43,7 +43,7 @@ class Config:
     # pretraining (apps/training/pretrain.py): masked-word prediction trains the embedding and
     # the blocks first, on the reviews `--vocabulary_source` names (never validation or test)
     pretrain_steps: int = 1500  # 0 = no pretraining
-    pretrain_batch_size: int = 64
+    pretrain_batch_size: int = 64  # per replica, as --batch_size
     # Adam: linear warm-up over the first 10% of the steps, then cosine decay to 0
     pretrain_learning_rate: float = 1e-3
     # of each review's words, hidden as BERT does (80% hidden, 10% a random word, 10% kept)

@@ -11,6 +11,7 @@ import json
 import os
 import sys
 import time
+from contextlib import nullcontext
 
 import keras
 import numpy as np
@@ -18,6 +19,7 @@ import numpy as np
 from .. import files
 from ..classifier import masked_lm
 from ..classifier.optimizer import Adam
+from . import distribute
 from .batches import training_stream
 from .fit import TrainingState, interrupts_raised, optimizer_step
 
@@ -27,7 +29,8 @@ _ENCODER_DEFINING = (
     "dataset", "validation_fraction", "vocab_size", "sequence_length", "bigram_vocab_size",
     "trigram_vocab_size", "ngram_dim", "vocabulary_source", "embed_dim", "num_heads", "key_dim",
     "ff_dim", "num_layers", "seed", "mixed_precision", "pretrain_steps", "pretrain_batch_size",
-    "pretrain_learning_rate", "mask_rate", "predicted_words", "max_steps",
+    "pretrain_learning_rate", "mask_rate", "predicted_words", "max_steps", "strategy",
+    "logical_cpus",
 )  # fmt: skip
 
 
@@ -109,6 +112,7 @@ def _train_encoder(config, run, model, texts_ids):
     """`planned_steps` of masked-word prediction, resumable. Returns the stage's record, or
     None if interrupted (the state saved)."""
     steps = planned_steps(config)
+    batch = config.pretrain_batch_size * run.strategy.num_replicas_in_sync  # per replica, as fit
     with run.strategy.scope():
         predictor = masked_lm.MaskedWordModel(model, config.predicted_words)
         warmup = max(1, steps // 10)
@@ -127,6 +131,7 @@ def _train_encoder(config, run, model, texts_ids):
         length = min(texts_ids.shape[1], 8)
         predictor((np.ones((1, length), "int32"), np.zeros((1, 1), "int32")))  # builds it
         predictor.optimizer.build(predictor.trainable_variables)
+    distribute.fix_keras_for_multi_worker(predictor, run.strategy)
     state = TrainingState(os.path.join(run.checkpoints, "pretrain"), config.save_every)
     state.set_model(predictor)
     if os.path.exists(state.json_path):
@@ -135,11 +140,13 @@ def _train_encoder(config, run, model, texts_ids):
     print(
         f"Pretraining: masked-word prediction on {len(texts_ids)} reviews (train and "
         f"unlabelled; never validation or test), {steps} steps of "
-        f"{config.pretrain_batch_size}" + (f", resuming at step {start}" if start else "")
+        f"{batch}" + (f", resuming at step {start}" if start else "")
     )
+    # Multi-worker Keras finds its strategy in the scope (as `fit_model` trains).
+    multi_worker = distribute.is_multi_worker(run.strategy)
     try:
-        with interrupts_raised():
-            logs = _steps(config, predictor, state, texts_ids, start, steps)
+        with interrupts_raised(), run.strategy.scope() if multi_worker else nullcontext():
+            logs = _steps(config, predictor, state, texts_ids, start, steps, batch)
     except KeyboardInterrupt:
         state.save()
         print(
@@ -151,7 +158,7 @@ def _train_encoder(config, run, model, texts_ids):
         return None
     return {
         "steps": steps,
-        "batch_size": config.pretrain_batch_size,
+        "batch_size": batch,
         "reviews": len(texts_ids),
         "loss": round(float(logs.get("loss", float("nan"))), 4),
         "accuracy": round(float(logs.get("accuracy", float("nan"))), 4),
@@ -159,13 +166,13 @@ def _train_encoder(config, run, model, texts_ids):
     }
 
 
-def _steps(config, predictor, state, texts_ids, start, steps):
+def _steps(config, predictor, state, texts_ids, start, steps, batch):
     """The training steps from `start` on, with a progress bar. Returns the loss and accuracy
     averaged over the last steps (an exponential moving average, 50 steps' span)."""
     stream = training_stream(
         texts_ids,
         np.zeros(len(texts_ids), "float32"),
-        config.pretrain_batch_size,
+        batch,
         config.seed,
         start_step=start,
     ).as_numpy_iterator()
