@@ -929,11 +929,28 @@ def test_app_page_quotes_the_shipped_runs_stages_and_out_of_domain_table():
         f"{stages['report'] / 60:.1f} min: {total:.1f} minutes in all"
     ) in text
     assert total <= 25
+    readme = " ".join(README.read_text().split())
+    assert (
+        f"pretrains the classifier's encoder on {metrics['pretraining']['reviews']:,} reviews read "
+        f"without their labels (masked-word prediction), then fine-tunes it on the labels: "
+        f"{total:.1f} minutes on 2 cores"
+    ) in readme
     report = json.loads((shipped / "out_of_domain.json").read_text())
     assert report["model"] == "saved_models/imdb_sdpa" and report["baseline"]["pretrain_steps"] == 0
     table = model_card.out_of_domain_table(report)
     assert table in (ROOT / "docs/app.md").read_text()
     assert table in (shipped / "README.md").read_text()
+    after, before = report["sets"], report["baseline"]["sets"]
+
+    def moved(name):
+        return f"{abs(100 * (after[name]['accuracy'] - before[name]['accuracy'])):.1f} points"
+
+    assert (
+        f"Pretraining reads tweets {moved('tweets')} better (their ECE falls from "
+        f"{before['tweets']['ece']:.3f} to {after['tweets']['ece']:.3f}); product snippets move "
+        f"{moved('product reviews')} and news editorials {moved('news editorials')} the other way"
+    ) in text
+    assert after["tweets"]["accuracy"] > before["tweets"]["accuracy"]
 
 
 def test_pretraining_screens_table_matches_its_metrics_files():
