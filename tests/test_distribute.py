@@ -38,7 +38,7 @@ RUN = [
     "--patience", "2",  # both epochs always run: a 12-step validation loss is noise
     "--faithfulness_examples", "16",
     "--dropout", "0",  # replicas draw their own dropout masks: without it, 2 x 16 == 1 x 32
-    "--pretrain_batch_size", "16", "--predicted_words", "1000",  # 6 steps, as the training
+    "--pretrain_batch_size", "32", "--predicted_words", "1000",  # 6 steps of the same reviews
 ]  # fmt: skip
 TIMEOUT = 600
 # For the runs of which only the training is compared: no attention export, no deletion tests.
@@ -93,7 +93,6 @@ def one_device(tmp_path_factory):
     output = str(tmp_path_factory.mktemp("one_device") / "run")
     args = _app("--output", output, *TRAINING_ONLY)
     args[args.index("--batch_size") + 1] = "32"
-    args[args.index("--pretrain_batch_size") + 1] = "32"
     result = subprocess.run(
         args, capture_output=True, text=True, timeout=TIMEOUT, env=_env(), cwd=ROOT
     )

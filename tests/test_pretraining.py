@@ -326,13 +326,6 @@ def test_the_tiny_run_pretrained_and_says_so(tiny_run):
     assert 22_000 < record["reviews"] <= 22_500  # train, less what reads as held out
     assert set(metrics["stage_seconds"]) == {"data", "pretraining", "fine_tuning", "report"}
     assert metrics["stage_seconds"]["pretraining"] == record["seconds"] > 0
-    with open(os.path.join(output, "pretrained", "encoder.json")) as f:
-        saved = json.load(f)
-    assert saved["key"] == pretrain_lib.encoder_key(
-        train_sentiment.parse_args([*TINY_RUN, "--output", output]),
-        type("Run", (), {name: os.path.join(output, f"{name}.txt") for name in
-                         ("vocabulary", "bigrams", "trigrams")}),
-    )  # fmt: skip
     with open(os.path.join(output, "README.md")) as f:
         card = f.read()
     assert "## Pretraining" in card and f"{record['steps']:,} steps of" in card
@@ -341,3 +334,30 @@ def test_the_tiny_run_pretrained_and_says_so(tiny_run):
         names = set(weights.files)
         masked_lm.set_encoder_weights(model, weights)  # the run's own shapes
     assert {name.split("/")[0] for name in names} == {"embedding", "block_0"}
+
+
+def test_the_encoder_key_changes_with_what_shapes_the_encoder(tmp_path):
+    """Flags that shape the encoder, its texts and its vocabularies change the key; flags of
+    the fine-tuning alone do not."""
+    for name in ("vocabulary", "bigrams", "trigrams"):
+        (tmp_path / f"{name}.txt").write_text(f"{name}\n")
+    run = type("Run", (), {name: str(tmp_path / f"{name}.txt")
+                           for name in ("vocabulary", "bigrams", "trigrams")})  # fmt: skip
+    texts = np.arange(12).reshape(3, 4)
+    key = pretrain_lib.encoder_key(train_sentiment.parse_args([]), run, texts)
+    for flags in (["--learning_rate", "3e-3"], ["--dropout", "0.1"], ["--epochs", "3"]):
+        assert pretrain_lib.encoder_key(train_sentiment.parse_args(flags), run, texts) == key
+    for flags in (["--naive_bayes_alpha", "1"], ["--mask_rate", "0.2"], ["--seed", "1"],
+                  ["--pretrain_steps", "10"], ["--num_layers", "2"]):  # fmt: skip
+        assert pretrain_lib.encoder_key(train_sentiment.parse_args(flags), run, texts) != key
+    assert pretrain_lib.encoder_key(train_sentiment.parse_args([]), run, texts[:2]) != key
+    (tmp_path / "bigrams.txt").write_text("other\n")
+    assert pretrain_lib.encoder_key(train_sentiment.parse_args([]), run, texts) != key
+
+
+def test_pretraining_leaves_out_rows_that_read_as_held_out_reviews():
+    texts = np.array([[5, 6, 0], [7, 8, 9], [5, 6, 0], [1, 2, 3]])
+    held_out = np.array([[5, 6, 0], [9, 9, 9]])
+    np.testing.assert_array_equal(
+        pretrain_lib.without_held_out(texts, held_out), [[7, 8, 9], [1, 2, 3]]
+    )

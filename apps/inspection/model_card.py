@@ -63,9 +63,6 @@ verdict, so part of the gap is the task's.
 """
 
 
-_STAGES = ("data", "pretraining", "fine_tuning", "report")  # in the order they run
-
-
 def _order(stage):
     """Where `stage` comes in a run ("data", "pretraining", "fine_tuning", "report")."""
     order = ("data", "pretraining", "fine_tuning", "report")
@@ -93,16 +90,20 @@ def _pretraining_section(metrics):
         return f"\n## Pretraining\n\nNone (`--pretrain_steps 0`).\n{times}" if stages else ""
     config = metrics["config"]
     reused = " (loaded from `pretrained/`, made by an earlier run with this configuration)"
+    read = "the training reviews"
+    if config.get("vocabulary_source") == "train+unsupervised":
+        read += f" and {config['dataset']}'s unlabelled ones"
     return f"""
 ## Pretraining
 
 Masked-word prediction (BERT's objective: {config["mask_rate"]:.0%} of each review's words
 hidden, the {config["predicted_words"]:,} most frequent predicted through the tied word table) on
-{record["reviews"]:,} reviews read without a label: the training reviews and IMDB's unlabelled
-ones, never a validation or test review. {record["steps"]:,} steps of {record["batch_size"]}
-reviews in {record["seconds"] / 60:.1f} minutes{reused if record.get("reused") else ""}; the
-last steps' masked-word loss {record["loss"]:.3f}, accuracy {record["accuracy"]:.1%}. The
-classifier then fine-tunes the pretrained embedding and blocks on the labels.
+{record["reviews"]:,} reviews read without a label: {read}, never a validation or test review.
+{record["steps"]:,} steps of {record["batch_size"]} reviews in {record["seconds"] / 60:.1f}
+minutes{reused if record.get("reused") else ""}. Over the last steps, {record["accuracy"]:.1%} of
+the hidden words were predicted right, at a loss of {record["loss"]:.3f} (Keras's mean over all
+of a batch's slots for hidden words, the empty ones counted as 0). The classifier then
+fine-tunes the pretrained embedding and blocks on the labels.
 {times}"""
 
 

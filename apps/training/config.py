@@ -43,7 +43,7 @@ class Config:
     # pretraining (apps/training/pretrain.py): masked-word prediction trains the embedding and
     # the blocks first, on the reviews `--vocabulary_source` names (never validation or test)
     pretrain_steps: int = 1500  # 0 = no pretraining
-    pretrain_batch_size: int = 64  # per replica, as --batch_size
+    pretrain_batch_size: int = 64  # reviews per step (every replica computes all of them)
     # Adam: linear warm-up over the first 10% of the steps, then cosine decay to 0
     pretrain_learning_rate: float = 1e-3
     # of each review's words, hidden as BERT does (80% hidden, 10% a random word, 10% kept)
@@ -178,6 +178,11 @@ def _check_pretraining(config):
         )
     if not 0.0 < config.mask_rate < 1.0:
         raise ValueError(f"`--mask_rate` must be in (0, 1). Received: mask_rate={config.mask_rate}")
+    if config.predicted_words > config.vocab_size:
+        raise ValueError(
+            "`--predicted_words` must be at most `--vocab_size` (the words the model knows). "
+            f"Received: predicted_words={config.predicted_words}, vocab_size={config.vocab_size}"
+        )
     if config.predicted_words < 3:
         raise ValueError(
             "`--predicted_words` must be at least 3 (ids 0 and 1 are padding and unknown). "

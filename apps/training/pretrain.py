@@ -24,14 +24,16 @@ from .batches import training_stream
 from .fit import TrainingState, interrupts_raised, optimizer_step
 
 # The flags that decide what the pretrained encoder is: a saved one is reused only if these,
-# and the vocabulary and n-gram files, are the same.
+# the texts it read and the vocabulary and n-gram files are the same. (The naive-Bayes tables
+# are weights of the embedding, so their flags count too.)
 _ENCODER_DEFINING = (
     "dataset", "validation_fraction", "vocab_size", "sequence_length", "bigram_vocab_size",
-    "trigram_vocab_size", "ngram_dim", "vocabulary_source", "embed_dim", "num_heads", "key_dim",
-    "ff_dim", "num_layers", "seed", "mixed_precision", "pretrain_steps", "pretrain_batch_size",
-    "pretrain_learning_rate", "mask_rate", "predicted_words", "max_steps", "strategy",
-    "logical_cpus",
+    "trigram_vocab_size", "ngram_dim", "vocabulary_source", "naive_bayes_alpha",
+    "naive_bayes_folds", "embed_dim", "num_heads", "key_dim", "ff_dim", "num_layers", "seed",
+    "mixed_precision", "pretrain_steps", "pretrain_batch_size", "pretrain_learning_rate",
+    "mask_rate", "predicted_words", "max_steps", "strategy", "logical_cpus",
 )  # fmt: skip
+ENCODER_FORMAT = 2  # what encoder.npz holds and how the stage makes it; raised when that changes
 
 
 def encoder_folder(output):
@@ -45,10 +47,12 @@ def planned_steps(config):
     return min(config.pretrain_steps, config.max_steps)
 
 
-def encoder_key(config, run):
-    """What made an encoder: the defining flags and the hashes of the word, pair and triple
-    vocabularies it embeds."""
+def encoder_key(config, run, texts_ids):
+    """What made an encoder: the defining flags, the hash of the token ids it read and the
+    hashes of the word, pair and triple vocabularies it embeds."""
     key = {name: getattr(config, name) for name in _ENCODER_DEFINING}
+    key["format"] = ENCODER_FORMAT
+    key["texts"] = hashlib.sha256(np.ascontiguousarray(texts_ids, np.int64).tobytes()).hexdigest()
     for path in (run.vocabulary, run.bigrams, run.trigrams):
         if os.path.exists(path):
             with open(path, "rb") as f:
@@ -57,12 +61,12 @@ def encoder_key(config, run):
 
 
 def without_held_out(texts_ids, held_out_ids):
-    """The rows of `texts_ids` `(n, L)` that are no row of `held_out_ids` `(m, L)`: what the
-    model would read of a held-out review, it never reads in pretraining.
+    """The rows of `texts_ids` `(n, L)` that are no row of `held_out_ids` `(m, L)`.
 
-    The unlabelled split repeats held-out reviews with small differences (markup, a word)
+    The unlabelled split repeats held-out reviews with small differences (markup, spacing)
     that an exact match of the text misses; as token ids, cut to the run's length, they are
-    the same input."""
+    the same input, and they stay out. A near-copy that differs in a token the model keeps
+    is a different input, and stays in."""
     held_out = {row.tobytes() for row in np.asarray(held_out_ids, np.int64)}
     keep = [row.tobytes() not in held_out for row in np.asarray(texts_ids, np.int64)]
     return np.asarray(texts_ids)[np.array(keep, bool)]
@@ -79,16 +83,19 @@ def pretrain(config, run, model, texts_ids):
     folder = encoder_folder(run.output)
     weights_path = os.path.join(folder, "encoder.npz")
     record_path = os.path.join(folder, "encoder.json")
-    key = encoder_key(config, run)
+    key = encoder_key(config, run, texts_ids)
     saved = _read_json(record_path)
     if saved is not None and saved.get("key") == key and os.path.exists(weights_path):
         with np.load(weights_path) as weights:
             masked_lm.set_encoder_weights(model, weights)
+        # This run's own stage (resumed after it), or an earlier run's encoder.
+        own = os.path.exists(os.path.join(run.checkpoints, "pretrain", "state.json"))
         print(
-            f"Pretraining: reusing the encoder in {folder} (made by a run with this "
-            f"configuration in {saved['record']['seconds']:.0f} s)"
+            f"Pretraining: loading the encoder in {folder} ("
+            + ("this run made it" if own else "an earlier run with this configuration made it")
+            + f" in {saved['record']['seconds']:.0f} s)"
         )
-        return {**saved["record"], "reused": True}
+        return {**saved["record"], "reused": not own}
     record = _train_encoder(config, run, model, texts_ids)
     if record is None:
         return "interrupted"
@@ -99,6 +106,13 @@ def pretrain(config, run, model, texts_ids):
     files.write_json_atomic(record_path, {"key": key, "record": record})
     print(f"Pretrained encoder written to {weights_path}")
     return {**record, "reused": False}
+
+
+def _read(config):
+    """Which reviews pretraining reads, in words."""
+    if config.vocabulary_source == "train+unsupervised":
+        return "train and unlabelled"
+    return "train"
 
 
 def _read_json(path):
@@ -112,7 +126,14 @@ def _train_encoder(config, run, model, texts_ids):
     """`planned_steps` of masked-word prediction, resumable. Returns the stage's record, or
     None if interrupted (the state saved)."""
     steps = planned_steps(config)
-    batch = config.pretrain_batch_size * run.strategy.num_replicas_in_sync  # per replica, as fit
+    # The reviews of a step. Keras's `train_on_batch` gives every replica the whole batch
+    # (it does not split it as `fit` does): more replicas compute the same gradient again.
+    batch = config.pretrain_batch_size
+    if batch > len(texts_ids):
+        raise ValueError(
+            f"`--pretrain_batch_size` must be at most the number of reviews pretraining reads "
+            f"({len(texts_ids)}). Received: pretrain_batch_size={batch}"
+        )
     with run.strategy.scope():
         predictor = masked_lm.MaskedWordModel(model, config.predicted_words)
         warmup = max(1, steps // 10)
@@ -138,8 +159,8 @@ def _train_encoder(config, run, model, texts_ids):
         state.restore()
     start = optimizer_step(predictor)
     print(
-        f"Pretraining: masked-word prediction on {len(texts_ids)} reviews (train and "
-        f"unlabelled; never validation or test), {steps} steps of "
+        f"Pretraining: masked-word prediction on {len(texts_ids)} reviews ({_read(config)}; "
+        f"never validation or test), {steps} steps of "
         f"{batch}" + (f", resuming at step {start}" if start else "")
     )
     # Multi-worker Keras finds its strategy in the scope (as `fit_model` trains).
@@ -156,6 +177,7 @@ def _train_encoder(config, run, model, texts_ids):
             file=sys.stderr,
         )
         return None
+    state.save()  # the finished stage's state: a resumed run knows the encoder is its own
     return {
         "steps": steps,
         "batch_size": batch,
@@ -188,7 +210,7 @@ def _steps(config, predictor, state, texts_ids, start, steps, batch):
         ids, _ = next(stream)
         rng = np.random.default_rng([config.seed, step])
         corrupted, positions, targets, weights = masked_lm.hide_words(
-            ids, rng, config.predicted_words, config.mask_rate
+            ids, rng, predictor.predicted_words, config.mask_rate
         )
         logs = predictor.train_on_batch(
             (corrupted, positions), targets, sample_weight=weights, return_dict=True
