@@ -66,7 +66,7 @@ EXPECTED_ARTIFACTS = {
     "attention_heatmaps.png", "attention.html", "attention.jsonl", "bigrams.txt", "trigrams.txt",
     "history.csv", "model.keras", "metrics.json", "README.md", "saved_model", "logs",
     "training_curves.png", "vocabulary.txt", "faithfulness.json", "faithfulness.md",
-    "faithfulness.png", "serving.json", "calibration.png", "pretrained",
+    "faithfulness.png", "serving.json", "calibration.png", "pretrained/encoder.npz",
 }  # fmt: skip
 
 

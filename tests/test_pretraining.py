@@ -284,10 +284,21 @@ def test_out_of_domain_sets_binarize_by_sign_and_never_read_the_movie_snippets(t
 
 
 def test_out_of_domain_refuses_an_archive_with_another_hash(tmp_path, capsys):
+    """A cached archive that is not the one the report was written for: a clear error, and
+    nothing written beside the model."""
     (tmp_path / out_of_domain.ARCHIVE).write_bytes(b"not the archive")
-    code = out_of_domain.main(["--cache", str(tmp_path), "--model", str(tmp_path)])
+    shipped = os.path.join(ROOT, "saved_models", "imdb_sdpa")
+    code = out_of_domain.main(["--cache", str(tmp_path), "--model", shipped])
     assert code == 2
     assert f"cache={str(tmp_path)!r}" in capsys.readouterr().err
+    with open(os.path.join(shipped, "out_of_domain.json")) as f:
+        assert json.load(f)["sets"]  # untouched
+
+
+def test_out_of_domain_checks_the_models_before_it_downloads(tmp_path, capsys):
+    code = out_of_domain.main(["--cache", str(tmp_path), "--model", str(tmp_path / "none")])
+    assert code == 2 and "model=" in capsys.readouterr().err
+    assert not os.listdir(tmp_path)  # nothing downloaded
 
 
 def test_model_card_quotes_the_out_of_domain_file(tmp_path):
