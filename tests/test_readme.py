@@ -953,6 +953,14 @@ def test_app_page_quotes_the_shipped_runs_stages_and_out_of_domain_table():
         f"{moved('product reviews')}; news editorials read {moved('news editorials')}."
     ) in text
     assert after["tweets"]["ece"] < before["tweets"]["ece"]
+    seeds = [
+        json.loads((ROOT / f"saved_models/experiments/pretraining/"
+                    f"out_of_domain_pretrain1500_seed{seed}.json").read_text())
+        for seed in (1, 2)
+    ]  # fmt: skip
+    assert [seed["seed"] for seed in seeds] == [1, 2]
+    tweets = [_percent(seed["sets"]["tweets"]["accuracy"]) for seed in seeds]
+    assert f"read tweets at {tweets[0]} and {tweets[1]}" in text
 
 
 def test_pretraining_screens_table_matches_its_metrics_files():
