@@ -930,8 +930,8 @@ def test_vocabularies_counted_on_train_and_the_unlabelled_reviews(tmp_path, caps
     """`--vocabulary_source train+unsupervised` counts the words on train and TFDS's 50,000
     unlabelled reviews, and hands the pair and triple counts both: train's ids, then theirs."""
     config = train_sentiment.parse_args(
-        ["--vocab_size", "2000", "--sequence_length", "32", "--output", str(tmp_path / "a"),
-         "--vocabulary_source", "train+unsupervised"]
+        ["--vocab_size", "2000", "--predicted_words", "1000", "--sequence_length", "32",
+         "--output", str(tmp_path / "a"), "--vocabulary_source", "train+unsupervised"]
     )  # fmt: skip
     run = train_sentiment.Run(None, {}, 32, config.output, str(tmp_path / "a" / "c"), False)
     os.makedirs(config.output)

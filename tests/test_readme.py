@@ -972,3 +972,30 @@ def test_pretraining_screens_table_matches_its_metrics_files():
         metrics = json.loads((folder / name).read_text())
         assert validation == _percent(metrics["validation_accuracy"])
         assert test == _percent(metrics["test_accuracy"])
+
+
+def test_app_page_quotes_what_more_pretraining_buys_from_its_files():
+    """The table of seed 0 at 0, 1,500 and 3,000 pretraining steps: each row's steps, minutes
+    (the sum of the run's stage times), validation and test accuracy from the file it names."""
+    text = (ROOT / "docs/app.md").read_text()
+    rows = re.findall(
+        r"^\| (\d+)(?: \(shipped\))? \| ([^|]+) \| ([\d.]+%) \| ([\d.]+%) \| `([^`]+)` \|$",
+        text,
+        flags=re.M,
+    )
+    assert [int(row[0]) for row in rows] == [0, 1500, 3000]
+    for steps, minutes, validation, test, path in rows:
+        metrics = json.loads((ROOT / path).read_text())
+        assert metrics["config"].get("pretrain_steps", 0) == int(steps)
+        assert metrics["config"]["seed"] == 0
+        assert validation == _percent(metrics["validation_accuracy"])
+        assert test == _percent(metrics["test_accuracy"])
+        if int(steps):
+            assert metrics["pretraining"]["steps"] == int(steps)
+            assert minutes == f"{sum(metrics['stage_seconds'].values()) / 60:.1f}"
+    accuracy = [
+        json.loads((ROOT / row[4]).read_text())["pretraining"]["accuracy"] for row in rows[1:]
+    ]
+    assert (
+        f"predicted right {100 * accuracy[1]:.0f}% of the time ({100 * accuracy[0]:.0f}% at 1,500)"
+    ) in " ".join(text.split())
