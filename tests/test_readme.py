@@ -207,7 +207,7 @@ def test_readme_quotes_the_default_configurations_seeds_and_the_shipped_run_is_s
         f"(`saved_models/experiments/seeds/{DEFAULT_SEEDS}/`, the seeds 0, 1 and 2 of "
         f"`python -m apps.sweep`; seed 0 is the shipped run, to the review) read "
         f"{cell('validation_accuracy')} on validation and {cell('test_accuracy')} on test, in "
-        f"{minutes:.1f} minutes of training, with attention AOPCs of {aopc}."
+        f"{minutes:.1f} minutes of fine-tuning, with attention AOPCs of {aopc}."
     ) in text
     assert statistics.fmean(tests) >= 90.5 and min(tests) >= 90.0 and minutes <= 10
     assert f"this model is {91.87 - statistics.fmean(tests):.2f} points below it" in text
