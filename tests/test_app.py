@@ -956,6 +956,11 @@ def test_vocabularies_counted_on_train_and_the_unlabelled_reviews(tmp_path, caps
     assert f"{len(unlabeled)} unlabelled reviews" in capsys.readouterr().out
 
 
+def test_predicted_words_are_checked_only_when_the_run_pretrains():
+    config = train_sentiment.parse_args(["--vocab_size", "2000", "--pretrain_steps", "0"])
+    assert config.vocab_size == 2000 and config.predicted_words > 2000
+
+
 def test_vocabulary_source_is_checked(capsys):
     with pytest.raises(SystemExit):
         train_sentiment.parse_args(["--vocabulary_source", "test"])

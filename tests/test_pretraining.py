@@ -287,18 +287,37 @@ def test_out_of_domain_refuses_an_archive_with_another_hash(tmp_path, capsys):
     """A cached archive that is not the one the report was written for: a clear error, and
     nothing written beside the model."""
     (tmp_path / out_of_domain.ARCHIVE).write_bytes(b"not the archive")
-    shipped = os.path.join(ROOT, "saved_models", "imdb_sdpa")
-    code = out_of_domain.main(["--cache", str(tmp_path), "--model", shipped])
+    model = _shipped_copy(tmp_path / "model")
+    before = {name: (model / name).read_bytes() for name in ("out_of_domain.json", "README.md")}
+    code = out_of_domain.main(["--cache", str(tmp_path), "--model", str(model)])
     assert code == 2
     assert f"cache={str(tmp_path)!r}" in capsys.readouterr().err
-    with open(os.path.join(shipped, "out_of_domain.json")) as f:
-        assert json.load(f)["sets"]  # untouched
+    for name, content in before.items():
+        assert (model / name).read_bytes() == content, name  # untouched
+
+
+def _shipped_copy(folder):
+    """The shipped run's SavedModel and records, copied: the CLI writes beside its model."""
+    shipped = os.path.join(ROOT, "saved_models", "imdb_sdpa")
+    shutil.copytree(os.path.join(shipped, "saved_model"), folder / "saved_model")
+    for name in ("metrics.json", "out_of_domain.json", "README.md"):
+        shutil.copy(os.path.join(shipped, name), folder / name)
+    return folder
 
 
 def test_out_of_domain_checks_the_models_before_it_downloads(tmp_path, capsys):
     code = out_of_domain.main(["--cache", str(tmp_path), "--model", str(tmp_path / "none")])
     assert code == 2 and "model=" in capsys.readouterr().err
     assert not os.listdir(tmp_path)  # nothing downloaded
+    shipped = os.path.join(ROOT, "saved_models", "imdb_sdpa")
+    code = out_of_domain.main(
+        ["--cache", str(tmp_path), "--model", shipped, "--baseline", str(tmp_path / "gone")]
+    )
+    assert code == 2 and "`--baseline` is not a SavedModel" in capsys.readouterr().err
+    code = out_of_domain.main(["--cache", str(tmp_path), "--model", shipped,
+                               "--baseline_label", "earlier"])  # fmt: skip
+    assert code == 2 and "baseline_label='earlier', baseline=None" in capsys.readouterr().err
+    assert not os.listdir(tmp_path)
 
 
 def test_model_card_quotes_the_out_of_domain_file(tmp_path):
@@ -317,17 +336,21 @@ def test_model_card_quotes_the_out_of_domain_file(tmp_path):
 
 @pytest.mark.large  # downloads vaderSentiment's source from PyPI and serves 12,752 texts
 def test_shipped_out_of_domain_figures_are_measured_again(tmp_path):
-    shipped = os.path.join(ROOT, "saved_models", "imdb_sdpa")
-    with open(os.path.join(shipped, "out_of_domain.json")) as f:
-        report = json.load(f)
-    measured = out_of_domain.measure(shipped, out_of_domain.read_sets(out_of_domain.fetch()))
+    """The CLI, run again on (a copy of) the shipped model without `--baseline`, measures the
+    committed figures and keeps the committed baseline: the model shipped before #56 is gone."""
+    model = _shipped_copy(tmp_path / "model")
+    report = json.loads((model / "out_of_domain.json").read_text())
+    assert out_of_domain.main(["--model", str(model)]) == 0
+    measured = json.loads((model / "out_of_domain.json").read_text())
     for name, result in report["sets"].items():
-        assert measured[name]["texts"] == result["texts"]
-        assert abs(measured[name]["accuracy"] - result["accuracy"]) <= 2e-4
-        assert abs(measured[name]["ece"] - result["ece"]) <= 2e-3
-    with open(os.path.join(shipped, "README.md")) as f:
-        card = f.read()
-    assert model_card.out_of_domain_table(report) in card
+        assert measured["sets"][name]["texts"] == result["texts"]
+        assert abs(measured["sets"][name]["accuracy"] - result["accuracy"]) <= 2e-4
+        assert abs(measured["sets"][name]["ece"] - result["ece"]) <= 2e-3
+    assert measured["baseline"] == report["baseline"]
+    table = model_card.out_of_domain_table(report)
+    with open(os.path.join(ROOT, "saved_models", "imdb_sdpa", "README.md")) as f:
+        assert table in f.read()
+    assert model_card.out_of_domain_table(measured) in (model / "README.md").read_text()
 
 
 def test_the_tiny_run_pretrained_and_says_so(tiny_run):

@@ -205,21 +205,17 @@ def test_readme_quotes_the_default_configurations_seeds_and_the_shipped_run_is_s
     text = " ".join(pages_text().split())
     assert (
         f"(`saved_models/experiments/seeds/{DEFAULT_SEEDS}/`, the seeds 0, 1 and 2 of "
-        f"`python -m apps.sweep`; seed 0 is the shipped run, to the review) read "
+        f"`python -m apps.sweep`; seed 0's file is the shipped run's `metrics.json`) read "
         f"{cell('validation_accuracy')} on validation and {cell('test_accuracy')} on test, in "
         f"{minutes:.1f} minutes of fine-tuning, with attention AOPCs of {aopc}."
     ) in text
     assert statistics.fmean(tests) >= 90.5 and min(tests) >= 90.0 and minutes <= 10
     assert f"this model is {91.87 - statistics.fmean(tests):.2f} points below it" in text
-    shipped = json.loads((ROOT / "saved_models/imdb_sdpa/metrics.json").read_text())
-    # The same reviews right and wrong; the losses agree to float32 round-off across CPUs.
-    for key in ("test_accuracy", "validation_accuracy", "parameters"):
-        assert shipped[key] == runs[0][key], key
-    # The same calibration: the seed's record is the shipped run's own metrics.json.
-    for key in ("before", "after"):
-        assert shipped["calibration"]["test"][key]["log_loss"] == pytest.approx(
-            runs[0]["calibration"]["test"][key]["log_loss"], abs=1e-5
-        )
+    # Seed 0's record is the shipped run's own metrics.json, copied, as the page says.
+    shipped = ROOT / "saved_models/imdb_sdpa/metrics.json"
+    assert (
+        ROOT / f"saved_models/experiments/seeds/{DEFAULT_SEEDS}/seed0.metrics.json"
+    ).read_bytes() == (shipped.read_bytes())
 
 
 def test_experiment_table_matches_its_metrics_files():
@@ -930,6 +926,7 @@ def test_app_page_quotes_the_shipped_runs_stages_and_out_of_domain_table():
         f"{stages['report'] / 60:.1f} min: {total:.1f} minutes in all"
     ) in text
     assert total <= 25
+    assert f"the pretraining stage the whole command takes {total:.1f} minutes (above)" in text
     readme = " ".join(README.read_text().split())
     assert (
         f"pretrains the classifier's encoder on {metrics['pretraining']['reviews']:,} reviews read "
@@ -960,7 +957,11 @@ def test_app_page_quotes_the_shipped_runs_stages_and_out_of_domain_table():
     ]  # fmt: skip
     assert [seed["seed"] for seed in seeds] == [1, 2]
     tweets = [_percent(seed["sets"]["tweets"]["accuracy"]) for seed in seeds]
-    assert f"read tweets at {tweets[0]} and {tweets[1]}" in text
+    products = [_percent(seed["sets"]["product reviews"]["accuracy"]) for seed in seeds]
+    assert (
+        f"read tweets at {tweets[0]} and {tweets[1]} and product snippets at {products[0]} and "
+        f"{products[1]}"
+    ) in text
 
 
 def test_pretraining_screens_table_matches_its_metrics_files():

@@ -178,7 +178,8 @@ def _check_pretraining(config):
         )
     if not 0.0 < config.mask_rate < 1.0:
         raise ValueError(f"`--mask_rate` must be in (0, 1). Received: mask_rate={config.mask_rate}")
-    if config.predicted_words > config.vocab_size:
+    # A run without pretraining predicts no words: `--vocab_size` alone may go below 8,192.
+    if config.pretrain_steps and config.predicted_words > config.vocab_size:
         raise ValueError(
             "`--predicted_words` must be at most `--vocab_size` (the words the model knows). "
             f"Received: predicted_words={config.predicted_words}, vocab_size={config.vocab_size}"

