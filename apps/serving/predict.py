@@ -49,13 +49,14 @@ WORKERS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 
 CHUNK_BATCHES = 128  # batches read, grouped by length and written at a time
 
 
-def resolve_model_path(path):
-    """`path` itself if it is a SavedModel, else `path/saved_model` (a training run's folder)."""
+def resolve_model_path(path, flag="model"):
+    """`path` itself if it is a SavedModel, else `path/saved_model` (a training run's folder).
+    `flag` is the command-line flag that gave `path`, named in the error."""
     for candidate in (path, os.path.join(path, "saved_model")):
         if os.path.isfile(os.path.join(candidate, "saved_model.pb")):
             return candidate
     raise ValueError(
-        f"`--model` is not a SavedModel nor a run folder holding one. Received: model={path!r}. "
+        f"`--{flag}` is not a SavedModel nor a run folder holding one. Received: {flag}={path!r}. "
         "Train one with `python -m apps.train_sentiment`."
     )
 

@@ -143,16 +143,8 @@ def _check_args(args, predict):
             f"Received: baseline_label={args.baseline_label!r}, baseline=None"
         )
     for flag in ("model", "baseline"):
-        path = getattr(args, flag)
-        if path is None:
-            continue
-        try:
-            predict.resolve_model_path(path)
-        except ValueError:
-            raise ValueError(
-                f"`--{flag}` is not a SavedModel nor a run folder holding one. "
-                f"Received: {flag}={path!r}"
-            ) from None
+        if getattr(args, flag) is not None:
+            predict.resolve_model_path(getattr(args, flag), flag)
 
 
 def _kept_baseline(args):
