@@ -24,7 +24,14 @@ def compile(fn, static_argnames=()):
     (hashable values without weak references, such as a `Plan`), or by its identity.
     """
     del static_argnames  # tf.function keys its trace by every Python argument
-    return tf.function(fn, jit_compile=True, reduce_retracing=True, autograph=False)
+    compiled = tf.function(fn, jit_compile=True, reduce_retracing=True, autograph=False)
+
+    def run(*args, **kwargs):
+        if inside_compiled():
+            return fn(*args, **kwargs)
+        return compiled(*args, **kwargs)
+
+    return run
 
 
 def inside_compiled():
