@@ -5,6 +5,8 @@ named in each table, the alternating rounds that give every ratio, the peak resi
 a child process, and the writer that puts a table between its markers in BENCHMARKS.md.
 
     cpu_name()                          the CPU and its bfloat16 matrix units
+    Fed(run, inputs), NEW_INPUTS         a compiled step fed new input values every call,
+                                        drawn outside the timed region (NEW_INPUTS says so)
     alternate(ours, peer, rounds, repeats)
                                         two steps in alternating rounds of `repeats` calls:
                                         median times and the median and range of the ratios
@@ -59,15 +61,79 @@ def cpu_name():
 
 # ---- timing
 
+# What every table of a compiled step says of its inputs (`Fed`).
+NEW_INPUTS = (
+    "Every timed call gets new input values (floats drawn anew, masks and ids rotated over the "
+    "batch), made before its clock starts: a compiled program fed the same tensors again can "
+    "hide a recompilation."
+)
+
+
+class Fed:
+    """A compiled step and the inputs it is fed, new values on every call.
+
+    `run(*inputs)` is the step; `inputs` are its first inputs, the templates of the rest.
+    `draw()` makes the next call's inputs, of the same shapes and dtypes: floats drawn anew
+    (normal, with the template's mean and spread), integers and booleans (masks, ids,
+    positions) rotated by one along the batch axis, so that their values change and their
+    structure does not. The timers call `draw()` before their clock starts; calling the
+    object draws and runs, untimed. On TensorFlow and JAX alike: the new values are
+    `keras.ops` tensors.
+    """
+
+    def __init__(self, run, inputs, seed=0):
+        import keras
+        import numpy as np
+
+        self.run = run
+        self.arrays = [np.asarray(keras.ops.convert_to_numpy(x)) for x in inputs]
+        self.spreads = [_mean_and_spread(x) for x in self.arrays]  # (mean, std) of floats
+        self.rng = np.random.default_rng(seed)
+
+    def draw(self):
+        import keras
+        import numpy as np
+
+        new = []
+        for index, (x, stats) in enumerate(zip(self.arrays, self.spreads)):
+            if stats is not None:
+                mean, spread = stats
+                x = (self.rng.standard_normal(x.shape, "float32") * spread + mean).astype(x.dtype)
+            elif x.ndim:
+                x = np.roll(x, 1, axis=0)
+            self.arrays[index] = x
+            new.append(keras.ops.convert_to_tensor(x, str(x.dtype)))
+        return new
+
+    def __call__(self):
+        return self.run(*self.draw())
+
+
+def _mean_and_spread(x):
+    """`(mean, std)` of a floating array (std 1 where it has none), else None."""
+    if x.dtype.kind != "f" and str(x.dtype) != "bfloat16":
+        return None
+    wide = x.astype("float32")
+    if not wide.size:
+        return 0.0, 1.0
+    return float(wide.mean()), float(wide.std()) or 1.0
+
+
+def _timed_call(step):
+    """Seconds of one call of `step`: a `Fed` step's inputs are drawn before the clock."""
+    if isinstance(step, Fed):
+        inputs = step.draw()
+        start = time.perf_counter()
+        step.run(*inputs)
+    else:  # a step whose inputs are new by construction (a dataset's next batches)
+        start = time.perf_counter()
+        step()
+    return time.perf_counter() - start
+
 
 def time_calls(step, repeats):
     """Median seconds of `repeats` calls."""
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.median(_timed_call(step) for _ in range(repeats))
 
 
 def alternate(ours, peer, rounds, repeats):
@@ -98,9 +164,7 @@ def time_alternating(steps, rounds):
     for index in range(rounds):
         order = list(steps.items())
         for name, step in order if index % 2 == 0 else order[::-1]:
-            start = time.perf_counter()
-            step()
-            seconds[name].append(time.perf_counter() - start)
+            seconds[name].append(_timed_call(step))
     return seconds
 
 
