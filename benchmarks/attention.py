@@ -36,6 +36,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (  # noqa: E402
+    NEW_INPUTS,
+    Fed,
     PeakSampler,
     alternate,
     command_line,
@@ -51,7 +53,8 @@ PEERS = {"sdpa_layer": "keras_mha", "sdpa_core": "keras_ops"}
 
 
 def make_step(impl, length, which, policy="float32", jit_compile=False):
-    """A compiled call of one implementation and pass (`fwd` or `fwd_bwd`) on fixed inputs."""
+    """A compiled call of one implementation and pass (`fwd` or `fwd_bwd`), fed new values
+    each call (`common.Fed`)."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     os.environ.setdefault("KERAS_BACKEND", "tensorflow")
     import keras
@@ -112,11 +115,11 @@ def make_step(impl, length, which, policy="float32", jit_compile=False):
 
     fn = run_forward if which == "fwd" else run_backward
 
-    def step():
-        out = fn(*inputs) if which == "fwd" else fn(cotangent, *inputs)
+    def step(*args):
+        out = fn(*args)
         _ = [t.numpy() for t in tf.nest.flatten(out)[:1]]
 
-    return step
+    return Fed(step, inputs if which == "fwd" else [cotangent, *inputs])
 
 
 def peak_memory(impl, length, which, policy, jit_compile):
@@ -238,7 +241,7 @@ def describe(args, peak):
     step = "the whole step under `jit_compile=True`" if args.jit_compile else "`tf.function`"
     return (
         f"{cpu_name()}. Policy `{args.policy}`, {step}. "
-        f"B={B}, E={E}, N={N}, H={H}. Times: {args.rounds} alternating rounds of ours and the "
+        f"B={B}, E={E}, N={N}, H={H}. {NEW_INPUTS} Times: {args.rounds} alternating rounds of ours and the "
         f"peer in one process after one warm-up call each, {args.repeats} calls a round "
         f"(median); ratio = ours / peer (below 1 is faster), the median of the per-round "
         f"ratios with their range. GFLOP/s counts 4·B·N·T·S·H per forward and 3x that per "

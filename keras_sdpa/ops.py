@@ -15,7 +15,8 @@ layout of `keras.ops.dot_product_attention`. Attention weights are `(B, N, T, S)
 Decide, then compute. `scaled_dot_product_attention` (and the layer, through `attend`) first
 checks its arguments and decides every static fact of the call into one frozen `Plan`
 (`_plan.py`); then `_attention_xla`, a `tf.function(jit_compile=True)` on TensorFlow and a
-`jax.jit` on JAX keyed by the plan, runs `_attention`: the grouped layout, then one path,
+`jax.jit` on JAX keyed by the plan (inside a caller's XLA step, traced into it), runs
+`_attention`: the grouped layout, then one path,
 `_dense.py` (the whole `(T, S)` matrix), `_chunked.py` (the online softmax in blocks) or
 `_decode.py` (a few rows against a cache), each taking `(q, k, v, plan, tensors)`. The
 scores, bias, cap, masks, softmax and weighted sum run as one XLA program, and so does their

@@ -111,9 +111,12 @@ def test_readme_table_figures_are_measured():
     assert f"**{per_token}x** keras-hub's `CachedMultiHeadAttention` at B=8, S=8,192" in text
     peaks = dict(re.findall(r"^\| (\d+) \((?:MHA|GQA)\) \| \d+ \| (\d+) \|", decode, re.M))
     assert f"**{peaks['2']} MiB** peak against {peaks['8']} with 8" in text
-    step = re.search(r"^\| sdpa_layer vs keras_mha \| 512 \| fwd_bwd \|.*?\*\*([\d.]+)\*\*",
-                     section("attention-float32-jit"), re.M)[1]  # fmt: skip
-    assert f"**{step}x** Keras's layer, also compiled, T=512" in text
+    fit = dict(
+        re.findall(r"^\| (\d+) \| [\d.]+ \| [\d.]+ \| \*\*([\d.]+)\*\*", section("keras-fit"), re.M)
+    )
+    assert (
+        f"new data: **{fit['2048']}x** Keras's layer at T=2,048, **{fit['512']}x** at T=512" in text
+    )
     metrics = json.loads((ROOT / "saved_models/imdb_sdpa/metrics.json").read_text())
     assert f"**{_percent(metrics['test_accuracy'])}** on IMDB's test split" in text
 

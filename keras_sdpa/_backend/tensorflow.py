@@ -8,6 +8,7 @@ try:
 except ImportError:  # TensorFlow releases that ship XLA as `local_xla`
     from local_xla.xla import xla_data_pb2
 
+
 # A caller's `tf.function` converts the functions it calls with AutoGraph on its first trace.
 # The core branches only on static values (shapes, dtypes, flags), so conversion would change
 # nothing but the time a trace takes: its entry points run as written, as Keras's own steps do
@@ -22,6 +23,12 @@ def compile(fn, static_argnames=()):
     Without AutoGraph: the core's loops are `tf.while_loop`s and its branches are on static
     values. Keyword arguments are static: TensorFlow keys the trace by each one's value
     (hashable values without weak references, such as a `Plan`), or by its identity.
+
+    Inside a caller's XLA program (`jit_compile=True`) `fn` is traced into it instead. A nested
+    compiled function's gradient takes the forward's permutations and shapes as arguments that
+    XLA must know at compile time; XLA cannot see through the forward call that made them, so
+    it made the caller's inputs compile-time constants and compiled the caller's step again for
+    every new batch (`tests/test_compiled_once.py`).
     """
     del static_argnames  # tf.function keys its trace by every Python argument
     compiled = tf.function(fn, jit_compile=True, reduce_retracing=True, autograph=False)
