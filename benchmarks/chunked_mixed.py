@@ -5,7 +5,8 @@ B=1, E=256, N=4, H=64, `chunk_size` 2048), forward plus backward, built twice in
 process: with `dtype="float32"` and with `dtype="mixed_bfloat16"` (bfloat16 products with
 float32 accumulation in the core, bfloat16 projections). Alternating rounds, one call of
 each per round after a warm-up call; the ratio is the median of the per-round ratios
-(mixed / float32), with their range.
+(mixed / float32), with their range. Every timed call gets a new input `x`, drawn before its
+clock starts (`long_sequences.make_step` returns a `common.Fed` step).
 
 Usage:
     python benchmarks/chunked_mixed.py                       # T=S=8192, 3 rounds
@@ -18,7 +19,13 @@ import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import command_line, cpu_name, replace_section, time_alternating  # noqa: E402
+from common import (  # noqa: E402
+    NEW_INPUTS,
+    command_line,
+    cpu_name,
+    replace_section,
+    time_alternating,
+)
 from long_sequences import B, E, H, N, make_step  # noqa: E402
 
 START, END = "<!-- chunked-mixed:start -->", "<!-- chunked-mixed:end -->"
@@ -47,9 +54,9 @@ def main(argv=None):
         f"    {command_line(__file__, argv)}",
         "",
         f"{cpu_name()}. One chunked self-attention layer, forward plus backward, B={B}, E={E}, "
-        f"N={N}, H={H}, chunk_size={args.chunk_size}; {args.rounds} alternating rounds in one "
-        "process after a warm-up call each; ratio = median of the per-round ratios "
-        "(mixed_bfloat16 / float32), range in brackets.",
+        f"N={N}, H={H}, chunk_size={args.chunk_size}. {NEW_INPUTS} Times: {args.rounds} "
+        "alternating rounds in one process after a warm-up call each; ratio = median of the "
+        "per-round ratios (mixed_bfloat16 / float32), range in brackets.",
         "",
         "| T=S | float32 ms | mixed_bfloat16 ms | ratio (range) |",
         "|---|---|---|---|",

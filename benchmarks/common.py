@@ -12,7 +12,8 @@ a child process, and the writer that puts a table between its markers in BENCHMA
                                         median times and the median and range of the ratios
     time_alternating(steps, rounds)     seconds of named steps, one call each a round
     rss_mib(), PeakSampler              resident memory now, and its peak while a step runs
-    child_peak_mib(module, step_args)   the peak of `module.make_step(*step_args)()` in a child
+    child_peak_mib(module, step_args)   the peak of one call of `module.make_step(*step_args)`,
+                                        in a child
     at_least_one(parser, args, *names)  the flags that must be at least 1
     command_line(script, argv)          the script's command, for "Produced by:"
     replace_section(path, start, end, section)
@@ -198,12 +199,15 @@ class PeakSampler:
 
 
 def child_peak_mib(module, step_args, timeout=1800):
-    """In a child process: the peak resident MiB of `module.make_step(*step_args)()` above
-    the level before the call (compilation included), or `"exit <code>"`."""
+    """In a child process: the peak resident MiB of one call of `module.make_step(*step_args)`
+    above the level once the step is made and its inputs drawn (weights and inputs in, nothing
+    traced or run yet; compilation included), or `"exit <code>"`."""
     script = (
         f"import sys, json; sys.path.insert(0, {HERE!r}); import {module} as m; "
-        "from common import PeakSampler, rss_mib; base = rss_mib(); s = PeakSampler(); "
-        f"m.make_step(*{tuple(step_args)!r})(); print(json.dumps(s.stop() - base))"
+        "from common import Fed, PeakSampler, rss_mib; "
+        f"step = m.make_step(*{tuple(step_args)!r}); "
+        "run, inputs = (step.run, step.draw()) if isinstance(step, Fed) else (step, ()); "
+        "base = rss_mib(); s = PeakSampler(); run(*inputs); print(json.dumps(s.stop() - base))"
     )
     result = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout

@@ -15,7 +15,8 @@ token, N=8 heads of H=64 (E=512), the cache of length S filled up to the step's 
                imports, in a child process each (the cache and the compilation included).
 
 Times come from alternating rounds of the two in one process; the table gives the median of
-the per-round ratios and their range.
+the per-round ratios and their range. Every timed call gets new input values (the token and
+the cache's contents, or the prefix), drawn before its clock starts (`common.Fed`).
 
 Usage:
     python benchmarks/decode.py                                  # the table
@@ -37,6 +38,8 @@ from keras_sdpa import ScaledDotProductAttention
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (  # noqa: E402
+    NEW_INPUTS,
+    Fed,
     alternate,
     at_least_one,
     child_peak_mib,
@@ -50,7 +53,8 @@ STEPS = 16
 
 
 def make_step(kind, batch, length, kv_heads=N):
-    """A callable that generates `STEPS` tokens (or, for "ours_nocache", one) and waits."""
+    """A `common.Fed` step that generates `STEPS` tokens (or, for "ours_nocache", one) and
+    waits: its token and cache (or prefix) are arguments, new values every call."""
     keras.utils.set_random_seed(0)
     width = N * H
     token = tf.random.normal((batch, 1, width))
@@ -61,13 +65,13 @@ def make_step(kind, batch, length, kv_heads=N):
     layer(token, token)  # build
 
     if kind == "ours_nocache":
-        prefix = tf.random.normal((batch, length, width))
 
         @tf.function(jit_compile=True)
         def recompute(prefix):
             return layer(prefix, prefix, use_causal_mask=True)[:, -1]
 
-        return lambda: recompute(prefix).numpy()
+        prefix = tf.random.normal((batch, length, width))
+        return Fed(lambda prefix: recompute(prefix).numpy(), [prefix])
 
     def attend(x, cache, index):
         if kind == "keras_hub":
@@ -78,13 +82,15 @@ def make_step(kind, batch, length, kv_heads=N):
     @tf.function(jit_compile=True)
     def generate(x, cache):
         def step(i, x, cache):
+            # The positions stay fixed: the last STEPS of the cache, from the Python int
+            # `length` that selects the program (its shapes); the cache's contents are new.
             x, cache = attend(x, cache, length - STEPS + i)
             return i + 1, x, cache
 
         return tf.while_loop(lambda i, *_: i < STEPS, step, (tf.constant(0), x, cache))[1]
 
     cache = tf.random.normal((batch, 2, length, kv_heads if kind == "ours" else N, H))
-    return lambda: generate(token, cache).numpy()
+    return Fed(lambda x, cache: generate(x, cache).numpy(), [token, cache])
 
 
 def per_token(ours, peer, rounds, ours_tokens, peer_tokens):
@@ -108,8 +114,8 @@ def table(rows, nocache, memory, args):
         "",
         f"On {cpu_name()}. One attention layer, N={N} heads of H={H}, float32, {STEPS} tokens "
         "a call of one jit-compiled `tf.while_loop` carrying the cache (as keras-hub's "
-        f"`generate`). Times: {args.rounds} alternating rounds in one process after one "
-        "warm-up each; ratio = median of the per-round ratios (range in brackets).",
+        f"`generate`). {NEW_INPUTS} Times: {args.rounds} alternating rounds in one process "
+        "after one warm-up each; ratio = median of the per-round ratios (range in brackets).",
         "",
         "Per generated token, against keras-hub's `CachedMultiHeadAttention` (same weights; "
         "its mask built from the index as its `TransformerDecoder` does; ours with "
@@ -156,8 +162,12 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--lengths", default="1024,8192,32768")
     parser.add_argument("--batches", default="1,8")
-    parser.add_argument("--max_tokens", type=int, default=8 * 8192,
-                        help="skip B x S above this (B=8 at S=32,768 takes minutes a round)")
+    parser.add_argument(
+        "--max_tokens",
+        type=int,
+        default=8 * 8192,
+        help="skip B x S above this (B=8 at S=32,768 takes minutes a round)",
+    )
     parser.add_argument("--nocache_length", type=int, default=1024)
     parser.add_argument("--memory_length", type=int, default=32768)
     parser.add_argument("--output", help="a Markdown file whose decode section is replaced")

@@ -10,8 +10,10 @@ backward (the gradient of `sum(out * c)` with respect to q, k and v):
              B=1, H=64, T=S (default 4,096, the chunked path).
 
 Times come from alternating rounds of the two in one process; the table gives the
-median of the per-round ratios and their range. Peak resident memory comes from
-one child process per implementation, where it is that implementation's own.
+median of the per-round ratios and their range. Every timed call gets new input values
+(q, k, v and the cotangent c), drawn before its clock starts (`common.Fed`). Peak resident
+memory comes from one child process per implementation, where it is that implementation's
+own.
 
 Usage:
     python benchmarks/features.py                          # both tables
@@ -26,7 +28,14 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import at_least_one, child_peak_mib, cpu_name, replace_section  # noqa: E402
+from common import (  # noqa: E402
+    NEW_INPUTS,
+    Fed,
+    at_least_one,
+    child_peak_mib,
+    cpu_name,
+    replace_section,
+)
 
 START, END = "<!-- features:start -->", "<!-- features:end -->"
 H = 64
@@ -49,7 +58,8 @@ def variant_arguments(name, window):
 
 
 def make_step(variant, length, window):
-    """A compiled forward+backward step of one variant, and its inputs."""
+    """A compiled forward+backward step of one variant, fed new q, k, v and c each call
+    (`common.Fed`)."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     import tensorflow as tf
 
@@ -61,19 +71,23 @@ def make_step(variant, length, window):
     v = tf.random.normal((1, length, kv_heads, H), seed=3)
     c = tf.random.normal((1, length, heads, H), seed=4)
 
+    # Arguments, not captured tensors: what a compiled step captures can be a compile-time
+    # constant, and the same values every call could hide a recompilation.
     @tf.function
-    def step():
+    def step(q, k, v, c):
         with tf.GradientTape() as tape:
             tape.watch([q, k, v])
             loss = tf.reduce_sum(scaled_dot_product_attention(q, k, v, **kwargs) * c)
         return tape.gradient(loss, [q, k, v])
 
-    return lambda: step()[0].numpy()
+    return Fed(lambda *inputs: step(*inputs)[0].numpy(), [q, k, v, c])
 
 
 def timed(step):
+    """Seconds of one call of a `Fed` step, its new inputs drawn before the clock starts."""
+    inputs = step.draw()
     start = time.perf_counter()
-    step()
+    step.run(*inputs)
     return time.perf_counter() - start
 
 
@@ -125,7 +139,8 @@ def table(rows, args):
         "",
         f"On {cpu_name()}. "
         "`keras_sdpa.ops.scaled_dot_product_attention`, forward plus backward, B=1, H=64. "
-        f"Times: {args.rounds} alternating rounds in one process after one warm-up each; "
+        f"{NEW_INPUTS} Times: {args.rounds} alternating rounds in one process after one "
+        "warm-up each; "
         "ratio = median of the per-round ratios (range in brackets). Peak MiB: resident "
         "memory above the level before the first call, one child process each "
         "(compilation included).",

@@ -14,7 +14,8 @@ resident memory or `--timeout` seconds, and reports that instead.
 Time: the implementations whose child finished are then timed in this one process,
 in alternating rounds (one call of each per round, after a warm-up call each), and a
 ratio is the median of the per-round ratios, with their range: one process per
-implementation had moved a ratio by 40% between two runs here.
+implementation had moved a ratio by 40% between two runs here. Every timed call (the
+child's second call too) gets a new input `x`, drawn before its clock starts (`common.Fed`).
 
 The figure `--plot` (default `benchmarks/long_sequences.png`) shows time and peak memory
 against T, log-log, for the three.
@@ -35,6 +36,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (  # noqa: E402
+    NEW_INPUTS,
+    Fed,
     PeakSampler,
     command_line,
     cpu_name,
@@ -49,8 +52,8 @@ START, END = "<!-- long-sequences:start -->", "<!-- long-sequences:end -->"
 
 
 def make_step(impl, length, chunk_size, dtype=None):
-    """A compiled forward+backward step of one implementation at `T=S=length`; `dtype` is
-    the layer's dtype policy (None: Keras's global one)."""
+    """A compiled forward+backward step of one implementation at `T=S=length`, fed a new `x`
+    each call (`common.Fed`); `dtype` is the layer's dtype policy (None: Keras's global one)."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     os.environ.setdefault("KERAS_BACKEND", "tensorflow")
     import keras
@@ -71,24 +74,28 @@ def make_step(impl, length, chunk_size, dtype=None):
         )
     layer(x[:, :8], x[:, :8])  # build
 
+    # An argument, not a captured tensor: what a compiled step captures can be a compile-time
+    # constant, and the same values every call could hide a recompilation.
     @tf.function
-    def step():
+    def step(x):
         with tf.GradientTape() as tape:
             tape.watch(x)
             loss = tf.reduce_sum(tf.cast(layer(x, x), "float32"))
         return tape.gradient(loss, [x, *layer.trainable_variables])
 
-    return lambda: step()[0].numpy()
+    return Fed(lambda x: step(x)[0].numpy(), [x])
 
 
 def measure(impl, length, chunk_size):
-    """In a child process: peak resident memory of the first two calls, and the second's time."""
+    """In a child process: peak resident memory of the first two calls, and the second's time
+    (its new input drawn before the clock starts)."""
     step = make_step(impl, length, chunk_size)
     base = rss_mib()
     sampler = PeakSampler()
     step()  # trace and compile
+    inputs = step.draw()
     start = time.perf_counter()
-    step()
+    step.run(*inputs)
     seconds = time.perf_counter() - start
     peak = sampler.stop()
     return {"ms": seconds * 1e3, "peak_mib": peak - base, "rss_mib": peak}
@@ -262,11 +269,11 @@ def main(argv=None):
         "## Long sequences\n\n"
         f"Produced by:\n\n    {command_line(__file__, argv)}\n\n"
         f"{cpu_name()}. One self-attention layer, forward plus backward, B={B}, E={E}, "
-        f"N={N}, H={H}, "
-        f"chunk_size={args.chunk_size}. Times: {args.rounds} alternating rounds of the "
-        f"implementations in one process, one call each a round after a warm-up call (median); "
-        f"ratios are the median of the per-round ratios (range). Peak MiB: the most resident "
-        f"memory above the level before the first call, one child process per implementation "
+        f"N={N}, H={H}, chunk_size={args.chunk_size}. {NEW_INPUTS} "
+        f"Times: {args.rounds} alternating rounds of the implementations in one process, one "
+        f"call each a round after a warm-up call (median); ratios are the median of the "
+        f"per-round ratios (range). Peak MiB: the most resident memory above the level before "
+        f"the first call, one child process per implementation "
         f"and length; a child is stopped past {args.memory_limit_gib:g} GiB resident or "
         f"{args.timeout} s, and then not timed.\n\n{text}\n\n"
         f"![time and memory against T]({figure_link})\n"

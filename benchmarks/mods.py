@@ -19,7 +19,9 @@
                anything of size T x S would quadruple.
 
 Times come from alternating rounds of the two in one process; the table gives the median of
-the per-round ratios and their range.
+the per-round ratios and their range. Every timed call gets new input values (q, k, v, the
+cotangent c, and the segment ids or the bias where a variant reads them), drawn before its
+clock starts (`common.Fed`).
 
 Usage:
     python benchmarks/mods.py                                  # the table
@@ -34,6 +36,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (  # noqa: E402
+    NEW_INPUTS,
+    Fed,
     at_least_one,
     child_peak_mib,
     cpu_name,
@@ -46,29 +50,32 @@ N, H = 4, 64
 
 
 def arguments(variant, length):
-    """The core's keyword arguments for one variant at `T=S=length`."""
+    """The core's keyword arguments for one variant at `T=S=length`, as a function of the
+    variant's tensors (the segment ids of `document`, the ALiBi bias), and those tensors."""
     import numpy as np
-    import tensorflow as tf
 
     from keras_sdpa import mods
 
-    segments = tf.constant(np.repeat(np.arange(8), -(-length // 8))[None, :length])  # (1, T)
-    bias = None
-    if variant.startswith("alibi_bias"):
+    path = dict(implementation="dense" if variant.endswith("_dense") else "chunked")
+    variant = variant.removesuffix("_dense")
+    if variant == "document_mod":  # (1, T); `Fed` rotates them over B=1: the same values
+        segments = np.repeat(np.arange(8), -(-length // 8))[None, :length]
+        return lambda ids: dict(mask_mod=mods.document(ids), **path), [segments]
+    if variant == "alibi_bias":  # (1, N, T, S); redrawn as floats of ALiBi's mean and spread,
+        # which cost what ALiBi's values do (the core reads a bias whatever its values)
         distance = np.abs(np.arange(length)[:, None] - np.arange(length)[None, :])
         slopes = mods.alibi_slopes(N)[:, None, None]
-        bias = tf.constant((-slopes * distance)[None], tf.float32)  # (1, N, T, S)
-    path = "dense" if variant.endswith("_dense") else "chunked"
-    return {
+        bias = (-slopes * distance)[None].astype("float32")
+        return lambda bias: dict(bias=bias, **path), [bias]
+    kwargs = {
         "none": dict(),
         "causal_mod": dict(mask_mod=mods.causal()),
         "causal_fn": dict(mask_mod=causal_function),
         "causal_arg": dict(is_causal=True),
-        "document_mod": dict(mask_mod=mods.document(segments)),
         "window_mod": dict(mask_mod=mods.sliding_window(512)),
         "alibi_mod": dict(score_mod=mods.alibi(N)),
-        "alibi_bias": dict(bias=bias),
-    }[variant.removesuffix("_dense")] | dict(implementation=path)
+    }[variant] | path
+    return lambda: kwargs, []
 
 
 def causal_function(b, h, q_idx, kv_idx):
@@ -77,23 +84,27 @@ def causal_function(b, h, q_idx, kv_idx):
 
 
 def make_step(variant, length):
-    """A compiled forward+backward step of one variant."""
+    """A compiled forward+backward step of one variant, fed new q, k, v, c and the variant's
+    tensors each call (`common.Fed`)."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     import tensorflow as tf
 
     from keras_sdpa.ops import scaled_dot_product_attention
 
-    kwargs = arguments(variant, length)
+    kwargs_of, tensors = arguments(variant, length)
     q, k, v, c = (tf.random.normal((1, length, N, H), seed=seed) for seed in range(4))
 
+    # Arguments, not captured tensors: what a compiled step captures can be a compile-time
+    # constant, and the same values every call could hide a recompilation.
     @tf.function
-    def step():
+    def step(q, k, v, c, *tensors):
         with tf.GradientTape() as tape:
             tape.watch([q, k, v])
-            loss = tf.reduce_sum(scaled_dot_product_attention(q, k, v, **kwargs) * c)
+            out = scaled_dot_product_attention(q, k, v, **kwargs_of(*tensors))
+            loss = tf.reduce_sum(out * c)
         return tape.gradient(loss, [q, k, v])
 
-    return lambda: step()[0].numpy()
+    return Fed(lambda *inputs: step(*inputs)[0].numpy(), [q, k, v, c, *tensors])
 
 
 def compare(label, ours, peer, length, rounds, target):
@@ -130,8 +141,9 @@ def table(rows, memory, args):
         f"On {cpu_name()}. "
         f"`keras_sdpa.ops.scaled_dot_product_attention`, forward plus backward, B=1, N={N}, "
         f"H={H}, default block sizes (2048 unmasked, 512 causal or with a mask_mod, 256 for "
-        f"the window of 512). Times: {args.rounds} alternating rounds in one process after one "
-        "warm-up each; ratio = median of the per-round ratios (range in brackets).",
+        f"the window of 512). {NEW_INPUTS} Times: {args.rounds} alternating rounds in one "
+        "process after one warm-up each; ratio = median of the per-round ratios (range in "
+        "brackets).",
         "",
         "| comparison | T=S | ours s | peer s | time ratio | target | met |",
         "|---|---|---|---|---|---|---|",
