@@ -17,9 +17,11 @@ both in alternating rounds. Two suites (`--suite`, both by default):
                `--gqa_length`.
 
 A step is compiled as each backend compiles a training step: `tf.function` on TensorFlow (the
-core is XLA-compiled inside it), `jax.jit` on JAX. The table has one row per case: the median
-of the per-round ratios (this checkout / the commit) and their range. A case the commit cannot
-run (an argument it lacks, a backend it does not support) gets its error as its row.
+core is XLA-compiled inside it), `jax.jit` on JAX. Its tensors are the compiled function's
+arguments, and every timed call gets new values (`common.Fed`: x, or q, k, v and c), drawn
+before its clock starts. The table has one row per case: the median of the per-round ratios
+(this checkout / the commit) and their range. A case the commit cannot run (an argument it
+lacks, a backend it does not support) gets its error as its row.
 
 Usage:
     python benchmarks/against_commit.py --commit b0792b8
@@ -36,6 +38,8 @@ from functools import partial
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (  # noqa: E402
+    NEW_INPUTS,
+    Fed,
     alternate,
     at_least_one,
     command_line,
@@ -75,17 +79,21 @@ def tensor(shape, seed):
     return keras.ops.convert_to_tensor(array)
 
 
-def gradient_step(backend, output, arguments, constants=(), variables=()):
-    """A call of the compiled gradient of `sum(output(*arguments, *constants))` with respect
-    to `arguments` (and, on TensorFlow, the tracked `variables`), which waits for it."""
+def gradient_step(backend, output, inputs, count=None, fixed=(), variables=()):
+    """A `Fed` step (`common.Fed`): the compiled gradient of `sum(output(*fixed, *inputs))`
+    with respect to `fixed` and the first `count` of `inputs` (all by default; and, on
+    TensorFlow, the tracked `variables`), which waits for it. All are arguments of the
+    compiled function: `inputs` get new values before each call, `fixed` (JAX's layer
+    weights) stay as they are."""
+    count = len(inputs) if count is None else count
     if backend == "jax":
         import jax
 
         def loss(*args):
             return output(*args).sum()
 
-        grad = jax.jit(jax.grad(loss, argnums=tuple(range(len(arguments)))))
-        return lambda: jax.block_until_ready(grad(*arguments, *constants))
+        grad = jax.jit(jax.grad(loss, argnums=tuple(range(len(fixed) + count))))
+        return Fed(lambda *args: jax.block_until_ready(grad(*fixed, *args)), inputs)
     import tensorflow as tf
 
     @tf.function(jit_compile=False)
@@ -95,7 +103,7 @@ def gradient_step(backend, output, arguments, constants=(), variables=()):
             out = output(*arguments, *constants)  # its gradient: all ones, as sum(out)'s
         return tape.gradient(out, [*arguments, *variables])
 
-    return lambda: grad(list(arguments), list(constants))[0].numpy()
+    return Fed(lambda *args: grad(list(args[:count]), list(args[count:]))[0].numpy(), inputs)
 
 
 def attention_step(backend, which, length, package):
@@ -105,19 +113,21 @@ def attention_step(backend, which, length, package):
     keras.utils.set_random_seed(0)
     if which == "core":
         q, k, v = (tensor((B, length, N, H), seed) for seed in (2, 3, 4))
-        return gradient_step(backend, package.scaled_dot_product_attention, (q, k, v))
+        return gradient_step(backend, package.scaled_dot_product_attention, [q, k, v])
     x = tensor((B, length, E), 1)
     layer = package.ScaledDotProductAttention(num_heads=N, key_dim=H)
     layer(x, x)
     if backend == "tensorflow":
-        return gradient_step(backend, lambda x: layer(x, x), (x,), (), layer.trainable_variables)
+        return gradient_step(
+            backend, lambda x: layer(x, x), [x], variables=layer.trainable_variables
+        )
     weights = [v.value for v in layer.trainable_variables]
     others = [v.value for v in layer.non_trainable_variables]
 
     def output(weights, x):
         return layer.stateless_call(weights, others, x, x)[0]
 
-    return gradient_step(backend, output, (weights, x))
+    return gradient_step(backend, output, [x], fixed=(weights,))
 
 
 def feature_step(backend, variant, length, window, package):
@@ -134,7 +144,7 @@ def feature_step(backend, variant, length, window, package):
     def output(q, k, v, c):
         return attend(q, k, v, **kwargs) * c
 
-    return gradient_step(backend, output, (q, k, v), (c,))
+    return gradient_step(backend, output, [q, k, v, c], count=3)
 
 
 def cases(args):
@@ -246,9 +256,9 @@ def section_text(args, argv, versions, here, rows):
     return (
         f"## {BACKENDS[args.backend]} float32: this checkout ({here}) against "
         f"{args.commit_id}\n\n"
-        f"Produced by:\n\n    {command}\n\nMachine: {cpu_name()}. {versions}. {args.rounds} "
-        f"alternating rounds of {args.repeats} calls, {'; '.join(sizes)}; ratio = this "
-        "checkout / the commit, median of the rounds, with their range.\n\n"
+        f"Produced by:\n\n    {command}\n\nMachine: {cpu_name()}. {versions}. {NEW_INPUTS} "
+        f"{args.rounds} alternating rounds of {args.repeats} calls, {'; '.join(sizes)}; "
+        "ratio = this checkout / the commit, median of the rounds, with their range.\n\n"
         f"| step | T=S | now ms | {args.commit_id} ms | ratio (range) |\n|---|---|---|---|---|\n"
         + "\n".join(rows)
         + "\n"

@@ -3,12 +3,16 @@
 The classifier is built as `apps.train_sentiment`'s defaults build it (the shipped run's
 configuration, vocabulary, word pairs and triples, read from `saved_models/imdb_sdpa`; dropout
 as in training) and compiled as the app compiles it (its Adam with weight decay,
-`jit_compile=False`). The batches are the app's own: the first `--steps` batches of
-`training_stream` on real IMDB training reviews, each cut to its length bucket; the padded
-twin of each batch is the same reviews padded to `--sequence_length` (512), as every batch was
-before the buckets. Two models with the same weights take the two kinds of batch, in
-alternating rounds in one process; ratio = bucketed / padded, the median of the per-round ratios
-with their range.
+`jit_compile=False`). The batches are the app's own: `training_stream`'s on real IMDB training
+reviews, each cut to its length bucket; the padded twin of each batch is the same reviews
+padded to `--sequence_length` (512), as every batch was before the buckets. Two models with the
+same weights take the two kinds of batch, in alternating rounds in one process; ratio =
+bucketed / padded, the median of the per-round ratios with their range.
+
+No timed step is fed a batch fed before (the rule `common.Fed` keeps for the other scripts):
+the warm-up pass takes the stream's first `--steps` batches, and each round the next `--steps`
+ones, new by construction. So that no round compiles, the warm-up also runs one of its
+batches cut or padded to each width a round has and its own batches lack.
 
 Usage:
     python benchmarks/buckets.py --data_dir ../shared/data/tensorflow_datasets
@@ -75,9 +79,10 @@ def parse_arguments(argv):
 
 
 def load_batches(args, config):
-    """The vectorizer, and the first `--steps` batches of the app's training stream: cut to
-    their length buckets, and the same padded to the configuration's sequence length."""
-    import numpy as np
+    """The vectorizer, and the passes over the app's training stream: the warm-up's, then one
+    per round, each of `--steps` new batches cut to their length buckets (the warm-up's with
+    a batch for each width the rounds have and it lacks), and the same padded to the
+    configuration's sequence length."""
 
     from apps.classifier import data
     from apps.training import batches
@@ -89,25 +94,38 @@ def load_batches(args, config):
     splits = data.load_splits(seed=config["seed"], data_dir=data.resolve_data_dir(args.data_dir))
     ids = data.vectorize(vectorizer, splits.train_text)
     stream = batches.training_stream(ids, splits.train_label, config["batch_size"], config["seed"])
-    bucketed = [(x.numpy(), y.numpy()) for x, y in stream.take(args.steps)]
-    padded = [(np.pad(x, ((0, 0), (0, length - x.shape[1]))), y) for x, y in bucketed]
-    return vectorizer, {"bucketed": bucketed, "padded": padded}
+    taken = [(x.numpy(), y.numpy()) for x, y in stream.take((args.rounds + 1) * args.steps)]
+    passes = [taken[i : i + args.steps] for i in range(0, len(taken), args.steps)]
+    warm = passes[0]
+    missing = {x.shape[1] for run in passes[1:] for x, _ in run} - {x.shape[1] for x, _ in warm}
+    passes[0] = warm + [(resized(warm[0][0], width), warm[0][1]) for width in sorted(missing)]
+    padded = [[(resized(x, length), y) for x, y in run] for run in passes]
+    return vectorizer, {"bucketed": passes, "padded": padded}
+
+
+def resized(ids, width):
+    """Token ids `(B, L)` cut or padded (with zeros, the padding id) to `width` positions."""
+    import numpy as np
+
+    return np.pad(ids, ((0, 0), (0, max(0, width - ids.shape[1]))))[:, :width]
 
 
 def time_batches(args, config, vectorizer, batches):
     """Seconds per step of each kind of batch, two models with the same weights in
-    alternating rounds of one pass over its batches."""
+    alternating rounds of one pass over that round's batches."""
     models = {"bucketed": build(config, vectorizer), "padded": build(config, vectorizer)}
     models["padded"].set_weights(models["bucketed"].get_weights())
 
     def epoch_of(name):
+        passes = iter(batches[name])  # the warm-up's, then each round's
+
         def step():
-            for x, y in batches[name]:
+            for x, y in next(passes):
                 models[name].train_on_batch(x, y)
 
         return step
 
-    # The first call of each traces and compiles every width once.
+    # The first call of each (the warm-up pass) traces and compiles every width.
     seconds = time_alternating({name: epoch_of(name) for name in models}, args.rounds)
     times = {name: [total / args.steps for total in totals] for name, totals in seconds.items()}
     for index in range(args.rounds):
@@ -130,11 +148,14 @@ def section_text(args, config, widths, times):
             "",
             f"On {cpu_name()}. "
             "The shipped configuration (`saved_models/imdb_sdpa/metrics.json`), trained as the "
-            f"app trains it, on the first {args.steps} batches of {config['batch_size']} real IMDB "
-            f"training reviews of `apps.training.batches.training_stream` (mean width "
+            f"app trains it, on batches of {config['batch_size']} real IMDB training reviews "
+            "of `apps.training.batches.training_stream` (mean width "
             f"{statistics.fmean(widths):.0f} tokens), against the same batches padded to {length}; "
             f"{args.rounds} alternating rounds in one process; ratio = median of the per-round "
-            "ratios (bucketed / padded; range in brackets).",
+            "ratios (bucketed / padded; range in brackets). No timed step gets a batch fed "
+            f"before: after a warm-up pass on the stream's first {args.steps} batches (and one "
+            "cut or padded to each width it lacked, so that no round compiles), each round "
+            f"trains on the next {args.steps}, new by construction.",
             "",
             "| batches | ms per step (median) |",
             "|---|---|",
@@ -154,9 +175,9 @@ def main(argv=None):
     with open(os.path.join(RUN, "metrics.json")) as f:
         config = json.load(f)["config"]
     vectorizer, batches = load_batches(args, config)
-    widths = [x.shape[1] for x, _ in batches["bucketed"]]
-    print(f"{args.steps} batches of {config['batch_size']}, widths {sorted(set(widths))}",
-          file=sys.stderr)  # fmt: skip
+    widths = [x.shape[1] for run in batches["bucketed"][1:] for x, _ in run]  # the timed ones
+    print(f"{args.rounds} rounds of {args.steps} batches of {config['batch_size']}, widths "
+          f"{sorted(set(widths))}", file=sys.stderr)  # fmt: skip
     times = time_batches(args, config, vectorizer, batches)
     section = section_text(args, config, widths, times)
     print(section)

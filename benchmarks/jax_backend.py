@@ -12,7 +12,9 @@ Three rows, each ours against its peer with the same weights, both under `jax.ji
 
 Times come from alternating rounds of ours and the peer in this one process (each round
 `--repeats` calls of each, the median); the table gives the median of the per-round ratios
-and their range. Peak memory comes from one child process per implementation.
+and their range. Every timed call gets new input values (`common.Fed`), drawn before its
+clock starts: the layer rows' `x`, the decode row's token and cache. Peak memory comes from
+one child process per implementation.
 
 Usage:
     python benchmarks/jax_backend.py                          # the table
@@ -31,6 +33,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (  # noqa: E402
+    NEW_INPUTS,
+    Fed,
     PeakSampler,
     alternate,
     at_least_one,
@@ -47,7 +51,8 @@ END = "<!-- jax-backend:end -->"
 
 
 def layer_step(impl, batch, length):
-    """A jitted forward plus backward of one attention layer on fixed inputs."""
+    """A jitted forward plus backward of one attention layer, fed a new `x` each call (`Fed`);
+    the weights are arguments too, the same on every call."""
     import jax
     import keras
     import numpy as np
@@ -71,14 +76,16 @@ def layer_step(impl, batch, length):
 
     grad = jax.jit(jax.grad(loss, argnums=(0, 1)))
 
-    def step():
+    def step(x):
         jax.block_until_ready(grad(weights, x))
 
-    return step
+    return Fed(step, [x])
 
 
 def decode_step(impl):
-    """`STEPS` cached one-token calls in one jitted loop; the cache of length DECODE_S."""
+    """`STEPS` cached one-token calls in one jitted loop; the cache of length DECODE_S. A `Fed`
+    step: each call starts from a new token and a new cache (normal values: the cache's
+    template is zeros)."""
     import jax
     import jax.numpy as jnp
     import keras
@@ -117,10 +124,10 @@ def decode_step(impl):
 
     run = jax.jit(generate)
 
-    def step():
+    def step(x, cache):
         jax.block_until_ready(run(weights, x, cache))
 
-    return step
+    return Fed(step, [x, cache])
 
 
 def make(impl, length):
@@ -199,8 +206,10 @@ def main(argv=None):
     header = (
         f"## On Keras's JAX backend (jax {jax.__version__}, CPU)\n\n"
         f"Produced by:\n\n    {command_line(__file__, argv)}\n\nMachine: {cpu_name()}. "
-        f"{args.rounds} alternating rounds of {args.repeats} calls; ratio = ours / peer "
-        "(below 1: ours is faster), median of the rounds, with their range."
+        f"{NEW_INPUTS} {args.rounds} alternating rounds of {args.repeats} calls; ratio = ours "
+        "/ peer (below 1: ours is faster), median of the rounds, with their range. Peak MiB: "
+        "the most resident memory of two calls (each with its inputs drawn) above the level "
+        "before the step was built, compilation included, one child process each."
     )
     text = header + "\n\n" + table(results) + "\n"
     print(text)

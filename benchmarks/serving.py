@@ -16,6 +16,13 @@ signature it reports:
   (25,000 reviews), start-up included: first with an empty XLA cache, then with the programs
   the first run kept.
 
+No timed call is given a batch of text given before (the rule `common.Fed` keeps for the other
+scripts: a compiled program fed the same tensors again can hide a recompilation). Above batch
+1, each round feeds every batch's reviews rotated by the round's number: the same reviews, so
+the same length groups and the XLA programs the warm-up pass compiled, in a new order. At
+batch 1 the warm-up and each round take reviews of their own, and so do the latency blocks
+and the interleaved calls.
+
 Usage:
     python benchmarks/serving.py --data_dir ../shared/data/tensorflow_datasets
     python benchmarks/serving.py --rounds 5 --output BENCHMARKS.md
@@ -37,14 +44,22 @@ START, END = "<!-- serving:start -->", "<!-- serving:end -->"
 SIGNATURES = ("serving_default", "inspect")
 
 
-def rate(signature, texts, batch_size):
-    """Reviews per second through `signature` over `texts`, in order, `batch_size` a call."""
+def rate(signature, texts, batch_size, turn=0):
+    """Reviews per second through `signature` over `texts`, in order, `batch_size` a call,
+    each batch's reviews rotated by `turn` (the same reviews, in another order)."""
     import tensorflow as tf
 
+    batches = [texts[i : i + batch_size] for i in range(0, len(texts), batch_size)]
+    batches = [batch[turn % len(batch) :] + batch[: turn % len(batch)] for batch in batches]
     start = time.perf_counter()
-    for i in range(0, len(texts), batch_size):
-        signature(text=tf.constant(texts[i : i + batch_size]))
+    for batch in batches:
+        signature(text=tf.constant(batch))
     return len(texts) / (time.perf_counter() - start)
+
+
+def reviews_at(texts, start, count):
+    """`count` of `texts` from `start` on, wrapping around at the end."""
+    return [texts[(start + i) % len(texts)] for i in range(count)]
 
 
 def latencies(signature, texts):
@@ -98,18 +113,30 @@ def parse_arguments(argv):
     return args
 
 
-def measure_rates(args, signatures, sample):
-    """`(batch size, reviews, {signature: rates}, ratios)` at batch 256, 32 and 1."""
+def round_reviews(args, texts, batch_size, count, index):
+    """The reviews of the warm-up (`index` 0) or of round `index`, and how far each batch of
+    them is rotated: above batch 1 the first `count`, rotated by `index`; at batch 1 `count`
+    reviews of their own, after the first `--reviews`."""
+    if batch_size > 1:
+        return texts[:count], index
+    return reviews_at(texts, args.reviews + index * count, count), 0
+
+
+def measure_rates(args, signatures, texts):
+    """`(batch size, reviews, {signature: rates}, ratios)` at batch 256, 32 and 1, and where
+    in `texts` the reviews it did not use begin (`round_reviews`: no call repeats a batch)."""
     rows = []
     for batch_size in (256, 32, 1):
         count = args.reviews if batch_size > 1 else min(args.reviews, 256)
+        warm_up, _ = round_reviews(args, texts, batch_size, count, 0)
         for signature in signatures.values():  # warm-up: XLA compiles each shape once
-            rate(signature, sample[:count], batch_size)
+            rate(signature, warm_up, batch_size)
         rates = {name: [] for name in SIGNATURES}
         for index in range(args.rounds):
+            reviews, turn = round_reviews(args, texts, batch_size, count, index + 1)
             order = SIGNATURES if index % 2 == 0 else SIGNATURES[::-1]
             for name in order:
-                rates[name].append(rate(signatures[name], sample[:count], batch_size))
+                rates[name].append(rate(signatures[name], reviews, batch_size, turn))
             print(
                 f"  batch {batch_size}, round {index + 1}/{args.rounds}: "
                 + ", ".join(f"{n} {rates[n][-1]:.0f}/s" for n in SIGNATURES),
@@ -117,19 +144,22 @@ def measure_rates(args, signatures, sample):
             )
         ratios = [a / b for a, b in zip(rates["serving_default"], rates["inspect"])]
         rows.append((batch_size, count, rates, ratios))
-    return rows
+    return rows, args.reviews + (args.rounds + 1) * min(args.reviews, 256)
 
 
-def measure_latencies(args, signatures, reviews):
+def measure_latencies(args, signatures, texts, start):
     """Seconds per one-review call of each signature: in alternating blocks of one signature,
-    and with the two interleaved call by call."""
+    on the `--latency_reviews` reviews of `texts` from `start` on; and with the two
+    interleaved call by call, on as many reviews after those."""
+    reviews = reviews_at(texts, start, args.latency_reviews)
     delays = {name: [] for name in SIGNATURES}  # blocks of one signature
-    for index, start in enumerate(range(0, len(reviews), args.latency_block)):
+    for index, first in enumerate(range(0, len(reviews), args.latency_block)):
         for name in SIGNATURES if index % 2 == 0 else SIGNATURES[::-1]:
             delays[name].extend(
-                latencies(signatures[name], reviews[start : start + args.latency_block])
+                latencies(signatures[name], reviews[first : first + args.latency_block])
             )
     mixed = {name: [] for name in SIGNATURES}  # the two interleaved call by call
+    reviews = reviews_at(texts, start + args.latency_reviews, args.latency_reviews)
     for i, text in enumerate(reviews):
         for name in SIGNATURES if i % 2 == 0 else SIGNATURES[::-1]:
             mixed[name].extend(latencies(signatures[name], [text]))
@@ -168,7 +198,12 @@ def rate_lines(args, rows):
         "probability and computes each review at its length bucket; `inspect` returns the "
         "tokens and every attention weight at 512 positions, as `serving_default` did before. "
         f"{args.rounds} alternating rounds of {args.reviews} reviews (256 at batch 1) after one "
-        "warm-up pass that compiles; ratio = median of the per-round ratios (range).",
+        "warm-up pass that compiles; ratio = median of the per-round ratios (range). No call "
+        "is given a batch of text it was given before (a compiled program fed the same "
+        "tensors again can hide a recompilation): each round feeds every batch's reviews "
+        "rotated by the round's number (the same reviews, so the same length groups and XLA "
+        "programs as the warm-up pass, in a new order); at batch 1 the warm-up and each round "
+        "take reviews of their own.",
         "",
         "| batch | serving_default reviews/s | inspect reviews/s | ratio |",
         "|---|---|---|---|",
@@ -188,8 +223,9 @@ def latency_lines(args, delays, mixed, predict_rows, count):
         "",
         f"One review a call, {args.latency_reviews} reviews: in blocks of {args.latency_block} "
         "calls of one signature, the blocks alternating between the two (a service that "
-        "serves one); and interleaved call by call (a service that mixes them, each call "
-        "finding the caches the other left):",
+        "serves one); and interleaved call by call, on another "
+        f"{args.latency_reviews} reviews, so that no signature is given a review twice (a "
+        "service that mixes them, each call finding the caches the other left):",
         "",
         "| signature | p50 ms | p99 ms | interleaved p50 ms | interleaved p99 ms |",
         "|---|---|---|---|---|",
@@ -225,9 +261,8 @@ def main(argv=None):
     texts = list(tfds.as_numpy(builder.as_dataset(split="test", batch_size=-1))["text"])
     loaded = tf.saved_model.load(args.model)
     signatures = {name: loaded.signatures[name] for name in SIGNATURES}
-    rows = measure_rates(args, signatures, texts[: args.reviews])
-    reviews = texts[args.reviews : args.reviews + args.latency_reviews]
-    delays, mixed = measure_latencies(args, signatures, reviews)
+    rows, unused = measure_rates(args, signatures, texts)
+    delays, mixed = measure_latencies(args, signatures, texts, unused)
     predict_rows = [] if args.skip_predict else measure_predict(args, texts)
     assert "keras_sdpa" not in sys.modules, "the benchmark imported keras_sdpa"
 

@@ -12,6 +12,11 @@ same weights:
 - GPT-2 (the same sizes), keras-hub's own `generate` (jit-compiled prefill and cache loop), per
   new token: 8 prompt tokens and `--new_tokens` new ones, greedy.
 
+Every timed call gets new inputs, drawn before its clock starts (`common.Fed`): the models'
+inputs and `c` are arguments of the compiled step, not tensors it captures. A batch of one
+row gains nothing from `Fed`'s rotation over the batch, so the token ids (BERT's, GPT-2's
+prompt) are new random ones each call; the image and `c` are drawn anew.
+
 Times: alternating rounds in one process after one call that compiles; ratio = median of the
 per-round ratios (swapped / stock; range in brackets). Peak MiB: resident memory during the first
 call above the level after building the model, one child process per model, length and variant
@@ -30,55 +35,94 @@ import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import at_least_one, cpu_name, replace_section, time_alternating  # noqa: E402
+from common import (  # noqa: E402
+    NEW_INPUTS,
+    Fed,
+    at_least_one,
+    cpu_name,
+    replace_section,
+    time_alternating,
+)
 
 START, END = "<!-- swap:start -->", "<!-- swap:end -->"
 WIDTH, HEADS, LAYERS = 128, 2, 2
-PROMPT = 8
+PROMPT, VOCABULARY = 8, 1000
+
+
+class NewIds(Fed):
+    """A `Fed` step whose first input holds token ids of a batch of one row, where rotating
+    over the batch would change nothing: each draw gives every nonzero id a new random one
+    (1 to `VOCABULARY - 1`), zeros (padding) kept; the other inputs as `Fed` draws them."""
+
+    def draw(self):
+        import keras
+        import numpy as np
+
+        inputs = super().draw()
+        ids = self.arrays[0]
+        fresh = self.rng.integers(1, VOCABULARY, ids.shape)
+        self.arrays[0] = np.where(ids != 0, fresh, 0).astype(ids.dtype)
+        inputs[0] = keras.ops.convert_to_tensor(self.arrays[0], str(ids.dtype))
+        return inputs
 
 
 def build(family, length, swapped):
-    """A keras-hub model and its one step (a callable), stock or swapped."""
+    """A keras-hub model's step, stock or swapped: a `Fed` step (`NewIds` where it takes token
+    ids), whose ids, image and cotangent are new on every call."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     import keras
+
+    keras.utils.set_random_seed(0)
+    if family == "gpt2":
+        return gpt2_step(length, swapped)
+    return gradient_step(family, length, swapped)
+
+
+def gpt2_step(length, swapped):
+    """keras-hub's own `generate` of GPT-2, a new random prompt of `PROMPT` ids each call."""
+    import numpy as np
+    from keras_hub.src.models.gpt2.gpt2_backbone import GPT2Backbone
+    from keras_hub.src.models.gpt2.gpt2_causal_lm import GPT2CausalLM
+
+    import keras_sdpa
+
+    backbone = GPT2Backbone(
+        vocabulary_size=VOCABULARY, num_layers=LAYERS, num_heads=HEADS, hidden_dim=WIDTH,
+        intermediate_dim=4 * WIDTH, max_sequence_length=length, dropout=0.0,
+    )  # fmt: skip
+    model = GPT2CausalLM(backbone=backbone, preprocessor=None)
+    model.compile(sampler="greedy")
+    if swapped:
+        keras_sdpa.replace_attention(model)
+    ids = np.zeros((1, length), "int32")
+    ids[0, :PROMPT] = np.arange(1, PROMPT + 1)
+
+    def generate(ids, padding_mask):
+        prompt = {"token_ids": ids, "padding_mask": padding_mask}
+        return np.asarray(model.generate(prompt, stop_token_ids=None)["token_ids"])
+
+    return NewIds(generate, [ids, ids != 0])
+
+
+def gradient_step(family, length, swapped):
+    """BERT's or ViT's forward plus backward: the gradient of `sum(output * c)` with respect
+    to every weight, the inputs and `c` arguments of the `tf.function`."""
     import numpy as np
     import tensorflow as tf
 
     import keras_sdpa
 
-    keras.utils.set_random_seed(0)
-    if family == "gpt2":
-        from keras_hub.src.models.gpt2.gpt2_backbone import GPT2Backbone
-        from keras_hub.src.models.gpt2.gpt2_causal_lm import GPT2CausalLM
-
-        backbone = GPT2Backbone(
-            vocabulary_size=1000, num_layers=LAYERS, num_heads=HEADS, hidden_dim=WIDTH,
-            intermediate_dim=4 * WIDTH, max_sequence_length=length, dropout=0.0,
-        )  # fmt: skip
-        model = GPT2CausalLM(backbone=backbone, preprocessor=None)
-        model.compile(sampler="greedy")
-        if swapped:
-            keras_sdpa.replace_attention(model)
-        ids = np.zeros((1, length), "int32")
-        ids[0, :PROMPT] = np.arange(1, PROMPT + 1)
-        prompt = {"token_ids": ids, "padding_mask": ids != 0}
-
-        def generate():
-            out = model.generate(prompt, stop_token_ids=None)["token_ids"]
-            return np.asarray(out)
-
-        return generate
     if family == "bert":
         from keras_hub.src.models.bert.bert_backbone import BertBackbone
 
         model = BertBackbone(
-            vocabulary_size=1000, num_layers=LAYERS, num_heads=HEADS, hidden_dim=WIDTH,
+            vocabulary_size=VOCABULARY, num_layers=LAYERS, num_heads=HEADS, hidden_dim=WIDTH,
             intermediate_dim=4 * WIDTH, max_sequence_length=length, dropout=0.0,
         )  # fmt: skip
-        ids = tf.constant(np.random.default_rng(0).integers(1, 1000, (1, length)), tf.int32)
-        mask = tf.range(length)[None] < length - length // 8  # the last eighth is padding
-        inputs = {"token_ids": ids, "segment_ids": tf.zeros_like(ids), "padding_mask": mask}
-        output = "sequence_output"
+        ids = np.random.default_rng(0).integers(1, VOCABULARY, (1, length)).astype("int32")
+        mask = np.arange(length)[None] < length - length // 8  # the last eighth is padding
+        names, inputs = ("token_ids", "segment_ids", "padding_mask"), [ids, 0 * ids, mask]
+        tokens, output = length, "sequence_output"
     else:
         from keras_hub.src.models.vit.vit_backbone import ViTBackbone
 
@@ -86,23 +130,27 @@ def build(family, length, swapped):
             image_shape=(length, length, 3), patch_size=16, num_layers=LAYERS, num_heads=HEADS,
             hidden_dim=WIDTH, mlp_dim=4 * WIDTH,
         )  # fmt: skip
-        inputs = tf.random.uniform((1, length, length, 3), seed=1)
-        output = None
+        names, inputs = None, [np.random.default_rng(1).uniform(size=(1, length, length, 3))]
+        inputs[0] = inputs[0].astype("float32")
+        tokens, output = (length // 16) ** 2 + 1, None  # the patches and the class token
     if swapped:
         keras_sdpa.replace_attention(model, flash_attention=True)
+    c = np.random.default_rng(2).standard_normal((1, tokens, WIDTH)).astype("float32")
 
     @tf.function
-    def step():
+    def step(*args):  # the model's inputs, then c
+        args, c = args[:-1], args[-1]
         with tf.GradientTape() as tape:
-            out = model(inputs)
-            out = out[output] if output else out
-            c = tf.random.stateless_normal(tf.shape(out), seed=[0, 2])  # the same c each call
-            loss = tf.reduce_sum(out * c)
+            out = model(dict(zip(names, args)) if names else args[0])
+            loss = tf.reduce_sum((out[output] if output else out) * c)
         grads = tape.gradient(loss, model.trainable_weights)
         # One scalar that needs every gradient, so that a call waits for all of them.
         return tf.add_n([tf.reduce_sum(tf.convert_to_tensor(g)) for g in grads if g is not None])
 
-    return lambda: step().numpy()
+    def run(*args):
+        return step(*args).numpy()
+
+    return (NewIds if names else Fed)(run, [*inputs, c])
 
 
 def peak_mib(family, length, swapped, timeout=1800):
@@ -170,6 +218,8 @@ def main(argv=None):
         "`keras_sdpa.replace_attention(model, flash_attention=True)` (GPT-2: "
         "`replace_attention(model)`, whose cached calls take the decode path) with the same "
         f"weights; `tf.function` steps in graph mode, GPT-2 through its own `generate`. "
+        f"{NEW_INPUTS} Here, with batches of one, the token ids (BERT's, GPT-2's prompt) are "
+        "new random ids each call, the image and the cotangent `c` new normal values. "
         f"{args.rounds} alternating rounds in one process after a call that compiles; ratio = "
         "median of the per-round ratios (swapped / stock; range in brackets). Peak MiB: "
         "resident memory during the first call above the level after building the model, one "
