@@ -69,7 +69,7 @@ def update(cache, index, key, new_keys_and_values):
 
 def attend(
     q, keys, values, offset, attention_mask, attention_bias, use_causal_mask, mask_mod, *,
-    score_mod, sliding_window, num_heads, dtype, **core,
+    score_mod, sliding_window, num_heads, **core,
 ):  # fmt: skip
     """The core on the projected queries `q` `(B, T, N, H)` against the cached `keys` and
     `values` `(B, S, K, H)`, the queries starting at `offset` `(B,)`: the causal mask, the
@@ -85,7 +85,8 @@ def attend(
     mods.check_heads(score_mod, num_heads)
     positioned = Positioned(offset, bool(use_causal_mask), sliding_window, mask_mod, score_mod)
     mask = _layer_masks.to_core(attention_mask)  # (B|1, N|1, T, S)
-    bias = None if attention_bias is None else keras.ops.cast(attention_bias, dtype)
+    # The bias in its own precision: the core adds it to float32 logits under mixed precision.
+    bias = None if attention_bias is None else keras.ops.convert_to_tensor(attention_bias)
     result = ops.attend(
         q,
         keras.ops.cast(keys, q.dtype),

@@ -109,6 +109,18 @@ class Flattener:
         t, s = self._sizes(q, self.axes), self._sizes(v, self.axes)
         return keras.ops.reshape(x, (batch, heads, t, s))
 
+    def bias(self, x, num_heads):
+        """An additive bias to the core's `(B'|1, N|1, T|1, S|1)`, broadcast by NumPy's rules.
+
+        Unlike a mask (MHA reads a rank-3 mask as `(B, T, S)`), a bias of lower rank gains
+        leading axes: `(N, T, S)` (ALiBi's, T5's), `(T, S)` and `(S,)` broadcast as NumPy
+        broadcasts them to `(B, N, T, S)`, as `keras_sdpa.scaled_dot_product_attention` does.
+        """
+        full_rank = 1 + len(self.batch_axes) + 1 + 2 * len(self.axes)
+        while len(x.shape) < full_rank:
+            x = keras.ops.expand_dims(x, 0)
+        return self.scores(x, num_heads, "attention_bias")
+
     def weights(self, weights):
         """`(B', N, T, S)` to MHA's `(B, *batch dims, N, *query axes, *key axes)`."""
         if self.trivial:

@@ -83,7 +83,9 @@ class ScaledDotProductAttention(keras.layers.Layer):
             `(T, S)`, `(B, T, S)`, `(B, 1, T, S)` or per head `(B, N, T, S)`
             (for higher ranks, MHA's layout without or with the head axis).
         attention_bias: optional float tensor broadcastable to the scores
-            `(B, N, T, S)` (for rank 3), added to the scaled logits.
+            `(B, N, T, S)` (for rank 3) by NumPy's rules, so `(N, T, S)`, `(T, S)` and
+            `(S,)` too, added to the scaled logits in float32 under a mixed precision
+            policy (never rounded to the compute dtype).
         return_attention_scores: if `True`, also return the attention weights
             (before dropout), `(B, N, T, S)` for rank-3 inputs.
         training: whether dropout is active.
@@ -164,6 +166,12 @@ class ScaledDotProductAttention(keras.layers.Layer):
     def __call__(self, *args, **kwargs):
         if self._replaces is not None:  # bound by the replaced class's call, in its order
             args, kwargs = stand_in.by_name(self._call_signature, args, kwargs)
+        bias = kwargs.get("attention_bias")
+        if bias is not None and self.autocast and not keras.backend.is_keras_tensor(bias):
+            # Keras casts every float argument to the compute dtype; under mixed precision the
+            # bias would round to float16 or bfloat16 (a -1e9 mask to -inf) before the core
+            # adds it to float32 logits. It passes Keras's conversion wrapped.
+            kwargs["attention_bias"] = _KeptPrecision(bias)
         return super().__call__(*args, **kwargs)
 
     @property
@@ -255,6 +263,8 @@ class ScaledDotProductAttention(keras.layers.Layer):
         use_causal_mask=False, segment_ids=None, cache=None, cache_update_index=None,
     ):  # fmt: skip
         key = value if key is None else key
+        if isinstance(attention_bias, _KeptPrecision):
+            attention_bias = attention_bias.value
         query_mask = stand_in.query_mask(self.replaces, query, query_mask)
         projections = (self._query_dense, self._value_dense, self._key_dense)
         widths = [dense.kernel.shape[0] for dense in projections]  # the inputs' widths
@@ -338,7 +348,7 @@ class ScaledDotProductAttention(keras.layers.Layer):
         out, weights, mask = _cache.attend(
             q, keys, values, offset, attention_mask, attention_bias, use_causal_mask, mask_mod,
             score_mod=self.score_mod, sliding_window=self.sliding_window,
-            num_heads=self.num_heads, dtype=self.compute_dtype,
+            num_heads=self.num_heads,
             **self._core_options(training, return_attention_scores),
         )  # fmt: skip
         out, weights = _layer_masks.zero_rows(out, weights, query_mask)
@@ -445,10 +455,10 @@ class ScaledDotProductAttention(keras.layers.Layer):
         mask = _layer_masks.to_core(attention_mask, flat, self.num_heads)  # (B', N|1, T, S)
         bias = None
         if attention_bias is not None:
+            # In its own precision: the core adds it to the float32 logits of half-precision
+            # inputs (cast to float16 first, a -1e9 mask became -inf and a row of them NaN).
             attention_bias = keras.ops.convert_to_tensor(attention_bias)
-            if keras.backend.is_float_dtype(attention_bias.dtype):
-                attention_bias = keras.ops.cast(attention_bias, self.compute_dtype)
-            bias = flat.scores(attention_bias, self.num_heads, "attention_bias")
+            bias = flat.bias(attention_bias, self.num_heads)  # (B'|1, N|1, T|1, S|1)
         result = ops.attend(
             flat.inputs(query, "query"),
             flat.inputs(key, "value"),
@@ -496,3 +506,10 @@ class ScaledDotProductAttention(keras.layers.Layer):
     @classmethod
     def from_config(cls, config):
         return cls(**_arguments.from_config(config))
+
+
+class _KeptPrecision:
+    """An `attention_bias` that Keras's input conversion passes unchanged (`__call__`)."""
+
+    def __init__(self, value):
+        self.value = value
