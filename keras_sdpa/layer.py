@@ -219,6 +219,10 @@ class ScaledDotProductAttention(keras.layers.Layer):
         A fresh initializer per projection, so that seeded initializers do not give every
         projection the same kernel."""
 
+        adopted = getattr(self, "_adopted_projections", None)  # set by the swap, for a build
+        if adopted is not None and adopted(name) is not None:
+            return adopted(name)  # the replaced layer's own (LoRA, quantized) sublayer
+
         def fresh(initializer):
             return initializer.__class__.from_config(initializer.get_config())
 

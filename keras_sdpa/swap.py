@@ -162,6 +162,14 @@ def _swap(old, extra):
     new._parent_path = old._parent_path  # its variables' paths are the old ones'
     if not old.built:
         return new
+    adapted = _adapted_projections(old)
+    if adapted:
+        # LoRA or quantized projections hold more than a kernel and a bias (the low-rank
+        # factors; the int8 kernel and its scale): the new layer takes them as they are.
+        new._adopted_projections = adapted.get
+        new.build_from_config(old.get_build_config())
+        del new._adopted_projections
+        return new
     new.build_from_config(old.get_build_config())
     want = [tuple(w.shape) for w in old.weights]
     got = [tuple(w.shape) for w in new.weights]
@@ -183,6 +191,19 @@ def _swap(old, extra):
     for before, after in zip(old.weights, new.weights):
         after.trainable = before.trainable
     return new
+
+
+def _adapted_projections(old):
+    """`{name: sublayer}` of `old`'s projections when one of them is LoRA-enabled or quantized
+    (`keras.layers.EinsumDense.enable_lora`, `.quantize`), else `{}`."""
+    projections = [getattr(old, name, None) for name in _PROJECTIONS]
+    projections = [dense for dense in projections if dense is not None]
+    if not any(
+        getattr(dense, "lora_enabled", False) or getattr(dense, "quantization_mode", None)
+        for dense in projections
+    ):
+        return {}
+    return {dense.name: dense for dense in projections}
 
 
 _COMPILED = ("train_function", "test_function", "predict_function", "generate_function")

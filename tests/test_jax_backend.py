@@ -20,7 +20,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ON_BOTH = ["tests/test_on_both_backends.py"]
 KERAS_AND_SWAP = [
     "tests/test_keras_suites.py", "tests/test_swap.py", "tests/test_swap_exact.py",
-    "tests/test_swap_families.py",
+    "tests/test_swap_families.py", "tests/test_swap_adapted.py",
 ]  # fmt: skip
 BOTH_BACKENDS = ON_BOTH + KERAS_AND_SWAP
 # What does not run on JAX, and why.
