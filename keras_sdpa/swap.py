@@ -23,7 +23,7 @@ import warnings
 
 import keras
 
-from keras_sdpa import _plan, _references, _scope
+from keras_sdpa import _kernels, _plan, _references, _scope
 from keras_sdpa.layer import ScaledDotProductAttention
 
 # The classes as Keras defines them, read before any scope patches their public names.
@@ -83,6 +83,8 @@ class AttentionReport:
     Attributes:
         swapped: `(path, class name)` of each layer put in this layer's place: every one is
             held, and called, where the old one was.
+        kernels: `(path, class name)` of each layer of a family's own attention class that
+            stays, with its kernel (`_compute_attention`) run on the core (`_kernels.py`).
         left: `(path, class name, reason)` of each attention layer left as it was.
         shared: `(holder name, path)` of each layer outside `model` that held a swapped
             layer too (another model built on the same layers), and now holds the new one.
@@ -92,6 +94,7 @@ class AttentionReport:
     """
 
     swapped: list = dataclasses.field(default_factory=list)
+    kernels: list = dataclasses.field(default_factory=list)
     left: list = dataclasses.field(default_factory=list)
     shared: list = dataclasses.field(default_factory=list)
     reset: list = dataclasses.field(default_factory=list)
@@ -99,6 +102,9 @@ class AttentionReport:
     def __str__(self):
         lines = [f"Swapped {len(self.swapped)} attention layer(s) for ScaledDotProductAttention"]
         lines += [f"  {path} ({name})" for path, name in self.swapped]
+        if self.kernels:
+            lines.append(f"Kernel swapped in {len(self.kernels)} layer(s) of their own class:")
+            lines += [f"  {path} ({name})" for path, name in self.kernels]
         if self.shared:
             lines.append(f"Also swapped where {len(self.shared)} other layer(s) held them:")
             lines += [f"  {holder}: {path}" for holder, path in self.shared]
@@ -144,7 +150,7 @@ def _why_left(layer, swappable):
                 "its weights or outputs would differ"
             )
     if _is_attention(layer):
-        return (
+        return _kernels.LEFT.get(type(layer).__name__) or (
             "its own attention class, not a MultiHeadAttention, GroupQueryAttention or "
             "CachedMultiHeadAttention"
         )
@@ -283,7 +289,7 @@ def replace_attention(model, flash_attention=None, **layer_options):
     _check_options(flash_attention, layer_options)
     extra = _overrides(flash_attention, layer_options)
     swappable, report = _swappable(), AttentionReport()
-    found, visited = _find(model, swappable, report)
+    found, visited, kernels = _find(model, swappable, report)
     olds = {id(old): (old, path) for _, old, path in found}
     # Where else they are held (another model built on the same layers): `(holder, old,
     # path)`. Every place is checked, and every new layer made, before anything changes.
@@ -298,6 +304,8 @@ def replace_attention(model, flash_attention=None, **layer_options):
         report.swapped.append((path, type(old).__name__))
     for parent, old, _ in found + shared:
         _references.replace(parent, old, swapped[id(old)])
+    for layer in kernels:
+        _kernels.swap(layer)
     report.shared = [(holder.name, path) for holder, _, path in shared]
     for layer in visited.values():
         _reset_compiled(layer)  # `model` and every layer inside it
@@ -312,7 +320,7 @@ def replace_attention(model, flash_attention=None, **layer_options):
 def _find(model, swappable, report):
     """Walks `model`: the `(parent, layer, path)` of each layer to swap, and every layer
     walked by id. Fills `report.left`."""
-    found, visited = [], {}
+    found, visited, kernels = [], {}, []
 
     def visit(parent, path):
         if id(parent) in visited:
@@ -321,7 +329,11 @@ def _find(model, swappable, report):
         for child in _references.sublayers(parent):
             where = f"{path}/{child.name}"
             why = _why_left(child, swappable)
-            if type(child) in swappable and why is None:
+            if _kernels.family_of(child) is not None:
+                if not _kernels.is_swapped(child):
+                    report.kernels.append((where, type(child).__name__))
+                    kernels.append(child)
+            elif type(child) in swappable and why is None:
                 found.append((parent, child, where))
             elif why is not None and not _sublayers_hold_attention(child, swappable):
                 report.left.append((where, type(child).__name__, why))
@@ -329,7 +341,7 @@ def _find(model, swappable, report):
                 visit(child, where)
 
     visit(model, model.name)
-    return found, visited
+    return found, visited, kernels
 
 
 def _warn_on_config(model):

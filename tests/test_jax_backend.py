@@ -21,6 +21,7 @@ ON_BOTH = ["tests/test_on_both_backends.py"]
 KERAS_AND_SWAP = [
     "tests/test_keras_suites.py", "tests/test_swap.py", "tests/test_swap_exact.py",
     "tests/test_swap_families.py", "tests/test_swap_adapted.py",
+    "tests/test_swap_kernels.py",
 ]  # fmt: skip
 BOTH_BACKENDS = ON_BOTH + KERAS_AND_SWAP
 # What does not run on JAX, and why.

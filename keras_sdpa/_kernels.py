@@ -1,0 +1,198 @@
+"""Kernel swaps: a keras-hub family keeps its own attention class, and its kernel runs on the core.
+
+Keras's attention classes are swapped whole for `ScaledDotProductAttention` (`swap.py`). The
+decoder families (Llama, Mistral, Gemma, Qwen, Phi-3, ...) write their own attention class:
+their projections, rotary embeddings, query/key norms, LoRA and quantized kernels and cache
+bookkeeping stay as they are, and only the method that computes
+`softmax(scale * Q K^T + masks) V`, `_compute_attention`, runs on
+`keras_sdpa.scaled_dot_product_attention`. Every such class reaches it with `(query, key,
+value, attention_mask)`: queries `(B, T, N, H)`, keys and values `(B, S, N|K, H)` (repeated to
+`N` heads by the family, or grouped), and a `(B, T, S)` mask, True or 1 where allowed.
+
+What differs between families is a row of `FAMILIES`: the scale, whether the stock kernel
+narrows the mask to a sliding window (with the family's own `_mask_sliding_window`), the logit
+soft cap, the dropout it applies to the weights, and whether the stock kernel is Keras's fused
+`ops.dot_product_attention` (on JAX), which gives a fully masked query row the mean of the
+values where the core gives zeros. The swap reproduces what the stock kernel computes, the
+fused path's choices included, so that the swapped model gives the stock model's outputs.
+"""
+
+import dataclasses
+import types
+
+from keras import ops
+
+from keras_sdpa import ops as core
+
+
+def _fused_available(layer):
+    """keras-hub's own test: Keras's fused op on JAX and torch (any device), never TensorFlow."""
+    from keras_hub.src.utils.keras_utils import fused_attention_op_available
+
+    return fused_attention_op_available()
+
+
+def _own_fused_test(layer):
+    """The class's own `_use_fused_attention_op()` (no dropout, a GPU or TPU)."""
+    return layer._use_fused_attention_op()
+
+
+def _never(layer):
+    return False
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """How one attention class's stock kernel computes.
+
+    Attributes:
+        scale: the logit scale, from the layer.
+        fused: whether the stock kernel runs Keras's fused `ops.dot_product_attention` now.
+        window: whether the stock kernel narrows the mask with `layer._mask_sliding_window`
+            (on its unfused path only, unless `window_when_fused`).
+        window_when_fused: the window applies on the fused path too (Gemma's).
+        soft_cap: the logit soft cap, or None.
+        dropout: the `keras.layers.Dropout` the stock kernel applies to the weights, or None.
+    """
+
+    scale: object
+    fused: object = _never
+    window: object = _never
+    window_when_fused: bool = False
+    soft_cap: object = lambda layer: None
+    dropout: object = lambda layer: None
+
+
+def _inv_norm(layer):
+    return layer._inv_norm_factor
+
+
+def _gemma_scale(layer):
+    width = (
+        layer.head_dim
+        if layer.query_head_dim_normalize
+        else (layer.hidden_dim // layer.num_query_heads)
+    )
+    return 1.0 / float(width) ** 0.5
+
+
+def _qwen_window(layer):
+    return bool(layer.use_sliding_window_attention)
+
+
+def _qwen3_window(layer):
+    return bool(layer.sliding_window_size)
+
+
+def _gemma_window(layer):
+    return bool(layer.use_sliding_window_attention)
+
+
+LLAMA_LIKE = Family(scale=_inv_norm, fused=_fused_available)
+QWEN = Family(scale=_inv_norm, fused=_fused_available, window=_qwen_window)
+QWEN3 = Family(scale=_inv_norm, fused=_fused_available, window=_qwen3_window)
+GEMMA = Family(
+    scale=_gemma_scale,
+    fused=_own_fused_test,
+    window=_gemma_window,
+    window_when_fused=True,
+    soft_cap=lambda layer: layer.logit_soft_cap,
+    dropout=lambda layer: layer.dropout_layer if layer.dropout else None,
+)
+
+# The classes by their module and name (imported only when a model holds one).
+_MODELS = "keras_hub.src.models"
+FAMILIES = {
+    f"{_MODELS}.llama.llama_attention.LlamaAttention": LLAMA_LIKE,
+    f"{_MODELS}.mistral.mistral_attention.CachedMistralAttention": LLAMA_LIKE,
+    f"{_MODELS}.mixtral.mixtral_attention.CachedMixtralAttention": dataclasses.replace(
+        LLAMA_LIKE, fused=_own_fused_test
+    ),
+    f"{_MODELS}.phi3.phi3_attention.Phi3Attention": LLAMA_LIKE,
+    f"{_MODELS}.qwen.qwen_attention.QwenAttention": QWEN,
+    f"{_MODELS}.qwen_moe.qwen_moe_attention.QwenMoeAttention": dataclasses.replace(
+        QWEN, fused=_own_fused_test
+    ),
+    f"{_MODELS}.qwen3.qwen3_attention.Qwen3Attention": QWEN3,
+    f"{_MODELS}.qwen3_moe.qwen3_moe_attention.Qwen3MoeAttention": QWEN3,
+    f"{_MODELS}.smollm3.smollm3_layers.SmolLM3Attention": QWEN3,
+    f"{_MODELS}.gpt_neo_x.gpt_neo_x_attention.GPTNeoXAttention": Family(
+        scale=_inv_norm,
+        fused=lambda layer: _fused_available(layer) and layer.dropout == 0,
+        dropout=lambda layer: layer._dropout_layer if layer.dropout else None,
+    ),
+    f"{_MODELS}.gemma.gemma_attention.CachedGemmaAttention": GEMMA,
+    f"{_MODELS}.gemma3.gemma3_attention.CachedGemma3Attention": GEMMA,
+}
+
+# Attention classes left as they are, by class name, with the reason the report gives.
+LEFT = {
+    "DisentangledAttentionEncoder": "DeBERTa-v3's disentangled attention adds content-to-"
+    "position and position-to-content scores, which the core does not compute",
+    "TwoStreamRelativeAttention": "XLNet's two-stream relative attention, which the core does "
+    "not compute",
+    "GptOssAttention": "its attention sinks (a learned logit per head that takes weight but "
+    "no value), which the core does not take",
+    "T5MultiHeadAttention": "its kernel is written inside `call` (not `_compute_attention`), "
+    "with the relative-position bias it passes to the next layer: not swapped yet",
+    "FalconAttention": "its kernel, with ALiBi, is written inside `call` (not "
+    "`_compute_attention`): not swapped yet",
+    "BloomAttention": "its kernel, with ALiBi, is written inside `call` (not "
+    "`_compute_attention`): not swapped yet",
+}
+
+
+def family_of(layer):
+    """The `Family` of `layer`'s exact class, or None."""
+    cls = type(layer)
+    return FAMILIES.get(f"{cls.__module__}.{cls.__qualname__}")
+
+
+def swap(layer):
+    """Runs `layer`'s kernel on the core from now on: `_compute_attention`, on this instance."""
+    layer._compute_attention = types.MethodType(_compute_attention, layer)
+
+
+def is_swapped(layer):
+    method = layer.__dict__.get("_compute_attention")
+    return getattr(method, "__func__", None) is _compute_attention
+
+
+def _compute_attention(
+    self, query, key, value, attention_mask=None, training=False, cache_update_index=0, **kwargs
+):
+    """The stock kernel's result, computed by `keras_sdpa.scaled_dot_product_attention`."""
+    family = family_of(self)
+    fused = family.fused(self)
+    mask = attention_mask
+    if mask is not None and family.window(self) and (not fused or family.window_when_fused):
+        index = 0 if cache_update_index is None else cache_update_index
+        mask = self._mask_sliding_window(mask, cache_update_index=index)
+    if mask is not None:
+        mask = ops.cast(mask, "bool")[:, None]  # (B, 1, T, S)
+    dropout = family.dropout(self)
+    out = core.scaled_dot_product_attention(
+        query,
+        key,
+        value,
+        mask,
+        scale=family.scale(self),
+        attn_logits_soft_cap=family.soft_cap(self),
+        dropout_rate=0.0 if dropout is None else dropout.rate,
+        training=training if dropout is not None else False,
+        seed=None if dropout is None else dropout.seed_generator.next(),
+    )  # (B, T, N, H)
+    if fused and mask is not None:
+        out = _fused_rows(out, value, mask)
+    return out
+
+
+def _fused_rows(out, value, mask):
+    """Keras's fused op (XLA's implementation) gives a fully masked query row uniform
+    weights, the mean of the values, where the core gives zeros."""
+    heads, kv_heads = ops.shape(out)[2], ops.shape(value)[2]
+    mean = ops.mean(value, axis=1, keepdims=True)  # (B, 1, K, H)
+    if heads != kv_heads:
+        mean = ops.repeat(mean, heads // kv_heads, axis=2)  # (B, 1, N, H)
+    rows = ops.transpose(ops.any(mask, axis=-1), (0, 2, 1))[..., None]  # (B, T, 1, 1)
+    return ops.where(rows, out, ops.cast(mean, out.dtype))

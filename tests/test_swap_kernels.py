@@ -1,0 +1,138 @@
+"""`replace_attention` on the decoder families that write their own attention class: the class
+stays (projections, rotary embeddings, norms, cache) and its kernel runs on the core.
+
+The differential harness of tests/test_swap_families.py: each family built tiny from its
+constructor, twice, the stock model the reference. The forward pass, every output within 1e-5
+of its scale, without padding, with padding and with a row of padding only (default tier), and
+greedy `generate` giving the stock tokens for the families whose causal LM builds with
+`preprocessor=None` (large). Each family's options that reach its kernel are set: GQA, Gemma 2's
+soft cap and sliding window, Mistral's and Qwen's windows. A spy on the core proves that the
+swapped kernels ran on it (the stock kernels would give the same numbers).
+"""
+
+import collections
+import functools
+
+import keras
+import numpy as np
+import pytest
+from keras_hub.src.models.gemma.gemma_backbone import GemmaBackbone
+from keras_hub.src.models.gemma.gemma_causal_lm import GemmaCausalLM
+from keras_hub.src.models.gemma3.gemma3_backbone import Gemma3Backbone
+from keras_hub.src.models.gpt_neo_x.gpt_neo_x_backbone import GPTNeoXBackbone
+from keras_hub.src.models.gpt_neo_x.gpt_neo_x_causal_lm import GPTNeoXCausalLM
+from keras_hub.src.models.llama.llama_backbone import LlamaBackbone
+from keras_hub.src.models.llama.llama_causal_lm import LlamaCausalLM
+from keras_hub.src.models.mistral.mistral_backbone import MistralBackbone
+from keras_hub.src.models.mistral.mistral_causal_lm import MistralCausalLM
+from keras_hub.src.models.mixtral.mixtral_backbone import MixtralBackbone
+from keras_hub.src.models.phi3.phi3_backbone import Phi3Backbone
+from keras_hub.src.models.qwen.qwen_backbone import QwenBackbone
+from keras_hub.src.models.qwen.qwen_causal_lm import QwenCausalLM
+from keras_hub.src.models.qwen3.qwen3_backbone import Qwen3Backbone
+from keras_hub.src.models.qwen3_moe.qwen3_moe_backbone import Qwen3MoeBackbone
+from keras_hub.src.models.qwen_moe.qwen_moe_backbone import QwenMoeBackbone
+from test_swap import twins
+from test_swap_families import PADDING, VOCAB, assert_same_outputs, feed, prompts
+
+import keras_sdpa
+from keras_sdpa import ops as core
+
+partial = functools.partial
+DECODER = dict(vocabulary_size=VOCAB, num_layers=2, hidden_dim=16, intermediate_dim=32)
+GQA = dict(DECODER, num_query_heads=4, num_key_value_heads=2)
+# Windows of 3 keys and a soft cap of 2: smaller than the inputs and the logits, so they count.
+GEMMA2 = dict(
+    GQA, head_dim=8, attention_logit_soft_cap=2.0, use_sliding_window_attention=True,
+    sliding_window_size=3, query_head_dim_normalize=False,
+)  # fmt: skip
+MOE = dict(GQA, num_experts=2, top_k=1)
+
+FAMILIES = {
+    # name: (backbone, the attention class, its causal LM or None)
+    "llama": (partial(LlamaBackbone, **GQA), "LlamaAttention", LlamaCausalLM),
+    "mistral": (partial(MistralBackbone, **GQA, sliding_window=3), "CachedMistralAttention",
+                MistralCausalLM),
+    "mixtral": (partial(MixtralBackbone, **MOE, sliding_window=3), "CachedMixtralAttention", None),
+    "phi3": (partial(Phi3Backbone, **GQA), "Phi3Attention", None),
+    "gemma": (partial(GemmaBackbone, **GQA, head_dim=8), "CachedGemmaAttention", GemmaCausalLM),
+    "gemma2": (partial(GemmaBackbone, **GEMMA2), "CachedGemmaAttention", GemmaCausalLM),
+    "gemma3": (partial(Gemma3Backbone, **GEMMA2, image_size=16), "CachedGemma3Attention", None),
+    "qwen": (partial(QwenBackbone, **GQA), "QwenAttention", QwenCausalLM),
+    # The stock Qwen with its window cannot generate (`cache_update_index or 0` on a tensor).
+    "qwen_window": (partial(QwenBackbone, **GQA, use_sliding_window_attention=True,
+                            sliding_window_size=3), "QwenAttention", None),
+    "qwen_moe": (partial(QwenMoeBackbone, **MOE, moe_intermediate_dim=8,
+                         shared_expert_intermediate_dim=8), "QwenMoeAttention", None),
+    "qwen3": (partial(Qwen3Backbone, **GQA, head_dim=4, sliding_window_size=3), "Qwen3Attention",
+              None),
+    "qwen3_moe": (partial(Qwen3MoeBackbone, **MOE, moe_intermediate_dim=8, head_dim=4,
+                          sliding_window_size=3), "Qwen3MoeAttention", None),
+    "gpt_neo_x": (partial(GPTNeoXBackbone, **DECODER, num_heads=2, dropout=0.0),
+                  "GPTNeoXAttention", GPTNeoXCausalLM),
+}  # fmt: skip
+WITH_LM = [name for name, (_, _, task) in FAMILIES.items() if task is not None]
+
+
+def swap_kernels(model, expected):
+    report = keras_sdpa.replace_attention(model)
+    kinds = collections.Counter(kind for _, kind in report.kernels)
+    assert kinds == {expected: DECODER["num_layers"]} and not report.left, str(report)
+    assert report.swapped == [], str(report)
+    return report
+
+
+@pytest.fixture
+def core_calls(monkeypatch):
+    """How many times the core ran (eagerly, or while a compiled function traced it)."""
+    calls = []
+    real = core.scaled_dot_product_attention
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(core, "scaled_dot_product_attention", counted)
+    return calls
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_the_kernel_swapped_family_gives_the_stock_outputs(name, core_calls):
+    build, expected, _ = FAMILIES[name]
+    stock, ours = twins(build)
+    swap_kernels(ours, expected)
+    for case, padding in PADDING.items():
+        inputs = feed(stock, padding)
+        before = len(core_calls)
+        assert_same_outputs(ours(inputs), stock(inputs), case)
+        assert len(core_calls) - before == DECODER["num_layers"], "the core did not run"
+
+
+def test_a_second_swap_changes_nothing():
+    build, expected, _ = FAMILIES["llama"]
+    keras.utils.set_random_seed(0)
+    model = build()
+    swap_kernels(model, expected)
+    report = keras_sdpa.replace_attention(model)
+    assert report.kernels == [] and report.swapped == [] and report.left == []
+    assert "Kernel swapped" not in str(report)
+
+
+@pytest.mark.large
+@pytest.mark.parametrize("name", WITH_LM)
+def test_the_kernel_swapped_family_generates_the_stock_greedy_tokens(name, core_calls):
+    build, expected, task = FAMILIES[name]
+
+    def lm():
+        model = task(backbone=build(), preprocessor=None)
+        model.compile(sampler="greedy")
+        return model
+
+    stock, ours = twins(lm)
+    inputs = prompts(stock.backbone)
+    want = stock.generate(inputs, stop_token_ids=None)
+    swap_kernels(ours, expected)
+    got = ours.generate(inputs, stop_token_ids=None)
+    assert core_calls, "the core did not run"
+    for key in want:
+        np.testing.assert_array_equal(got[key], want[key], err_msg=key)
