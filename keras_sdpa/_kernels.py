@@ -115,7 +115,7 @@ FAMILIES = {
     ),
     f"{_MODELS}.qwen3.qwen3_attention.Qwen3Attention": QWEN3,
     f"{_MODELS}.qwen3_moe.qwen3_moe_attention.Qwen3MoeAttention": QWEN3,
-    f"{_MODELS}.smollm3.smollm3_layers.SmolLM3Attention": QWEN3,
+    f"{_MODELS}.smollm3.smollm3_layers.SmolLM3Attention": LLAMA_LIKE,
     f"{_MODELS}.gpt_neo_x.gpt_neo_x_attention.GPTNeoXAttention": Family(
         scale=_inv_norm,
         fused=lambda layer: _fused_available(layer) and layer.dropout == 0,

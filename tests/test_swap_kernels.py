@@ -32,6 +32,7 @@ from keras_hub.src.models.qwen.qwen_causal_lm import QwenCausalLM
 from keras_hub.src.models.qwen3.qwen3_backbone import Qwen3Backbone
 from keras_hub.src.models.qwen3_moe.qwen3_moe_backbone import Qwen3MoeBackbone
 from keras_hub.src.models.qwen_moe.qwen_moe_backbone import QwenMoeBackbone
+from keras_hub.src.models.smollm3.smollm3_backbone import SmolLM3Backbone
 from test_swap import twins
 from test_swap_families import PADDING, VOCAB, assert_same_outputs, feed, prompts
 
@@ -47,6 +48,13 @@ GEMMA2 = dict(
     sliding_window_size=3, query_head_dim_normalize=False,
 )  # fmt: skip
 MOE = dict(GQA, num_experts=2, top_k=1)
+SMOLLM3 = dict(
+    vocabulary_size=VOCAB, hidden_dim=16, intermediate_dim=32, num_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, attention_bias=False, attention_dropout=0.0,
+    rope_layer_enabled_list=[True, False], layer_types=["attention", "attention"],
+    mlp_bias=False, layer_norm_epsilon=1e-6, max_position_embeddings=32, rope_theta=1e4,
+    partial_rotary_factor=1.0,
+)  # fmt: skip
 
 FAMILIES = {
     # name: (backbone, the attention class, its causal LM or None)
@@ -68,6 +76,7 @@ FAMILIES = {
               None),
     "qwen3_moe": (partial(Qwen3MoeBackbone, **MOE, moe_intermediate_dim=8, head_dim=4,
                           sliding_window_size=3), "Qwen3MoeAttention", None),
+    "smollm3": (partial(SmolLM3Backbone, **SMOLLM3), "SmolLM3Attention", None),
     "gpt_neo_x": (partial(GPTNeoXBackbone, **DECODER, num_heads=2, dropout=0.0),
                   "GPTNeoXAttention", GPTNeoXCausalLM),
 }  # fmt: skip
