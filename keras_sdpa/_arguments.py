@@ -21,17 +21,19 @@ ARGUMENTS = (
     "output_projection", "implementation", "chunk_size", "scale", "attn_logits_soft_cap",
     "score_mod", "mask_mod", "replaces",
 )  # fmt: skip
-_SERIALIZERS = types.MappingProxyType({
-    "kernel_initializer": keras.initializers.serialize,
-    "bias_initializer": keras.initializers.serialize,
-    "kernel_regularizer": keras.regularizers.serialize,
-    "bias_regularizer": keras.regularizers.serialize,
-    "activity_regularizer": keras.regularizers.serialize,
-    "kernel_constraint": keras.constraints.serialize,
-    "bias_constraint": keras.constraints.serialize,
-    "score_mod": lambda mod: serialize_mod("score_mod", mod),
-    "mask_mod": lambda mod: serialize_mod("mask_mod", mod),
-})
+_SERIALIZERS = types.MappingProxyType(
+    {
+        "kernel_initializer": keras.initializers.serialize,
+        "bias_initializer": keras.initializers.serialize,
+        "kernel_regularizer": keras.regularizers.serialize,
+        "bias_regularizer": keras.regularizers.serialize,
+        "activity_regularizer": keras.regularizers.serialize,
+        "kernel_constraint": keras.constraints.serialize,
+        "bias_constraint": keras.constraints.serialize,
+        "score_mod": lambda mod: serialize_mod("score_mod", mod),
+        "mask_mod": lambda mod: serialize_mod("mask_mod", mod),
+    }
+)
 
 
 def check(
@@ -216,3 +218,29 @@ def check_positive_int(name, value, or_none=False):
             f"Received an invalid value for argument `{name}`, expected {expected}. "
             f"Received: {name}={value!r}"
         )
+
+
+class KeptPrecision:
+    """An `attention_bias` that Keras's input conversion passes unchanged."""
+
+    def __init__(self, value):
+        self.value = value
+
+
+def bias_past_autocast(layer, kwargs):
+    """`kwargs` with its `attention_bias` wrapped past Keras's conversion of the call's inputs.
+
+    Keras casts every float argument to the compute dtype: under mixed precision the bias
+    would round to float16 or bfloat16 (a -1e9 mask to -inf) before the core adds it to the
+    float32 logits. A symbolic bias (a functional model's) is left: its real value comes
+    through `__call__` again when the model runs.
+    """
+    bias = kwargs.get("attention_bias")
+    if bias is None or not layer.autocast or keras.backend.is_keras_tensor(bias):
+        return kwargs
+    return {**kwargs, "attention_bias": KeptPrecision(bias)}
+
+
+def bias_value(bias):
+    """The bias `bias_past_autocast` wrapped, or `bias`."""
+    return bias.value if isinstance(bias, KeptPrecision) else bias

@@ -102,44 +102,48 @@ GEMMA = Family(
 
 # The classes by their module and name (imported only when a model holds one).
 _MODELS = "keras_hub.src.models"
-FAMILIES = {
-    f"{_MODELS}.llama.llama_attention.LlamaAttention": LLAMA_LIKE,
-    f"{_MODELS}.mistral.mistral_attention.CachedMistralAttention": LLAMA_LIKE,
-    f"{_MODELS}.mixtral.mixtral_attention.CachedMixtralAttention": dataclasses.replace(
-        LLAMA_LIKE, fused=_own_fused_test
-    ),
-    f"{_MODELS}.phi3.phi3_attention.Phi3Attention": LLAMA_LIKE,
-    f"{_MODELS}.qwen.qwen_attention.QwenAttention": QWEN,
-    f"{_MODELS}.qwen_moe.qwen_moe_attention.QwenMoeAttention": dataclasses.replace(
-        QWEN, fused=_own_fused_test
-    ),
-    f"{_MODELS}.qwen3.qwen3_attention.Qwen3Attention": QWEN3,
-    f"{_MODELS}.qwen3_moe.qwen3_moe_attention.Qwen3MoeAttention": QWEN3,
-    f"{_MODELS}.smollm3.smollm3_layers.SmolLM3Attention": LLAMA_LIKE,
-    f"{_MODELS}.gpt_neo_x.gpt_neo_x_attention.GPTNeoXAttention": Family(
-        scale=_inv_norm,
-        fused=lambda layer: _fused_available(layer) and layer.dropout == 0,
-        dropout=lambda layer: layer._dropout_layer if layer.dropout else None,
-    ),
-    f"{_MODELS}.gemma.gemma_attention.CachedGemmaAttention": GEMMA,
-    f"{_MODELS}.gemma3.gemma3_attention.CachedGemma3Attention": GEMMA,
-}
+FAMILIES = types.MappingProxyType(
+    {
+        f"{_MODELS}.llama.llama_attention.LlamaAttention": LLAMA_LIKE,
+        f"{_MODELS}.mistral.mistral_attention.CachedMistralAttention": LLAMA_LIKE,
+        f"{_MODELS}.mixtral.mixtral_attention.CachedMixtralAttention": dataclasses.replace(
+            LLAMA_LIKE, fused=_own_fused_test
+        ),
+        f"{_MODELS}.phi3.phi3_attention.Phi3Attention": LLAMA_LIKE,
+        f"{_MODELS}.qwen.qwen_attention.QwenAttention": QWEN,
+        f"{_MODELS}.qwen_moe.qwen_moe_attention.QwenMoeAttention": dataclasses.replace(
+            QWEN, fused=_own_fused_test
+        ),
+        f"{_MODELS}.qwen3.qwen3_attention.Qwen3Attention": QWEN3,
+        f"{_MODELS}.qwen3_moe.qwen3_moe_attention.Qwen3MoeAttention": QWEN3,
+        f"{_MODELS}.smollm3.smollm3_layers.SmolLM3Attention": LLAMA_LIKE,
+        f"{_MODELS}.gpt_neo_x.gpt_neo_x_attention.GPTNeoXAttention": Family(
+            scale=_inv_norm,
+            fused=lambda layer: _fused_available(layer) and layer.dropout == 0,
+            dropout=lambda layer: layer._dropout_layer if layer.dropout else None,
+        ),
+        f"{_MODELS}.gemma.gemma_attention.CachedGemmaAttention": GEMMA,
+        f"{_MODELS}.gemma3.gemma3_attention.CachedGemma3Attention": GEMMA,
+    }
+)
 
 # Attention classes left as they are, by class name, with the reason the report gives.
-LEFT = {
-    "DisentangledAttentionEncoder": "DeBERTa-v3's disentangled attention adds content-to-"
-    "position and position-to-content scores, which the core does not compute",
-    "TwoStreamRelativeAttention": "XLNet's two-stream relative attention, which the core does "
-    "not compute",
-    "GptOssAttention": "its attention sinks (a learned logit per head that takes weight but "
-    "no value), which the core does not take",
-    "T5MultiHeadAttention": "its kernel is written inside `call` (not `_compute_attention`), "
-    "with the relative-position bias it passes to the next layer: not swapped yet",
-    "FalconAttention": "its kernel, with ALiBi, is written inside `call` (not "
-    "`_compute_attention`): not swapped yet",
-    "BloomAttention": "its kernel, with ALiBi, is written inside `call` (not "
-    "`_compute_attention`): not swapped yet",
-}
+LEFT = types.MappingProxyType(
+    {
+        "DisentangledAttentionEncoder": "DeBERTa-v3's disentangled attention adds content-to-"
+        "position and position-to-content scores, which the core does not compute",
+        "TwoStreamRelativeAttention": "XLNet's two-stream relative attention, which the core does "
+        "not compute",
+        "GptOssAttention": "its attention sinks (a learned logit per head that takes weight but "
+        "no value), which the core does not take",
+        "T5MultiHeadAttention": "its kernel is written inside `call` (not `_compute_attention`), "
+        "with the relative-position bias it passes to the next layer: not swapped yet",
+        "FalconAttention": "its kernel, with ALiBi, is written inside `call` (not "
+        "`_compute_attention`): not swapped yet",
+        "BloomAttention": "its kernel, with ALiBi, is written inside `call` (not "
+        "`_compute_attention`): not swapped yet",
+    }
+)
 
 
 def family_of(layer):

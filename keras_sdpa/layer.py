@@ -82,10 +82,8 @@ class ScaledDotProductAttention(keras.layers.Layer):
         attention_mask: optional boolean mask, `True` may attend:
             `(T, S)`, `(B, T, S)`, `(B, 1, T, S)` or per head `(B, N, T, S)`
             (for higher ranks, MHA's layout without or with the head axis).
-        attention_bias: optional float tensor broadcastable to the scores
-            `(B, N, T, S)` (for rank 3) by NumPy's rules, so `(N, T, S)`, `(T, S)` and
-            `(S,)` too, added to the scaled logits in float32 under a mixed precision
-            policy (never rounded to the compute dtype).
+        attention_bias: optional float tensor broadcastable to the scores `(B, N, T, S)`
+            (rank 3) by NumPy's rules, added to the scaled logits in float32.
         return_attention_scores: if `True`, also return the attention weights
             (before dropout), `(B, N, T, S)` for rank-3 inputs.
         training: whether dropout is active.
@@ -166,13 +164,7 @@ class ScaledDotProductAttention(keras.layers.Layer):
     def __call__(self, *args, **kwargs):
         if self._replaces is not None:  # bound by the replaced class's call, in its order
             args, kwargs = stand_in.by_name(self._call_signature, args, kwargs)
-        bias = kwargs.get("attention_bias")
-        if bias is not None and self.autocast and not keras.backend.is_keras_tensor(bias):
-            # Keras casts every float argument to the compute dtype; under mixed precision the
-            # bias would round to float16 or bfloat16 (a -1e9 mask to -inf) before the core
-            # adds it to float32 logits. It passes Keras's conversion wrapped.
-            kwargs["attention_bias"] = _KeptPrecision(bias)
-        return super().__call__(*args, **kwargs)
+        return super().__call__(*args, **_arguments.bias_past_autocast(self, kwargs))
 
     @property
     def uses_output_projection(self):
@@ -218,9 +210,8 @@ class ScaledDotProductAttention(keras.layers.Layer):
 
         A fresh initializer per projection, so that seeded initializers do not give every
         projection the same kernel."""
-
-        adopted = getattr(self, "_adopted_projections", None)  # set by the swap, for a build
-        if adopted is not None and adopted(name) is not None:
+        adopted = getattr(self, "_adopted_projections", lambda name: None)  # the swap's
+        if adopted(name) is not None:
             return adopted(name)  # the replaced layer's own (LoRA, quantized) sublayer
 
         def fresh(initializer):
@@ -267,8 +258,7 @@ class ScaledDotProductAttention(keras.layers.Layer):
         use_causal_mask=False, segment_ids=None, cache=None, cache_update_index=None,
     ):  # fmt: skip
         key = value if key is None else key
-        if isinstance(attention_bias, _KeptPrecision):
-            attention_bias = attention_bias.value
+        attention_bias = _arguments.bias_value(attention_bias)
         query_mask = stand_in.query_mask(self.replaces, query, query_mask)
         projections = (self._query_dense, self._value_dense, self._key_dense)
         widths = [dense.kernel.shape[0] for dense in projections]  # the inputs' widths
@@ -457,10 +447,8 @@ class ScaledDotProductAttention(keras.layers.Layer):
         # The core sees (B', T, N, H): non-attention axes join the batch.
         flat = _rank_n.Flattener(rank, axes, keras.ops.shape(query), keras.ops.shape(value))
         mask = _layer_masks.to_core(attention_mask, flat, self.num_heads)  # (B', N|1, T, S)
-        bias = None
+        bias = None  # in its own precision: the core adds it to float32 logits
         if attention_bias is not None:
-            # In its own precision: the core adds it to the float32 logits of half-precision
-            # inputs (cast to float16 first, a -1e9 mask became -inf and a row of them NaN).
             attention_bias = keras.ops.convert_to_tensor(attention_bias)
             bias = flat.bias(attention_bias, self.num_heads)  # (B'|1, N|1, T|1, S|1)
         result = ops.attend(
@@ -510,10 +498,3 @@ class ScaledDotProductAttention(keras.layers.Layer):
     @classmethod
     def from_config(cls, config):
         return cls(**_arguments.from_config(config))
-
-
-class _KeptPrecision:
-    """An `attention_bias` that Keras's input conversion passes unchanged (`__call__`)."""
-
-    def __init__(self, value):
-        self.value = value
