@@ -222,7 +222,7 @@ def _sdpa_layers(model):
     return [x for x in model._flatten_layers() if isinstance(x, ScaledDotProductAttention)]
 
 
-def test_whisper_and_gemma_attention_are_left_and_named():
+def test_whisper_is_left_and_named_and_gemma_keeps_its_class_with_the_kernel_swapped():
     whisper = WhisperBackbone(
         vocabulary_size=VOCAB, num_layers=1, num_heads=2, hidden_dim=16, intermediate_dim=32,
         num_mels=8, max_encoder_sequence_length=16, max_decoder_sequence_length=8,
@@ -237,11 +237,11 @@ def test_whisper_and_gemma_attention_are_left_and_named():
         hidden_dim=16, intermediate_dim=32, head_dim=8,
     )  # fmt: skip
     report = keras_sdpa.replace_attention(gemma)
-    assert [name for _, name, _ in report.left] == ["CachedGemmaAttention"], report
-    assert "own attention class" in report.left[0][2]
-    assert "CachedGemmaAttention" in str(report)
+    assert [name for _, name in report.kernels] == ["CachedGemmaAttention"], report
+    assert report.left == [] and report.swapped == []
+    assert "Kernel swapped in 1 layer(s)" in str(report) and "CachedGemmaAttention" in str(report)
     ids, mask = token_inputs(padded=True)
-    out = gemma({"token_ids": ids, "padding_mask": mask})  # left as it was, and still runs
+    out = gemma({"token_ids": ids, "padding_mask": mask})  # its own class, and still runs
     assert out.shape == (B, T, 16) and np.isfinite(keras.ops.convert_to_numpy(out)).all()
 
 
