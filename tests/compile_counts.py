@@ -3,6 +3,7 @@
 Usage:
     KERAS_BACKEND=tensorflow python tests/compile_counts.py         # every scenario, as JSON
     KERAS_BACKEND=jax python tests/compile_counts.py fit_dense core  # some of them
+    python tests/compile_counts.py --list                            # their names
 
 Each scenario runs `STEPS` steps of one compiled program on the same shapes and new random
 values, and records how many XLA compilations each step made. A program compiled once per
@@ -290,6 +291,9 @@ def scenarios():
 
 def main(argv=None):
     names = (sys.argv[1:] if argv is None else argv) or list(scenarios())
+    if names == ["--list"]:
+        print(json.dumps(list(scenarios())))
+        return
     count = _JaxCounter() if BACKEND == "jax" else _TensorFlowCounter()
     results = {}
     try:

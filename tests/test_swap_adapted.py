@@ -54,6 +54,7 @@ def adapted(name, mode):
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")  # layers that have no `quantize`
+@pytest.mark.default_cases("bert-lora", "gpt2-int8")
 @pytest.mark.parametrize("mode", ["lora", "int8"])
 @pytest.mark.parametrize("name", list(BACKBONES))
 def test_an_adapted_model_is_swapped_and_computes_what_it_did(name, mode):
@@ -79,6 +80,7 @@ def test_an_adapted_model_is_swapped_and_computes_what_it_did(name, mode):
     np.testing.assert_allclose(numpy(sequence(backbone(x))), want, atol=1e-5)
 
 
+@pytest.mark.large
 def test_a_lora_model_trains_after_the_swap_as_before():
     """Two SGD steps on the LoRA factors give the stock model's losses and factors."""
     models = [adapted("bert", "lora") for _ in range(2)]
