@@ -144,8 +144,8 @@ def table(rows, nocache, memory, args):
         lines += [
             "",
             f"Peak memory of {STEPS} cached steps at S={args.memory_length}, B=1 (resident MiB "
-            "above the level after the imports: the cache, the compiled loop and its "
-            "compilation, one child process each); "
+            "above the level with the weights and the cache in place: the compiled loop, its "
+            "compilation and its copies, one child process each); "
             "the cache itself is B x 2 x S x K x H x 4 bytes:",
             "",
             "| key/value heads K | cache MiB | peak MiB |",
