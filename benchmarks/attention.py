@@ -241,7 +241,8 @@ def describe(args, peak):
     step = "the whole step under `jit_compile=True`" if args.jit_compile else "`tf.function`"
     return (
         f"{cpu_name()}. Policy `{args.policy}`, {step}. "
-        f"B={B}, E={E}, N={N}, H={H}. {NEW_INPUTS} Times: {args.rounds} alternating rounds of ours and the "
+        f"B={B}, E={E}, N={N}, H={H}. {NEW_INPUTS} "
+        f"Times: {args.rounds} alternating rounds of ours and the "
         f"peer in one process after one warm-up call each, {args.repeats} calls a round "
         f"(median); ratio = ours / peer (below 1 is faster), the median of the per-round "
         f"ratios with their range. GFLOP/s counts 4·B·N·T·S·H per forward and 3x that per "

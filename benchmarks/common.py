@@ -111,12 +111,17 @@ class Fed:
 
 
 def _mean_and_spread(x):
-    """`(mean, std)` of a floating array (std 1 where it has none), else None."""
+    """`(mean, std)` of a floating array of data (std 1 where it has none), else None: also
+    for floats that hold a mask (infinities, or only 0 and 1), which are rotated instead."""
+    import numpy as np
+
     if x.dtype.kind != "f" and str(x.dtype) != "bfloat16":
         return None
     wide = x.astype("float32")
     if not wide.size:
         return 0.0, 1.0
+    if not np.isfinite(wide).all() or np.isin(wide, (0.0, 1.0)).all():
+        return None
     return float(wide.mean()), float(wide.std()) or 1.0
 
 

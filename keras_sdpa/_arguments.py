@@ -227,16 +227,20 @@ class KeptPrecision:
         self.value = value
 
 
-def bias_past_autocast(layer, kwargs):
+def bias_past_autocast(layer, base, args, kwargs):
     """`kwargs` with its `attention_bias` wrapped past Keras's conversion of the call's inputs.
 
     Keras casts every float argument to the compute dtype: under mixed precision the bias
     would round to float16 or bfloat16 (a -1e9 mask to -inf) before the core adds it to the
-    float32 logits. A symbolic bias (a functional model's) is left: its real value comes
-    through `__call__` again when the model runs.
+    float32 logits. Left as it is: a symbolic call (a functional model's, whose node keeps
+    its arguments; the real values come through `__call__` again when the model runs), and a
+    subclass's own `call` (one that overrides `base.call`), which receives what Keras gives it.
     """
+    own_call = type(layer).call is base.call
     bias = kwargs.get("attention_bias")
-    if bias is None or not layer.autocast or keras.backend.is_keras_tensor(bias):
+    if bias is None or isinstance(bias, KeptPrecision) or not layer.autocast or not own_call:
+        return kwargs
+    if any(keras.backend.is_keras_tensor(x) for x in keras.tree.flatten((args, kwargs))):
         return kwargs
     return {**kwargs, "attention_bias": KeptPrecision(bias)}
 

@@ -120,7 +120,7 @@ FAMILIES = types.MappingProxyType(
         f"{_MODELS}.gpt_neo_x.gpt_neo_x_attention.GPTNeoXAttention": Family(
             scale=_inv_norm,
             fused=lambda layer: _fused_available(layer) and layer.dropout == 0,
-            dropout=lambda layer: layer._dropout_layer if layer.dropout else None,
+            dropout=lambda layer: layer._attn_dropout_layer if layer.dropout else None,
         ),
         f"{_MODELS}.gemma.gemma_attention.CachedGemmaAttention": GEMMA,
         f"{_MODELS}.gemma3.gemma3_attention.CachedGemma3Attention": GEMMA,
@@ -132,8 +132,6 @@ LEFT = types.MappingProxyType(
     {
         "DisentangledAttentionEncoder": "DeBERTa-v3's disentangled attention adds content-to-"
         "position and position-to-content scores, which the core does not compute",
-        "TwoStreamRelativeAttention": "XLNet's two-stream relative attention, which the core does "
-        "not compute",
         "GptOssAttention": "its attention sinks (a learned logit per head that takes weight but "
         "no value), which the core does not take",
         "T5MultiHeadAttention": "its kernel is written inside `call` (not `_compute_attention`), "
@@ -152,8 +150,10 @@ def family_of(layer):
     return FAMILIES.get(f"{cls.__module__}.{cls.__qualname__}")
 
 
-def swap(layer):
-    """Runs `layer`'s kernel on the core from now on: `_compute_attention`, on this instance."""
+def swap(layer, implementation="auto", chunk_size=None):
+    """Runs `layer`'s kernel on the core from now on: `_compute_attention`, on this instance,
+    on the core's `implementation` (`replace_attention`'s `flash_attention`)."""
+    layer._sdpa_core_options = (implementation, chunk_size)
     layer._compute_attention = types.MethodType(_compute_attention, layer)
 
 
@@ -174,7 +174,9 @@ def _compute_attention(
         mask = self._mask_sliding_window(mask, cache_update_index=index)
     if mask is not None:
         mask = ops.cast(mask, "bool")[:, None]  # (B, 1, T, S)
-    dropout = family.dropout(self)
+    dropout = family.dropout(self)  # the stock kernel's, drawn from only while training
+    active = dropout is not None and training is not None and training is not False
+    implementation, chunk_size = self._sdpa_core_options
     out = core.scaled_dot_product_attention(
         query,
         key,
@@ -182,9 +184,11 @@ def _compute_attention(
         mask,
         scale=family.scale(self),
         attn_logits_soft_cap=family.soft_cap(self),
-        dropout_rate=0.0 if dropout is None else dropout.rate,
-        training=training if dropout is not None else False,
-        seed=None if dropout is None else dropout.seed_generator.next(),
+        dropout_rate=dropout.rate if active else 0.0,
+        training=training if active else False,
+        seed=dropout.seed_generator.next() if active else None,
+        implementation=implementation,
+        chunk_size=chunk_size,
     )  # (B, T, N, H)
     if fused and mask is not None:
         out = _fused_rows(out, value, mask)

@@ -164,7 +164,8 @@ class ScaledDotProductAttention(keras.layers.Layer):
     def __call__(self, *args, **kwargs):
         if self._replaces is not None:  # bound by the replaced class's call, in its order
             args, kwargs = stand_in.by_name(self._call_signature, args, kwargs)
-        return super().__call__(*args, **_arguments.bias_past_autocast(self, kwargs))
+        kwargs = _arguments.bias_past_autocast(self, ScaledDotProductAttention, args, kwargs)
+        return super().__call__(*args, **kwargs)
 
     @property
     def uses_output_projection(self):
@@ -435,8 +436,7 @@ class ScaledDotProductAttention(keras.layers.Layer):
             return_attention_scores: whether to return the weights.
             use_causal_mask: the causal constraint, applied inside the core.
             attention_bias: additive bias in the scores' layout, or None.
-            mask_mod: the mask mod of this call (with its segment ids); defaults to
-                the layer's.
+            mask_mod: this call's mask mod (with its segment ids), else the layer's.
 
         Returns:
             `(B, *dims_q, N, Hv)` and the weights in MHA's layout (or None).

@@ -175,6 +175,11 @@ def _swap(old, extra):
         new._adopted_projections = adapted.get
         new.build_from_config(old.get_build_config())
         del new._adopted_projections
+        if [id(w) for w in new.weights] != [id(w) for w in old.weights]:
+            raise ValueError(
+                f"Could not swap {old.name!r}: its LoRA or quantized projections "
+                f"{sorted(adapted)} are not the new layer's {[w.path for w in new.weights]}"
+            )
         return new
     new.build_from_config(old.get_build_config())
     want = [tuple(w.shape) for w in old.weights]
@@ -197,6 +202,23 @@ def _swap(old, extra):
     for before, after in zip(old.weights, new.weights):
         after.trainable = before.trainable
     return new
+
+
+def _kernel_options(flash_attention, layer_options):
+    """The core's `implementation` and `chunk_size` for a kernel swap; the other layer
+    options are the swapped layer's own and are refused there."""
+    others = sorted(set(layer_options) - {"implementation", "chunk_size"})
+    if others:
+        raise ValueError(
+            "A kernel-swapped attention class (Llama's, Gemma's, ...) keeps its own settings; "
+            "only `flash_attention`, `implementation` and `chunk_size` reach its kernel. "
+            f"Received: {', '.join(others)}"
+        )
+    implementation = {True: "chunked", False: "dense"}.get(flash_attention, "auto")
+    return {
+        "implementation": layer_options.get("implementation", implementation),
+        "chunk_size": layer_options.get("chunk_size"),
+    }
 
 
 def _adapted_projections(old):
@@ -290,6 +312,7 @@ def replace_attention(model, flash_attention=None, **layer_options):
     extra = _overrides(flash_attention, layer_options)
     swappable, report = _swappable(), AttentionReport()
     found, visited, kernels = _find(model, swappable, report)
+    kernel_options = _kernel_options(flash_attention, layer_options) if kernels else {}
     olds = {id(old): (old, path) for _, old, path in found}
     # Where else they are held (another model built on the same layers): `(holder, old,
     # path)`. Every place is checked, and every new layer made, before anything changes.
@@ -305,7 +328,7 @@ def replace_attention(model, flash_attention=None, **layer_options):
     for parent, old, _ in found + shared:
         _references.replace(parent, old, swapped[id(old)])
     for layer in kernels:
-        _kernels.swap(layer)
+        _kernels.swap(layer, **kernel_options)
     report.shared = [(holder.name, path) for holder, _, path in shared]
     for layer in visited.values():
         _reset_compiled(layer)  # `model` and every layer inside it

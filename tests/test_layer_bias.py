@@ -99,3 +99,32 @@ def test_a_cached_call_adds_its_bias_in_float32():
     # The last row attends to every key: the uncached reference over the whole sequence.
     want = layer_numpy(layer, x, x, bias)[:, -1]
     np.testing.assert_allclose(numpy(out, "float32")[:, 0], want, atol=2e-2 * np.abs(want).max())
+
+
+def test_a_functional_model_with_a_constant_bias_runs_and_has_a_config():
+    """A bias given as an array in a functional model stays an argument of the node: the model
+    runs (in float32 under mixed precision) and its config serializes."""
+    layer = built_layer(dtype="mixed_float16")
+    bias = 200.0 + random((N, T, S), 3)
+    query, value = keras.Input((T, E)), keras.Input((S, E))
+    model = keras.Model([query, value], layer(query, value, attention_bias=bias))
+    x, v = random((B, T, E), 1, 0.1), random((B, S, E), 2, 0.1)
+    got = numpy(model([x, v]), "float32")
+    want = layer_numpy(layer, x, v, bias)
+    np.testing.assert_allclose(got, want, atol=2e-2 * np.abs(want).max())
+    assert keras.saving.serialize_keras_object(model)
+
+
+class ScaledBias(ScaledDotProductAttention):
+    """A subclass whose own `call` does arithmetic on the bias before the layer's."""
+
+    def call(self, query, value, key=None, attention_bias=None, **kwargs):
+        return super().call(query, value, key, attention_bias=attention_bias * 2.0, **kwargs)
+
+
+def test_a_subclass_call_receives_the_bias_as_a_tensor():
+    layer = ScaledBias(num_heads=N, key_dim=H)
+    query, value = random((B, T, E), 1), random((B, S, E), 2)
+    bias = random((N, T, S), 3)
+    got = layer(query, value, attention_bias=tensor(bias))
+    np.testing.assert_allclose(numpy(got), layer_numpy(layer, query, value, 2 * bias), atol=1e-5)

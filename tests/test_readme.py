@@ -704,8 +704,9 @@ def test_mods_figures_are_the_benchmarks():
     assert len(rows) == 9, rows
     text = " ".join(pages_text().split())
     missed = re.findall(r"^\| (.+?) \| \d+ \|.*\| <= ([\d.]+) \| \*\*no\*\* \|$", section, re.M)
-    for _, target in missed:
+    for label, target in missed:  # a miss is said, and is a near one: within 5%
         assert f"just above the table's target of {target}" in text, missed
+        assert float(rows[label]) <= 1.05 * float(target), (label, rows[label], target)
     quoted = [
         ("`mods.causal()` vs no mask, chunked", "takes **{}x** the time"),
         ("causal as a plain function vs no mask, chunked", "(through the block map) **{}x**"),

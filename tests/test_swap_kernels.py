@@ -98,7 +98,7 @@ def core_calls(monkeypatch):
     real = core.scaled_dot_product_attention
 
     def counted(*args, **kwargs):
-        calls.append(1)
+        calls.append(kwargs.get("implementation"))
         return real(*args, **kwargs)
 
     monkeypatch.setattr(core, "scaled_dot_product_attention", counted)
@@ -145,3 +145,29 @@ def test_the_kernel_swapped_family_generates_the_stock_greedy_tokens(name, core_
     assert core_calls, "the core did not run"
     for key in want:
         np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+
+
+@pytest.mark.parametrize("name", ["gemma", "gpt_neo_x"])
+def test_a_kernel_with_dropout_matches_stock_at_inference_and_drops_in_training(name):
+    """Gemma and GPT-NeoX drop attention weights inside their kernels: the swapped kernel
+    gives stock's outputs at inference and draws its own dropout while training."""
+    build, expected, _ = FAMILIES[name]
+    stock, ours = twins(partial(build, dropout=0.5))
+    swap_kernels(ours, expected)
+    inputs = feed(stock, PADDING["padding"])
+    assert_same_outputs(ours(inputs, training=False), stock(inputs, training=False))
+    trained = keras.ops.convert_to_numpy(ours(inputs, training=True))
+    assert np.isfinite(trained).all()
+    assert not np.allclose(trained, keras.ops.convert_to_numpy(ours(inputs, training=False)))
+
+
+def test_flash_attention_reaches_a_swapped_kernel_and_other_options_are_refused(core_calls):
+    build, expected, _ = FAMILIES["llama"]
+    stock, ours = twins(build)
+    with pytest.raises(ValueError, match="only `flash_attention`.*Received: use_gate"):
+        keras_sdpa.replace_attention(ours, use_gate=True)
+    report = keras_sdpa.replace_attention(ours, flash_attention=True, chunk_size=4)
+    assert len(report.kernels) == DECODER["num_layers"]
+    inputs = feed(stock, PADDING["padding"])
+    assert_same_outputs(ours(inputs), stock(inputs))
+    assert core_calls and set(core_calls) == {"chunked"}
