@@ -31,14 +31,25 @@ def compile(fn, static_argnames=()):
     every new batch (`tests/test_compiled_once.py`).
     """
     del static_argnames  # tf.function keys its trace by every Python argument
-    compiled = tf.function(fn, jit_compile=True, reduce_retracing=True, autograph=False)
+    return _Compiled(fn)
 
-    def run(*args, **kwargs):
+
+class _Compiled:
+    """`fn` compiled by `tf.function(jit_compile=True)`, or traced inline inside a caller's
+    XLA program; the `tf.function`'s own methods (`experimental_get_tracing_count`, ...)
+    are this object's."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.compiled = tf.function(fn, jit_compile=True, reduce_retracing=True, autograph=False)
+
+    def __call__(self, *args, **kwargs):
         if inside_compiled():
-            return fn(*args, **kwargs)
-        return compiled(*args, **kwargs)
+            return self.fn(*args, **kwargs)
+        return self.compiled(*args, **kwargs)
 
-    return run
+    def __getattr__(self, name):
+        return getattr(self.compiled, name)
 
 
 def inside_compiled():
