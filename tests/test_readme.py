@@ -641,7 +641,7 @@ def test_long_sequences_page_quotes_the_benchmarks():
     assert "AMD EPYC" in section and "On the AMD EPYC of that table" in text
     most = max(int(row[5]) for row in rows.values())
     assert f"at most **{most} MiB** at every length measured" in text
-    assert "ResourceExhaustedError" in rows[16384][1]
+    assert "ResourceExhaustedError" in rows[16384][1] or "stopped at" in rows[16384][1]
     assert f"Keras's layer needs **{rows[16384][7]} MiB** there" in text
     dense, keras = (re.match(r"\*\*([\d.]+)\*\*", rows[8192][i])[1] for i in (3, 4))
     assert f"takes **{dense}x** the time of the dense path and **{keras}x** Keras's layer" in text
