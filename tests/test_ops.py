@@ -444,7 +444,7 @@ def spy_on_paths(monkeypatch, argument="path"):
 
 def test_public_call_runs_the_xla_compiled_program(monkeypatch):
     """The public function reaches `_attention_xla`, a `tf.function(jit_compile=True)` on
-    TensorFlow and a `jax.jit` on JAX.
+    TensorFlow (traced inline inside a caller's XLA program) and a `jax.jit` on JAX.
 
     That this function is one XLA program is `test_core_is_compiled_by_xla`.
     """
@@ -454,8 +454,10 @@ def test_public_call_runs_the_xla_compiled_program(monkeypatch):
     else:
         import tensorflow as tf
 
-        assert isinstance(compiled, tf.types.experimental.PolymorphicFunction)
-        assert compiled._jit_compile is True
+        # (Inside a caller's XLA program the core is traced into it instead: `.compiled` is
+        # the program it runs everywhere else.)
+        assert isinstance(compiled.compiled, tf.types.experimental.PolymorphicFunction)
+        assert compiled.compiled._jit_compile is True
     paths = spy_on_paths(monkeypatch)
     q, k, v = random_inputs()
     scaled_dot_product_attention(q, k, v)
