@@ -76,7 +76,8 @@ def _gemma_scale(layer):
     return 1.0 / float(width) ** 0.5
 
 
-def _qwen_window(layer):
+def _window_flag(layer):
+    """Qwen's and Gemma's switch for the window their kernel applies."""
     return bool(layer.use_sliding_window_attention)
 
 
@@ -84,17 +85,13 @@ def _qwen3_window(layer):
     return bool(layer.sliding_window_size)
 
 
-def _gemma_window(layer):
-    return bool(layer.use_sliding_window_attention)
-
-
 LLAMA_LIKE = Family(scale=_inv_norm, fused=_fused_available)
-QWEN = Family(scale=_inv_norm, fused=_fused_available, window=_qwen_window)
+QWEN = Family(scale=_inv_norm, fused=_fused_available, window=_window_flag)
 QWEN3 = Family(scale=_inv_norm, fused=_fused_available, window=_qwen3_window)
 GEMMA = Family(
     scale=_gemma_scale,
     fused=_own_fused_test,
-    window=_gemma_window,
+    window=_window_flag,
     window_when_fused=True,
     soft_cap=lambda layer: layer.logit_soft_cap,
     dropout=lambda layer: layer.dropout_layer if layer.dropout else None,
