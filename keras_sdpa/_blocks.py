@@ -34,6 +34,8 @@ class Blocking:
                 tensors.mask_mod, self.b_index, plan.num_heads, self.num_kv_heads, self.t,
                 self.s, c,
             )  # fmt: skip
+        if self.mask_grid is not None and all(plan.mask_pattern[2:]):
+            self.kinds = empty_where_masked(self.kinds, self.mask_grid, self.num_q, self.num_k)
         self.spans = None if self.kinds is None else nonempty_spans(self.kinds)
 
     def positions(self, i, j):
@@ -150,6 +152,22 @@ def kinds_of_blocks(mask_mod, b_index, num_heads, num_kv_heads, t, s, chunk_size
         (ops.convert_to_tensor(0, "int32"), shim.block_array(num_q * num_k, (), "int32")),
     )
     return ops.reshape(shim.stack_blocks(kinds), (num_q, num_k))
+
+
+def empty_where_masked(kinds, mask_grid, num_q, num_k):
+    """`kinds` (or `PARTIAL` everywhere, when None) with `EMPTY` where a `(T, S)` mask allows
+    no key of the block for any example and head.
+
+    A causal or windowed mask given as a tensor (keras-hub's decoders build theirs as
+    `(B, T, S)`) then skips the blocks that `is_causal` or `sliding_window` would: the mask
+    is read once, a reduction per block, and no block product is computed where it is empty.
+    The mask itself still applies inside every block visited.
+    """
+    some = ops.any(mask_grid, axis=tuple(range(2, len(mask_grid.shape))))  # (nq, nk)
+    some = ops.broadcast_to(some, (num_q, num_k))
+    if kinds is None:
+        return ops.cast(ops.where(some, PARTIAL, EMPTY), "int32")
+    return ops.cast(ops.where(some, kinds, EMPTY), "int32")
 
 
 def nonempty_spans(kinds):

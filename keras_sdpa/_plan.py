@@ -198,7 +198,8 @@ def make(
         block_kinds = None  # the mask_mod lowered to a causal mask or a window: no block map
     if implementation == "decode" and is_causal:
         _check_decode_alignment(query, key, *given)
-    chunk_size, balance = _chunk_size(chunk_size, sliding_window, mask_mod, is_causal)
+    masked = is_causal or mask_mod is not None or _per_query_and_key(mask_pattern)
+    chunk_size, balance = _chunk_size(chunk_size, sliding_window, mask_mod, masked)
     dropout_rate = float(dropout_rate) if training else 0.0
     path = _path(implementation, query, key, return_weights, chunk_size, score_mod, dropout_rate)
     if path == "chunked" and block_kinds is None:
@@ -295,12 +296,19 @@ def _check_decode_alignment(query, key, given_causal, given_mask_mod):
     )
 
 
-def _chunk_size(chunk_size, sliding_window, mask_mod, is_causal):
-    """The chunk size given or its default, checked, and whether a default may be evened out
-    over the lengths (`balanced_chunk_size`)."""
+def _per_query_and_key(mask_pattern):
+    """Whether a mask varies along both T and S, as a causal or windowed one given as a
+    tensor does: the chunked path then skips the blocks it empties (`_blocks`)."""
+    return mask_pattern is not None and all(mask_pattern[2:])
+
+
+def _chunk_size(chunk_size, sliding_window, mask_mod, masked):
+    """The chunk size given or its default (smaller blocks when `masked`, so that more are
+    skipped), checked, and whether a default may be evened out over the lengths
+    (`balanced_chunk_size`)."""
     balance = chunk_size is None and sliding_window is None and mask_mod is None
     if chunk_size is None:
-        chunk_size = default_chunk_size(sliding_window, mask_mod is not None or is_causal)
+        chunk_size = default_chunk_size(sliding_window, masked)
     if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size <= 0:
         raise ValueError(
             f"`chunk_size` must be a positive int. Received: chunk_size={chunk_size!r}"
@@ -344,7 +352,8 @@ def balanced_chunk_size(length, chunk_size):
 
 def default_chunk_size(sliding_window, masked=False):
     """2048; with a window `W` the power of two nearest above `W / 2` (128 at least); and
-    512 when `masked` (causal, or a mask_mod), which leaves about half the blocks empty.
+    512 when `masked` (causal, a mask_mod, or a mask along T and S), which can leave about
+    half the blocks empty.
 
     Small blocks let the loops skip more of what lies outside the band: at T=16,384,
     W=512 on 2 CPU cores, forward plus backward took 0.75 s in blocks of 256, 1.12 s

@@ -291,3 +291,66 @@ def test_evened_default_blocks_give_the_dense_result_and_gradients(case):
 
     for got, want in zip(run("chunked"), run("dense")):
         np.testing.assert_allclose(got, want, atol=2e-5)
+
+
+def _banded_mask(t, s, window=None, padding=0):
+    """Causal (or a window) and key padding, as a `(1, 1, T, S)` boolean tensor: keras-hub's
+    decoders give their kernels this mask, not `is_causal`."""
+    rows, cols = np.arange(t)[:, None], np.arange(s)[None, :]
+    mask = cols <= rows
+    if window is not None:
+        mask &= rows - cols < window
+    mask &= cols < s - padding
+    return mask[None, None]
+
+
+def _visits_with_mask(mask, c):
+    """How many blocks the chunked forward computes with `mask` as a tensor (the loop's own
+    counter), at T=S=128."""
+    t, s = mask.shape[-2:]
+    rng = np.random.default_rng(0)
+    q = tensor(rng.normal(size=(1, 1, 1, t, 4)), "float32")  # (B, K, G, T, H)
+    k = tensor(rng.normal(size=(1, 1, s, 4)), "float32")
+    plan = _plan.Plan(
+        path="chunked", num_heads=1, num_kv_heads=1, dtype="float32", scale=1.0,
+        chunk_size=c, mask_pattern=(False, False, True, True),
+    )  # fmt: skip
+    tensors = ops_module.Tensors(mask=tensor(mask[:, :, None]))  # (1, 1, 1, T, S)
+    from keras_sdpa import _chunked
+
+    return int(_chunked.attend(q, k, k, plan, tensors, count_visits=True)[1][0])
+
+
+@pytest.mark.parametrize(
+    "mask_args, expected",
+    [
+        ({}, 36),  # causal: the 8 diagonal blocks and the 28 below
+        ({"padding": 32}, 33),  # and the last 2 key blocks padding: 3 of those 36 empty
+        ({"window": 16}, 8 + 7),  # the diagonal and the one below it
+    ],
+    ids=["causal", "causal_and_padding", "window"],
+)
+def test_a_mask_tensor_skips_the_blocks_it_empties(mask_args, expected):
+    """keras-hub's decoders pass causal-and-padding (and windowed) masks as `(B, T, S)`
+    tensors: the chunked loop computes only the blocks where the tensor allows a key, as many
+    as `is_causal` or `sliding_window` would visit (T=S=128 in blocks of 16: 64 blocks)."""
+    assert _visits_with_mask(_banded_mask(128, 128, **mask_args), 16) == expected
+
+
+@pytest.mark.parametrize("window", [None, 5], ids=["causal", "window"])
+def test_a_mask_tensor_that_empties_blocks_gives_the_dense_result(window):
+    """Causal or windowed masks as tensors, padded keys in one example only and a fully
+    masked query row, in blocks of 4: the blocks skipped change nothing, forward or
+    gradients."""
+    t = s = 13
+    q, k, v = inputs(t, s)
+    mask = np.concatenate(  # example 0 has 5 padded keys, example 1 none
+        [_banded_mask(t, s, window=window, padding=5), _banded_mask(t, s, window=window)]
+    )
+    mask[0, 0, 6] = False  # a query row that sees nothing
+    dense = run("dense", q, k, v, mask, False)
+    chunked = run("chunked", q, k, v, mask, False)
+    for name, a, b in zip(["out", "d_q", "d_k", "d_v"], dense, chunked):
+        np.testing.assert_allclose(b, a, atol=1e-5, err_msg=name)
+    want, _ = reference(*map(numpy, (q, k, v)), mask)
+    np.testing.assert_allclose(chunked[0], want, atol=1e-5)
