@@ -18,6 +18,7 @@ fused path's choices included, so that the swapped model gives the stock model's
 """
 
 import dataclasses
+import sys
 import types
 
 from keras import ops
@@ -139,6 +140,18 @@ LEFT = types.MappingProxyType(
         "`_compute_attention`): not swapped yet",
     }
 )
+
+
+def loaded_classes():
+    """The `FAMILIES` classes whose modules are imported (keras-hub imports its models when
+    it is imported itself)."""
+    classes = []
+    for path in FAMILIES:
+        module, name = path.rsplit(".", 1)
+        cls = getattr(sys.modules.get(module), name, None)
+        if isinstance(cls, type):
+            classes.append(cls)
+    return classes
 
 
 def family_of(layer):

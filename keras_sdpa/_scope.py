@@ -12,6 +12,8 @@ close out of order.
 """
 
 import contextvars
+import functools
+import inspect
 import sys
 import threading
 
@@ -34,11 +36,13 @@ def current_options():
     return merged
 
 
-def enter(classes, options, bind):
+def enter(classes, options, bind, kernel_classes=(), swap_kernel=None):
     """Opens a scope with `options` in this context; the first scope of the process patches
-    the names of `classes`. `bind(layer_class, args, kwargs)` gives a constructor call's
-    arguments in this layer's names, or None where the class's own layer is kept. Returns the
-    scope's entry, which `exit` takes."""
+    the names of `classes`, and the constructors of `kernel_classes`. `bind(layer_class,
+    args, kwargs)` gives a constructor call's arguments in this layer's names, or None where
+    the class's own layer is kept; `swap_kernel(layer, options)` swaps the kernel of a
+    `kernel_classes` layer constructed inside a scope. Returns the scope's entry, which
+    `exit` takes."""
     global _OPEN
     with _LOCK:
         for cls in classes:
@@ -47,8 +51,10 @@ def enter(classes, options, bind):
         if _OPEN == 0:
             try:
                 _patch({cls: _CONSTRUCTORS[cls] for cls in classes})
+                _patch_kernel_constructors(kernel_classes, swap_kernel)
             except BaseException:
                 _patch(_restoring())
+                _restore_kernel_constructors()
                 raise
         _OPEN += 1
     entry = dict(options)
@@ -68,6 +74,42 @@ def exit(entry):
             _OPEN -= 1
             if _OPEN == 0:
                 _patch(_restoring())
+                _restore_kernel_constructors()
+
+
+_KERNEL_INITS = {}  # a kernel class: its own `__init__`, while a scope is open
+
+
+def _patch_kernel_constructors(classes, swap_kernel):
+    """Wraps the `__init__` of each of `classes` (a family's own attention class, which stays
+    as it is): an instance of exactly that class constructed inside a scope gets
+    `swap_kernel(layer, options)`. The class's other attributes, and `isinstance`, are
+    untouched; `_restore_kernel_constructors` puts each `__init__` back."""
+    for cls in classes:
+        init = cls.__dict__.get("__init__")
+        if init is None or cls in _KERNEL_INITS:
+            continue
+        _KERNEL_INITS[cls] = init
+        cls.__init__ = _swapping_init(cls, init, swap_kernel)
+
+
+def _swapping_init(cls, init, swap_kernel):
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        options = current_options()
+        if options is not None and type(self) is cls:  # a subclass computes its own way
+            swap_kernel(self, options)
+
+    # Keras reads the constructor's arguments from its signature (`Operation.__new__`).
+    __init__.__signature__ = inspect.signature(init)
+    return __init__
+
+
+def _restore_kernel_constructors():
+    while _KERNEL_INITS:
+        cls, init = _KERNEL_INITS.popitem()
+        cls.__init__ = init
 
 
 def _restoring():

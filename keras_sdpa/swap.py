@@ -444,6 +444,12 @@ def sdpa_scope(flash_attention=None, **layer_options):
     A keras-hub `CachedMultiHeadAttention` with `use_gate` or `sliding_window` (which its
     cached call ignores) stays as it is.
 
+    A decoder family's own attention class (Llama's, Gemma's, ...: `replace_attention`'s
+    kernel swap) constructed in the scope stays that class and runs its kernel on the core,
+    with `flash_attention`, `implementation` and `chunk_size` (the other `layer_options` are
+    this layer's and do not reach it). Such a model saves as the stock one; loaded inside a
+    scope, its kernels are swapped again.
+
     Args:
         flash_attention: `True`, `False` or `None` (each layer's own), as in
             `replace_attention`.
@@ -458,11 +464,27 @@ def sdpa_scope(flash_attention=None, **layer_options):
     'ScaledDotProductAttention'
     """
     _check_options(flash_attention, layer_options)
-    entry = _scope.enter(_swappable(), _overrides(flash_attention, layer_options), _scope_arguments)
+    entry = _scope.enter(
+        _swappable(),
+        _overrides(flash_attention, layer_options),
+        _scope_arguments,
+        _kernels.loaded_classes(),
+        _scope_kernel,
+    )
     try:
         yield
     finally:
         _scope.exit(entry)
+
+
+def _scope_kernel(layer, options):
+    """Swaps the kernel of a family's attention class constructed in a scope, with the
+    scope's `flash_attention`, `implementation` and `chunk_size` (its other options are
+    `ScaledDotProductAttention`'s, which that class does not become)."""
+    options = dict(options)
+    flash_attention = options.pop("flash_attention", None)
+    known = {name: options[name] for name in ("implementation", "chunk_size") if name in options}
+    _kernels.swap(layer, **_kernel_options(flash_attention, known))
 
 
 def _scope_arguments(layer_class, args, kwargs):

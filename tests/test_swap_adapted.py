@@ -11,17 +11,26 @@ import numpy as np
 import pytest
 from keras_hub.src.models.bert.bert_backbone import BertBackbone
 from keras_hub.src.models.gpt2.gpt2_backbone import GPT2Backbone
+from keras_hub.src.models.llama.llama_backbone import LlamaBackbone
 from on_backend import numpy
 
 import keras_sdpa
-from keras_sdpa import ScaledDotProductAttention
+from keras_sdpa import ScaledDotProductAttention, _kernels
 
 B, T, VOCAB = 2, 7, 53
 TEXT = dict(
     num_layers=2, num_heads=2, hidden_dim=16, intermediate_dim=32, vocabulary_size=VOCAB,
     dropout=0.0, max_sequence_length=16,
 )  # fmt: skip
-BACKBONES = {"bert": BertBackbone, "gpt2": GPT2Backbone}
+DECODER = dict(
+    num_layers=2, num_query_heads=4, num_key_value_heads=2, hidden_dim=16, intermediate_dim=32,
+    vocabulary_size=VOCAB,
+)  # fmt: skip
+BACKBONES = {
+    "bert": lambda: BertBackbone(**TEXT),
+    "gpt2": lambda: GPT2Backbone(**TEXT),
+    "llama": lambda: LlamaBackbone(**DECODER),  # its own attention class: a kernel swap
+}
 
 
 def inputs(backbone):
@@ -39,10 +48,13 @@ def sequence(out):
     return out["sequence_output"] if isinstance(out, dict) else out
 
 
-def adapted(name, mode):
-    """A tiny backbone with LoRA (its factors made non-zero, so that they count) or int8."""
+def adapted(name, mode, swap_first=False):
+    """A tiny backbone with LoRA (its factors made non-zero, so that they count) or int8;
+    with `swap_first`, its attention swapped before it is adapted."""
     keras.utils.set_random_seed(0)
-    backbone = BACKBONES[name](**TEXT)
+    backbone = BACKBONES[name]()
+    if swap_first:
+        keras_sdpa.replace_attention(backbone)
     if mode == "lora":
         backbone.enable_lora(4)
         rng = np.random.default_rng(1)
@@ -53,8 +65,24 @@ def adapted(name, mode):
     return backbone
 
 
+def attention_layers(backbone):
+    """The swapped layers and the kernel-swapped family layers of `backbone`."""
+    return [
+        layer
+        for layer in backbone._flatten_layers()
+        if isinstance(layer, ScaledDotProductAttention) or _kernels.is_swapped(layer)
+    ]
+
+
+def projections(layer):
+    """The query and value projections of a swapped layer or of a family's attention."""
+    if isinstance(layer, ScaledDotProductAttention):
+        return layer.query_dense, layer.value_dense
+    return layer._query_dense, layer._value_dense
+
+
 @pytest.mark.filterwarnings("ignore::UserWarning")  # layers that have no `quantize`
-@pytest.mark.default_cases("bert-lora", "gpt2-int8")
+@pytest.mark.default_cases("bert-lora", "gpt2-int8", "llama-lora", "llama-int8")
 @pytest.mark.parametrize("mode", ["lora", "int8"])
 @pytest.mark.parametrize("name", list(BACKBONES))
 def test_an_adapted_model_is_swapped_and_computes_what_it_did(name, mode):
@@ -63,21 +91,36 @@ def test_an_adapted_model_is_swapped_and_computes_what_it_did(name, mode):
     want = numpy(sequence(backbone(x)))
     paths = [(w.path, w.trainable, str(w.dtype)) for w in backbone.weights]
     report = keras_sdpa.replace_attention(backbone)
-    assert len(report.swapped) == TEXT["num_layers"] and not report.left, str(report)
-    swapped = [
-        layer
-        for layer in backbone._flatten_layers()
-        if isinstance(layer, ScaledDotProductAttention)
-    ]
+    swaps = len(report.swapped) + len(report.kernels)
+    assert swaps == TEXT["num_layers"] and not report.left, str(report)
+    swapped = attention_layers(backbone)
     assert len(swapped) == TEXT["num_layers"]
     for layer in swapped:
+        query, value = projections(layer)
         if mode == "lora":
-            assert layer.query_dense.lora_enabled and layer.value_dense.lora_enabled
+            assert query.lora_enabled and value.lora_enabled
         else:
-            assert layer.query_dense.quantization_mode == "int8"
+            assert query.quantization_mode == "int8"
     # The weights as they were: count, order, paths, what trains, int8 kernels still int8.
     assert [(w.path, w.trainable, str(w.dtype)) for w in backbone.weights] == paths
     np.testing.assert_allclose(numpy(sequence(backbone(x))), want, atol=1e-5)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.default_cases("llama-lora")
+@pytest.mark.parametrize("mode", ["lora", "int8"])
+@pytest.mark.parametrize("name", list(BACKBONES))
+def test_a_model_swapped_then_adapted_computes_what_the_adapted_stock_one_does(name, mode):
+    """The other order: swapped first, then LoRA-enabled or quantized, against the stock
+    model adapted the same way (the same factors, the same int8 kernels)."""
+    stock, ours = adapted(name, mode), adapted(name, mode, swap_first=True)
+    assert len(attention_layers(ours)) == TEXT["num_layers"]
+    x = inputs(stock)
+    want = numpy(sequence(stock(x)))
+    assert [(w.path, w.trainable) for w in ours.weights] == [
+        (w.path, w.trainable) for w in stock.weights
+    ]
+    np.testing.assert_allclose(numpy(sequence(ours(x))), want, atol=1e-5)
 
 
 @pytest.mark.large

@@ -37,6 +37,7 @@ from test_swap import twins
 from test_swap_families import PADDING, VOCAB, assert_same_outputs, feed, prompts
 
 import keras_sdpa
+from keras_sdpa import _kernels
 from keras_sdpa import ops as core
 
 partial = functools.partial
@@ -171,3 +172,80 @@ def test_flash_attention_reaches_a_swapped_kernel_and_other_options_are_refused(
     inputs = feed(stock, PADDING["padding"])
     assert_same_outputs(ours(inputs), stock(inputs))
     assert core_calls and set(core_calls) == {"chunked"}
+
+
+def _kernel_swapped_layers(model):
+    return [layer for layer in model._flatten_layers() if _kernels.is_swapped(layer)]
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma2"])
+def test_a_family_built_or_loaded_in_the_scope_runs_its_kernel_on_the_core(
+    name, core_calls, tmp_path
+):
+    """`sdpa_scope` swaps the kernels of the family classes constructed inside it, as
+    `replace_attention` does; the model saves as the stock one, loads stock outside the
+    scope and swapped again inside it, with the stock outputs each time."""
+    build, _, _ = FAMILIES[name]
+    keras.utils.set_random_seed(0)
+    stock = build()
+    attention_class = next(
+        type(layer) for layer in stock._flatten_layers() if _kernels.family_of(layer)
+    )
+    init = attention_class.__dict__["__init__"]
+    with keras_sdpa.sdpa_scope(flash_attention=True, chunk_size=4):
+        keras.utils.set_random_seed(1)
+        ours = build()
+    ours.set_weights(stock.get_weights())
+    assert len(_kernel_swapped_layers(ours)) == DECODER["num_layers"]
+    assert not _kernel_swapped_layers(build()), "a model built after the scope was swapped"
+    assert attention_class.__dict__["__init__"] is init, "the constructor was not restored"
+    path = str(tmp_path / f"{name}.keras")
+    ours.save(path)
+    plain = keras.saving.load_model(path)
+    with keras_sdpa.sdpa_scope():
+        scoped = keras.saving.load_model(path)
+    assert not _kernel_swapped_layers(plain)
+    assert len(_kernel_swapped_layers(scoped)) == DECODER["num_layers"]
+    for case, padding in PADDING.items():
+        inputs = feed(stock, padding)
+        want = stock(inputs)
+        del core_calls[:]
+        for label, model in (("built", ours), ("loaded in the scope", scoped)):
+            assert_same_outputs(model(inputs), want, f"{label}, {case}")
+        assert core_calls == ["chunked"] * 2 + ["auto"] * 2, core_calls
+        assert_same_outputs(plain(inputs), want, f"loaded, {case}")
+
+
+def with_mean_head(backbone):
+    """`backbone` under a one-unit head on its mean output over the tokens (a decoder's first
+    token sees only itself), compiled with clipped SGD as the harness's other families."""
+    keras.utils.set_random_seed(2)  # the same head on both twins
+    pooled = keras.ops.mean(backbone.output, axis=1)
+    model = keras.Model(backbone.input, keras.layers.Dense(1, name="head")(pooled))
+    model.compile(optimizer=keras.optimizers.SGD(0.01, clipnorm=1.0), loss="mse")
+    return model
+
+
+@pytest.mark.default_cases("llama", "gemma2")
+@pytest.mark.parametrize("name", FAMILIES)
+def test_the_kernel_swapped_family_fits_as_the_stock_one(name, core_calls):
+    """Two `fit` steps (Keras's compiled train step) give the stock losses and weights."""
+    build, expected, _ = FAMILIES[name]
+    stock, ours = twins(build)
+    swap_kernels(ours, expected)
+    stock, ours = with_mean_head(stock), with_mean_head(ours)
+    inputs = feed(stock, PADDING["padding"])
+    targets = np.array([[0.5], [-1.0]], "float32")
+    losses = []
+    for model in (stock, ours):
+        keras.utils.set_random_seed(3)
+        history = model.fit(inputs, targets, batch_size=2, epochs=2, shuffle=False, verbose=0)
+        losses.append(history.history["loss"])
+    assert core_calls, "the core did not run"
+    assert abs(losses[0][1] - losses[0][0]) > 1e-3, losses  # the first step changed it
+    np.testing.assert_allclose(losses[1], losses[0], atol=1e-5, rtol=1e-4)
+    for a, b in zip(stock.weights, ours.weights, strict=True):
+        np.testing.assert_allclose(
+            keras.ops.convert_to_numpy(b), keras.ops.convert_to_numpy(a), atol=1e-5, rtol=1e-5,
+            err_msg=a.path,
+        )  # fmt: skip
