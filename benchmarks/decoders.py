@@ -228,7 +228,7 @@ def main(argv=None):
     section = table(args, list(rows(args)))
     print(section)
     if args.output:
-        replace_section(args.output, START, END, section, before="\n<!-- swap:end -->")
+        replace_section(args.output, START, END, section, before="\n<!-- against-commit:start -->")
         print(f"Wrote the decoders table to {args.output}", file=sys.stderr)
 
 

@@ -54,6 +54,8 @@ class Family:
         window_when_fused: the window applies on the fused path too (Gemma's).
         soft_cap: the logit soft cap, or None.
         dropout: the `keras.layers.Dropout` the stock kernel applies to the weights, or None.
+        kernel: the method that replaces the class's `_compute_attention`: the decoders'
+            signature, or Keras's `MultiHeadAttention`'s (`_keras_kernel`).
     """
 
     scale: object
@@ -62,6 +64,7 @@ class Family:
     window_when_fused: bool = False
     soft_cap: object = lambda layer: None
     dropout: object = lambda layer: None
+    kernel: str = "_compute_attention"
 
 
 def _inv_norm(layer):
@@ -86,6 +89,15 @@ def _qwen3_window(layer):
     return bool(layer.sliding_window_size)
 
 
+# A subclass of Keras's `MultiHeadAttention` (keras-hub's cached one) that changes only what it
+# builds (Whisper's key projection has no bias): Keras's kernel, whose fully masked rows get
+# uniform weights (its masked softmax, or the fused op), as the fused path's do.
+KERAS_MHA = Family(
+    scale=lambda layer: layer._inverse_sqrt_key_dim,
+    fused=lambda layer: True,
+    dropout=lambda layer: layer._dropout_layer if layer._dropout else None,
+    kernel="_keras_kernel",
+)
 LLAMA_LIKE = Family(scale=_inv_norm, fused=_fused_available)
 QWEN = Family(scale=_inv_norm, fused=_fused_available, window=_window_flag)
 QWEN3 = Family(scale=_inv_norm, fused=_fused_available, window=_qwen3_window)
@@ -122,6 +134,8 @@ FAMILIES = types.MappingProxyType(
         ),
         f"{_MODELS}.gemma.gemma_attention.CachedGemmaAttention": GEMMA,
         f"{_MODELS}.gemma3.gemma3_attention.CachedGemma3Attention": GEMMA,
+        f"{_MODELS}.whisper.whisper_cached_multi_head_attention."
+        "WhisperCachedMultiHeadAttention": KERAS_MHA,
     }
 )
 
@@ -164,12 +178,13 @@ def swap(layer, implementation="auto", chunk_size=None):
     """Runs `layer`'s kernel on the core from now on: `_compute_attention`, on this instance,
     on the core's `implementation` (`replace_attention`'s `flash_attention`)."""
     layer._sdpa_core_options = (implementation, chunk_size)
-    layer._compute_attention = types.MethodType(_compute_attention, layer)
+    kernel = _KERNELS[family_of(layer).kernel]
+    layer._compute_attention = types.MethodType(kernel, layer)
 
 
 def is_swapped(layer):
     method = layer.__dict__.get("_compute_attention")
-    return getattr(method, "__func__", None) is _compute_attention
+    return getattr(method, "__func__", None) in _KERNELS.values()
 
 
 def _compute_attention(
@@ -182,8 +197,40 @@ def _compute_attention(
     if mask is not None and family.window(self) and (not fused or family.window_when_fused):
         index = 0 if cache_update_index is None else cache_update_index
         mask = self._mask_sliding_window(mask, cache_update_index=index)
+    return _on_core(self, family, query, key, value, mask, training, fused=fused)
+
+
+def _keras_kernel(
+    self,
+    query,
+    key,
+    value,
+    attention_mask=None,
+    training=None,
+    return_attention_scores=False,
+    use_causal_mask=False,
+):
+    """Keras's `MultiHeadAttention._compute_attention` on the core: `(output, None)`. The
+    stock kernel still runs where the weights are asked for or the attention axes are not
+    Keras's default (queries not `(B, T, N, H)`)."""
+    if return_attention_scores or len(query.shape) != 4:
+        stock = type(self)._compute_attention
+        return stock(self, query, key, value, attention_mask, training, return_attention_scores,
+                     use_causal_mask)  # fmt: skip
+    mask, is_causal = attention_mask, bool(use_causal_mask)
+    if is_causal and mask is not None:  # one mask, so that its fully masked rows are known
+        mask = ops.logical_and(ops.cast(mask, "bool"), self._compute_causal_mask(query, value))
+        is_causal = False
+    out = _on_core(self, family_of(self), query, key, value, mask, training, True, is_causal)
+    return out, None
+
+
+def _on_core(self, family, query, key, value, mask, training, fused, is_causal=False):
+    """The core's `softmax(scale * Q K^T + masks) V` with the family's scale, soft cap and
+    dropout, and with `fused`, the fused op's fully masked rows."""
     if mask is not None:
-        mask = ops.cast(mask, "bool")[:, None]  # (B, 1, T, S)
+        mask = ops.cast(mask, "bool")
+        mask = mask[:, None] if len(mask.shape) == 3 else mask  # (B, 1, T, S)
     dropout = family.dropout(self)  # the stock kernel's, drawn from only while training
     active = dropout is not None and training is not None and training is not False
     implementation, chunk_size = self._sdpa_core_options
@@ -192,6 +239,7 @@ def _compute_attention(
         key,
         value,
         mask,
+        is_causal=is_causal,
         scale=family.scale(self),
         attn_logits_soft_cap=family.soft_cap(self),
         dropout_rate=dropout.rate if active else 0.0,
@@ -203,6 +251,9 @@ def _compute_attention(
     if fused and mask is not None:
         out = _fused_rows(out, value, mask)
     return out
+
+
+_KERNELS = {"_compute_attention": _compute_attention, "_keras_kernel": _keras_kernel}
 
 
 def _fused_rows(out, value, mask):

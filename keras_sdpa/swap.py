@@ -9,9 +9,11 @@ Two ways, as Transformers' `attn_implementation` offers both:
 - `sdpa_scope()` is a context manager under which those three classes, when constructed,
   are this layer: for code that builds models.
 
-Subclasses of those classes that change what they compute (keras-hub's Whisper attention has
-no key bias; XLNet's two-stream attention has a call of its own) and a model's own attention
-classes (Gemma, Llama) are left as they are, and the report names them.
+A model's own attention classes (Gemma, Llama, ...) and Whisper's subclass of keras-hub's
+cached attention (no key bias) keep their class, and their kernel runs on the core
+(`_kernels.py`). Subclasses that change what they compute (XLNet's two-stream attention has a
+call of its own) and the classes whose kernel is not swapped are left as they are, and the
+report names them.
 """
 
 import contextlib
@@ -439,7 +441,7 @@ def sdpa_scope(flash_attention=None, **layer_options):
     constructing those classes meanwhile gets Keras's, and `isinstance` against their names
     holds as outside it. Nested scopes merge their options, the inner one's winning. The names
     are restored when the last open scope of the process closes, also on an error. Subclasses
-    defined before the scope (Whisper's attention) are not affected; one defined inside it
+    defined before the scope are not affected (Whisper's attention gets its kernel swapped); one defined inside it
     subclasses the real class.
     A keras-hub `CachedMultiHeadAttention` with `use_gate` or `sliding_window` (which its
     cached call ignores) stays as it is.

@@ -60,7 +60,6 @@ from keras_hub.src.models.siglip.siglip_text_encoder import SigLIPTextEncoder
 from keras_hub.src.models.siglip.siglip_vision_encoder import SigLIPVisionEncoder
 from keras_hub.src.models.t5.t5_backbone import T5Backbone
 from keras_hub.src.models.vit.vit_backbone import ViTBackbone
-from keras_hub.src.models.whisper.whisper_backbone import WhisperBackbone
 from keras_hub.src.models.xlm_roberta.xlm_roberta_backbone import XLMRobertaBackbone
 from keras_hub.src.models.xlnet.xlnet_backbone import XLNetBackbone
 from test_swap import attention_kinds, replace, same_weights, twins
@@ -357,19 +356,13 @@ SUBCLASS = "a subclass of {} that changes what it builds or computes"
 DECODER = dict(vocabulary_size=VOCAB, num_layers=1, hidden_dim=16, intermediate_dim=32)
 
 
-def whisper():
-    return WhisperBackbone(
-        **DECODER, num_heads=2, num_mels=8, max_encoder_sequence_length=16,
-        max_decoder_sequence_length=8,
-    )  # fmt: skip
-
-
 def xlnet():
     return XLNetBackbone(**DECODER, num_heads=2)
 
 
 # (Llama, Mistral, Gemma, GPT-NeoX and the other decoders whose class computes its kernel in
-# `_compute_attention` keep their class with the kernel swapped: tests/test_swap_kernels.py.)
+# `_compute_attention`, and Whisper's subclass of keras-hub's cached attention, which changes
+# only what it builds, keep their class with the kernel swapped: tests/test_swap_kernels.py.)
 REFUSED = {
     # The block's own class name says "Attention": the report names the block.
     "deberta_v3": (
@@ -380,7 +373,6 @@ REFUSED = {
         partial(T5Backbone, **DECODER, num_heads=2, dropout=0.0),
         {"T5MultiHeadAttention": "written inside `call`"},
     ),
-    "whisper": (whisper, {"WhisperCachedMultiHeadAttention": SUBCLASS.format(CACHED)}),
     # Its `XLNetAttentionMaskLayer` makes masks; it is no attention.
     "xlnet": (xlnet, {"TwoStreamRelativeAttention": SUBCLASS.format(MHA)}),
 }

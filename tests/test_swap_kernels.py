@@ -33,6 +33,7 @@ from keras_hub.src.models.qwen3.qwen3_backbone import Qwen3Backbone
 from keras_hub.src.models.qwen3_moe.qwen3_moe_backbone import Qwen3MoeBackbone
 from keras_hub.src.models.qwen_moe.qwen_moe_backbone import QwenMoeBackbone
 from keras_hub.src.models.smollm3.smollm3_backbone import SmolLM3Backbone
+from keras_hub.src.models.whisper.whisper_backbone import WhisperBackbone
 from test_swap import twins
 from test_swap_families import PADDING, VOCAB, assert_same_outputs, feed, prompts
 
@@ -80,14 +81,22 @@ FAMILIES = {
     "smollm3": (partial(SmolLM3Backbone, **SMOLLM3), "SmolLM3Attention", None),
     "gpt_neo_x": (partial(GPTNeoXBackbone, **DECODER, num_heads=2, dropout=0.0),
                   "GPTNeoXAttention", GPTNeoXCausalLM),
+    # A subclass of keras-hub's cached attention whose key projection has no bias: the
+    # encoder's self-attention, the decoder's causal self-attention and its cross-attention.
+    "whisper": (partial(WhisperBackbone, **DECODER, num_heads=2, num_mels=8,
+                        max_encoder_sequence_length=16, max_decoder_sequence_length=8),
+                "WhisperCachedMultiHeadAttention", None),
 }  # fmt: skip
+# The attention layers of each family: one per layer, Whisper's three.
+ATTENTION_LAYERS = {"whisper": 3 * DECODER["num_layers"]}
 WITH_LM = [name for name, (_, _, task) in FAMILIES.items() if task is not None]
 
 
-def swap_kernels(model, expected):
+def swap_kernels(model, expected, name=None):
     report = keras_sdpa.replace_attention(model)
     kinds = collections.Counter(kind for _, kind in report.kernels)
-    assert kinds == {expected: DECODER["num_layers"]} and not report.left, str(report)
+    count = ATTENTION_LAYERS.get(name, DECODER["num_layers"])
+    assert kinds == {expected: count} and not report.left, str(report)
     assert report.swapped == [], str(report)
     return report
 
@@ -110,12 +119,13 @@ def core_calls(monkeypatch):
 def test_the_kernel_swapped_family_gives_the_stock_outputs(name, core_calls):
     build, expected, _ = FAMILIES[name]
     stock, ours = twins(build)
-    swap_kernels(ours, expected)
+    swap_kernels(ours, expected, name)
     for case, padding in PADDING.items():
         inputs = feed(stock, padding)
         before = len(core_calls)
         assert_same_outputs(ours(inputs), stock(inputs), case)
-        assert len(core_calls) - before == DECODER["num_layers"], "the core did not run"
+        count = ATTENTION_LAYERS.get(name, DECODER["num_layers"])
+        assert len(core_calls) - before == count, "the core did not run"
 
 
 def test_a_second_swap_changes_nothing():
@@ -220,7 +230,8 @@ def with_mean_head(backbone):
     """`backbone` under a one-unit head on its mean output over the tokens (a decoder's first
     token sees only itself), compiled with clipped SGD as the harness's other families."""
     keras.utils.set_random_seed(2)  # the same head on both twins
-    pooled = keras.ops.mean(backbone.output, axis=1)
+    outputs = keras.tree.flatten(backbone.output)  # Whisper's: the encoder's and decoder's
+    pooled = keras.ops.concatenate([keras.ops.mean(x, axis=1) for x in outputs], axis=-1)
     model = keras.Model(backbone.input, keras.layers.Dense(1, name="head")(pooled))
     model.compile(optimizer=keras.optimizers.SGD(0.01, clipnorm=1.0), loss="mse")
     return model
@@ -232,7 +243,7 @@ def test_the_kernel_swapped_family_fits_as_the_stock_one(name, core_calls):
     """Two `fit` steps (Keras's compiled train step) give the stock losses and weights."""
     build, expected, _ = FAMILIES[name]
     stock, ours = twins(build)
-    swap_kernels(ours, expected)
+    swap_kernels(ours, expected, name)
     stock, ours = with_mean_head(stock), with_mean_head(ours)
     inputs = feed(stock, PADDING["padding"])
     targets = np.array([[0.5], [-1.0]], "float32")
