@@ -253,7 +253,9 @@ def _on_core(self, family, query, key, value, mask, training, fused, is_causal=F
     return out
 
 
-_KERNELS = {"_compute_attention": _compute_attention, "_keras_kernel": _keras_kernel}
+_KERNELS = types.MappingProxyType(
+    {"_compute_attention": _compute_attention, "_keras_kernel": _keras_kernel}
+)
 
 
 def _fused_rows(out, value, mask):

@@ -441,8 +441,8 @@ def sdpa_scope(flash_attention=None, **layer_options):
     constructing those classes meanwhile gets Keras's, and `isinstance` against their names
     holds as outside it. Nested scopes merge their options, the inner one's winning. The names
     are restored when the last open scope of the process closes, also on an error. Subclasses
-    defined before the scope are not affected (Whisper's attention gets its kernel swapped); one defined inside it
-    subclasses the real class.
+    defined before the scope are not affected (Whisper's attention gets its kernel swapped);
+    one defined inside it subclasses the real class.
     A keras-hub `CachedMultiHeadAttention` with `use_gate` or `sliding_window` (which its
     cached call ignores) stays as it is.
 

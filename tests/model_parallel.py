@@ -28,9 +28,11 @@ import keras_sdpa  # noqa: E402
 from keras_sdpa import ops as core  # noqa: E402
 
 VOCAB, B, T, PROMPT = 64, 2, 12, 4
+# Every sharded size divisible by its mesh axis (JAX's sharding needs it): 8 query heads over
+# 4 key/value heads, which the layout maps split over `model` (4) or `batch` (2).
 SHAPE = dict(
-    vocabulary_size=VOCAB, num_layers=2, hidden_dim=32, intermediate_dim=64, num_query_heads=4,
-    num_key_value_heads=2,
+    vocabulary_size=VOCAB, num_layers=2, hidden_dim=32, intermediate_dim=64, num_query_heads=8,
+    num_key_value_heads=4,
 )  # fmt: skip
 
 
@@ -89,8 +91,9 @@ def placements(model, layout_map):
         layout = layout_map[variable.path]
         if layout is None:
             continue
-        spec = variable.value.sharding.spec
-        result[variable.path] = (list(layout.axes), [*spec, *[None] * (len(layout.axes) - len(spec))])
+        spec = list(variable.value.sharding.spec)
+        spec += [None] * (len(layout.axes) - len(spec))  # JAX drops trailing Nones
+        result[variable.path] = (list(layout.axes), spec)
     return result
 
 

@@ -998,3 +998,44 @@ def test_app_page_quotes_what_more_pretraining_buys_from_its_files():
     assert (
         f"predicted right {100 * accuracy[1]:.0f}% of the time ({100 * accuracy[0]:.0f}% at 1,500)"
     ) in " ".join(text.split())
+
+
+def test_decoder_figures_are_the_benchmarks():
+    """The README's, docs/keras-hub.md's and the notes' figures on the decoder LLMs are
+    `benchmarks/decoders.py`'s table."""
+    benchmarks = (ROOT / "BENCHMARKS.md").read_text()
+    section = benchmarks[benchmarks.index("<!-- decoders:start -->") :
+                         benchmarks.index("<!-- decoders:end -->")]  # fmt: skip
+    assert re.search(r"On (AMD EPYC|Intel\(R\) Xeon)", section.split("\n|")[0])
+    rows = {
+        (model.split(",")[0].split(" (")[0], variant): (ratio, peak)
+        for model, variant, ratio, peak in re.findall(
+            r"^\| ([^|]+) \| [^|]+ \| ([^|]+) \| [^|]+ \| \*\*([\d.]+)\*\* [^|]* \| (\d+) \|",
+            section, re.M,
+        )
+    }  # fmt: skip
+    llama, llama_stock = rows["Llama", "swapped"], rows["Llama", "stock"]
+    gemma, gemma_stock = rows["Gemma", "swapped"], rows["Gemma", "stock"]
+    window = rows["Mistral", "swapped, window 512"]
+    stock_window = rows["Mistral", "stock, window 512"]
+    decode = rows["Llama `generate`", "swapped"]
+    readme = " ".join(README.read_text().split())
+    assert (
+        f"peak **{llama[1]} MiB** against {llama_stock[1]} ({llama[0]}x the time); Mistral's "
+        f"window of 512: **{window[0]}x** the full causal time"
+    ) in readme
+    page = " ".join((DOCS / "keras-hub.md").read_text().split())
+    assert (
+        f"peaks at **{llama[1]} MiB** against the stock model's {llama_stock[1]}, in "
+        f"{llama[0]}x its time; Gemma with a soft cap and a window of 512 at {gemma[1]} MiB "
+        f"against {gemma_stock[1]}, in {gemma[0]}x"
+    ) in page
+    assert f"takes **{window[0]}x** the time of the same swapped model" in page
+    assert f"takes {decode[0]}x the stock model's time per token" in page
+    notes = " ".join(benchmarks.split("<!-- decoders:end -->")[1].split("<!--")[0].split())
+    assert f"peaks at {llama[1]} against {llama_stock[1]} MiB ({llama[0]}x the time)" in notes
+    assert f"at {gemma[1]} against {gemma_stock[1]} MiB ({gemma[0]}x)" in notes
+    assert f"takes {window[0]}x the time" in notes and f"takes {stock_window[0]}x" in notes
+    assert f"takes {decode[0]}x the stock time per token" in notes
+    full = rows["Mistral", "swapped, full causal"]
+    assert f"swapped peak ({window[1]} MiB) is above the full causal one ({full[1]})" in notes
