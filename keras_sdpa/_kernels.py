@@ -90,11 +90,12 @@ def _qwen3_window(layer):
 
 
 # A subclass of Keras's `MultiHeadAttention` (keras-hub's cached one) that changes only what it
-# builds (Whisper's key projection has no bias): Keras's kernel, whose fully masked rows get
-# uniform weights (its masked softmax, or the fused op), as the fused path's do.
+# builds (Whisper's key projection has no bias): Keras's kernel, which runs the fused op (whose
+# fully masked rows get uniform weights) unless it drops weights out (its masked softmax gives
+# those rows zeros, as the core does).
 KERAS_MHA = Family(
     scale=lambda layer: layer._inverse_sqrt_key_dim,
-    fused=lambda layer: True,
+    fused=lambda layer: not layer._dropout,
     dropout=lambda layer: layer._dropout_layer if layer._dropout else None,
     kernel="_keras_kernel",
 )
@@ -221,7 +222,8 @@ def _keras_kernel(
     if is_causal and mask is not None:  # one mask, so that its fully masked rows are known
         mask = ops.logical_and(ops.cast(mask, "bool"), self._compute_causal_mask(query, value))
         is_causal = False
-    out = _on_core(self, family_of(self), query, key, value, mask, training, True, is_causal)
+    family = family_of(self)
+    out = _on_core(self, family, query, key, value, mask, training, family.fused(self), is_causal)
     return out, None
 
 
