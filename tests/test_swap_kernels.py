@@ -16,6 +16,10 @@ import functools
 import keras
 import numpy as np
 import pytest
+from keras_hub.src.models.bloom.bloom_backbone import BloomBackbone
+from keras_hub.src.models.bloom.bloom_causal_lm import BloomCausalLM
+from keras_hub.src.models.falcon.falcon_backbone import FalconBackbone
+from keras_hub.src.models.falcon.falcon_causal_lm import FalconCausalLM
 from keras_hub.src.models.gemma.gemma_backbone import GemmaBackbone
 from keras_hub.src.models.gemma.gemma_causal_lm import GemmaCausalLM
 from keras_hub.src.models.gemma3.gemma3_backbone import Gemma3Backbone
@@ -81,6 +85,10 @@ FAMILIES = {
     "smollm3": (partial(SmolLM3Backbone, **SMOLLM3), "SmolLM3Attention", None),
     "gpt_neo_x": (partial(GPTNeoXBackbone, **DECODER, num_heads=2, dropout=0.0),
                   "GPTNeoXAttention", GPTNeoXCausalLM),
+    # Kernels written inside `call`, with ALiBi: `call` replaced (the class's sublayers kept).
+    "bloom": (partial(BloomBackbone, **DECODER, num_heads=4), "BloomAttention", BloomCausalLM),
+    "falcon": (partial(FalconBackbone, **DECODER, num_attention_heads=4), "FalconAttention",
+               FalconCausalLM),
     # A subclass of keras-hub's cached attention whose key projection has no bias: the
     # encoder's self-attention, the decoder's causal self-attention and its cross-attention.
     "whisper": (partial(WhisperBackbone, **DECODER, num_heads=2, num_mels=8,
@@ -158,9 +166,9 @@ def test_the_kernel_swapped_family_generates_the_stock_greedy_tokens(name, core_
         np.testing.assert_array_equal(got[key], want[key], err_msg=key)
 
 
-@pytest.mark.parametrize("name", ["gemma", "gpt_neo_x", "whisper"])
+@pytest.mark.parametrize("name", ["gemma", "gpt_neo_x", "whisper", "bloom"])
 def test_a_kernel_with_dropout_matches_stock_at_inference_and_drops_in_training(name):
-    """Gemma, GPT-NeoX and Whisper drop attention weights inside their kernels: the swapped
+    """Gemma, GPT-NeoX, Whisper and Bloom drop attention weights inside their kernels: the swapped
     kernel gives stock's outputs at inference (Whisper's, with dropout, off Keras's fused op:
     a fully masked row gives zeros there) and draws its own dropout while training."""
     build, expected, _ = FAMILIES[name]
