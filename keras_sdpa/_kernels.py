@@ -21,10 +21,10 @@ import dataclasses
 import sys
 import types
 
-import keras
 from keras import ops
 
 from keras_sdpa import ops as core
+from keras_sdpa._call_kernels import CALL_FAMILIES, CallFamily
 
 
 def _fused_available(layer):
@@ -142,29 +142,6 @@ FAMILIES = types.MappingProxyType(
 )
 
 
-@dataclasses.dataclass(frozen=True)
-class CallFamily:
-    """A class whose kernel is written inside `call` (Bloom's, Falcon's): `call` is replaced.
-
-    The projections, the cache's update and the output projection are the class's own
-    sublayers and code path (`_projected`); what differs is a row here.
-
-    Attributes:
-        call: the replacement, with the class's `call` signature.
-        projections: the attribute names of the query, key, value and output projections.
-        bias: `(layer, extra, key_length)` -> the logits' bias (ALiBi), broadcastable to
-            `(B, N, T, S)`, with `extra` the call's other arguments.
-        dropout: the `keras.layers.Dropout` of the weights (also of the output, with
-            `output_dropout`).
-    """
-
-    call: object
-    projections: tuple
-    bias: object
-    dropout: object
-    output_dropout: bool = False
-
-
 # Attention classes left as they are, by class name, with the reason the report gives.
 LEFT = types.MappingProxyType(
     {
@@ -172,8 +149,6 @@ LEFT = types.MappingProxyType(
         "position and position-to-content scores, which the core does not compute",
         "GptOssAttention": "its attention sinks (a learned logit per head that takes weight but "
         "no value), which the core does not take",
-        "T5MultiHeadAttention": "its kernel is written inside `call` (not `_compute_attention`), "
-        "with the relative-position bias it passes to the next layer: not swapped yet",
     }
 )
 
@@ -295,104 +270,3 @@ def _fused_rows(out, value, mask):
         mean = ops.repeat(mean, heads // kv_heads, axis=2)  # (B, 1, N, H)
     rows = ops.transpose(ops.any(mask, axis=-1), (0, 2, 1))[..., None]  # (B, T, 1, 1)
     return ops.where(rows, out, ops.cast(mean, out.dtype))
-
-
-# ---- kernels written inside `call`: the class's projections and cache, the kernel on the core
-
-
-def _bloom_call(self, hidden_states, attention_mask=None, cache=None, cache_update_index=None):
-    return _projected(self, hidden_states, attention_mask, cache, cache_update_index, {})
-
-
-def _falcon_call(self, inputs, alibi, attention_mask=None, cache=None, cache_update_index=None):
-    extra = {"alibi": alibi}
-    return _projected(self, inputs, attention_mask, cache, cache_update_index, extra)
-
-
-def _projected(self, x, attention_mask, cache, cache_update_index, extra):
-    """What Bloom's and Falcon's `call` compute, their kernel on the core: the projections,
-    the cache's update (a `(B, 2, S, N, H)` tensor, returned updated), `softmax(scale * Q K^T
-    + ALiBi)` under the mask (a fully masked row gives zeros, as their masked softmax), the
-    weights' dropout, and the output projection."""
-    family = family_of(self)
-    query_dense, key_dense, value_dense, output_dense = (
-        getattr(self, name) for name in family.projections
-    )
-    query, key, value = query_dense(x), key_dense(x), value_dense(x)  # (B, T, N, H)
-    if cache is not None:
-        if cache_update_index is None:
-            key, value = cache[:, 0, ...], cache[:, 1, ...]
-        else:
-            start = [0, cache_update_index, 0, 0]
-            key = ops.slice_update(cache[:, 0, ...], start, key)
-            value = ops.slice_update(cache[:, 1, ...], start, value)
-            cache = ops.stack((key, value), axis=1)
-    elif cache_update_index is not None:
-        raise ValueError(
-            "`cache_update_index` should not be set if `cache` is `None`. Received: "
-            f"cache={cache}, cache_update_index={cache_update_index}"
-        )
-    mask = None
-    if attention_mask is not None:
-        mask = attention_mask
-        if keras.backend.standardize_dtype(mask.dtype) != "bool":
-            mask = ops.greater(mask, 0.5)  # as `keras.layers.Softmax` reads a mask
-        mask = mask[:, None]  # (B, 1, T, S)
-    dropout = family.dropout(self)
-    training = _call_training(self)
-    active = dropout.rate > 0 and training is not None and training is not False
-    implementation, chunk_size = self._sdpa_core_options
-    out = core.scaled_dot_product_attention(
-        query,
-        key,
-        value,
-        mask,
-        bias=family.bias(self, extra, ops.shape(key)[1]),
-        scale=self.inv_norm_factor,
-        dropout_rate=dropout.rate if active else 0.0,
-        training=training if active else False,
-        seed=dropout.seed_generator.next() if active else None,
-        implementation=implementation,
-        chunk_size=chunk_size,
-    )  # (B, T, N, H)
-    batch, length = ops.shape(x)[0], ops.shape(x)[1]
-    out = output_dense(ops.reshape(out, (batch, length, self.num_heads * self.head_dim)))
-    if family.output_dropout:
-        out = dropout(out)
-    return out if cache is None else (out, cache)
-
-
-def _call_training(layer):
-    """The `training` of the call in progress (Keras's call context): these classes' `call`
-    takes none, and their dropout layers read it from there."""
-    context = getattr(layer, "_get_call_context", lambda: None)()
-    return None if context is None else context.training
-
-
-def _bloom_alibi(layer, extra, key_length):
-    """Bloom's own ALiBi (`AlibiBias`), `(1, N, 1, S)`, added to the scaled logits."""
-    return layer._alibi_layer._get_alibi_bias(layer.num_heads, key_length)
-
-
-def _falcon_alibi(layer, extra, key_length):
-    """Falcon's `alibi` argument, `(B, N, 1, S)`: it scales the sum of logits and ALiBi."""
-    return extra["alibi"] * ops.cast(layer.inv_norm_factor, extra["alibi"].dtype)
-
-
-CALL_FAMILIES = types.MappingProxyType(
-    {
-        f"{_MODELS}.bloom.bloom_attention.BloomAttention": CallFamily(
-            call=_bloom_call,
-            projections=("_query_dense", "_key_dense", "_value_dense", "_output_dense"),
-            bias=_bloom_alibi,
-            dropout=lambda layer: layer._dropout_layer,
-            output_dropout=True,
-        ),
-        f"{_MODELS}.falcon.falcon_attention.FalconAttention": CallFamily(
-            call=_falcon_call,
-            projections=("query_dense", "key_dense", "value_dense", "output_dense"),
-            bias=_falcon_alibi,
-            dropout=lambda layer: layer.attention_dropout,
-        ),
-    }
-)

@@ -58,7 +58,6 @@ from keras_hub.src.models.sam3.sam3_text_encoder import SAM3TextEncoder
 from keras_hub.src.models.siglip.siglip_backbone import SigLIPBackbone
 from keras_hub.src.models.siglip.siglip_text_encoder import SigLIPTextEncoder
 from keras_hub.src.models.siglip.siglip_vision_encoder import SigLIPVisionEncoder
-from keras_hub.src.models.t5.t5_backbone import T5Backbone
 from keras_hub.src.models.vit.vit_backbone import ViTBackbone
 from keras_hub.src.models.xlm_roberta.xlm_roberta_backbone import XLMRobertaBackbone
 from keras_hub.src.models.xlnet.xlnet_backbone import XLNetBackbone
@@ -368,10 +367,6 @@ REFUSED = {
     "deberta_v3": (
         partial(DebertaV3Backbone, **TEXT),
         {"DisentangledAttentionEncoder": "disentangled"},
-    ),
-    "t5": (
-        partial(T5Backbone, **DECODER, num_heads=2, dropout=0.0),
-        {"T5MultiHeadAttention": "written inside `call`"},
     ),
     # Its `XLNetAttentionMaskLayer` makes masks; it is no attention.
     "xlnet": (xlnet, {"TwoStreamRelativeAttention": SUBCLASS.format(MHA)}),

@@ -37,6 +37,7 @@ from keras_hub.src.models.qwen3.qwen3_backbone import Qwen3Backbone
 from keras_hub.src.models.qwen3_moe.qwen3_moe_backbone import Qwen3MoeBackbone
 from keras_hub.src.models.qwen_moe.qwen_moe_backbone import QwenMoeBackbone
 from keras_hub.src.models.smollm3.smollm3_backbone import SmolLM3Backbone
+from keras_hub.src.models.t5.t5_backbone import T5Backbone
 from keras_hub.src.models.whisper.whisper_backbone import WhisperBackbone
 from test_swap import twins
 from test_swap_families import PADDING, VOCAB, assert_same_outputs, feed, prompts
@@ -89,6 +90,10 @@ FAMILIES = {
     "bloom": (partial(BloomBackbone, **DECODER, num_heads=4), "BloomAttention", BloomCausalLM),
     "falcon": (partial(FalconBackbone, **DECODER, num_attention_heads=4), "FalconAttention",
                FalconCausalLM),
+    # T5's relative-position bias, made by the first layer and handed on (with the mask in it):
+    # the encoder's self-attention, the decoder's self- and cross-attention.
+    "t5": (partial(T5Backbone, **DECODER, num_heads=2, dropout=0.0), "T5MultiHeadAttention",
+           None),
     # A subclass of keras-hub's cached attention whose key projection has no bias: the
     # encoder's self-attention, the decoder's causal self-attention and its cross-attention.
     "whisper": (partial(WhisperBackbone, **DECODER, num_heads=2, num_mels=8,
@@ -96,7 +101,7 @@ FAMILIES = {
                 "WhisperCachedMultiHeadAttention", None),
 }  # fmt: skip
 # The attention layers of each family: one per layer, Whisper's three.
-ATTENTION_LAYERS = {"whisper": 3 * DECODER["num_layers"]}
+ATTENTION_LAYERS = {"whisper": 3 * DECODER["num_layers"], "t5": 3 * DECODER["num_layers"]}
 WITH_LM = [name for name, (_, _, task) in FAMILIES.items() if task is not None]
 
 
@@ -166,11 +171,11 @@ def test_the_kernel_swapped_family_generates_the_stock_greedy_tokens(name, core_
         np.testing.assert_array_equal(got[key], want[key], err_msg=key)
 
 
-@pytest.mark.parametrize("name", ["gemma", "gpt_neo_x", "whisper", "bloom"])
+@pytest.mark.parametrize("name", ["gemma", "gpt_neo_x", "whisper", "bloom", "t5"])
 def test_a_kernel_with_dropout_matches_stock_at_inference_and_drops_in_training(name):
-    """Gemma, GPT-NeoX, Whisper and Bloom drop attention weights inside their kernels: the swapped
-    kernel gives stock's outputs at inference (Whisper's, with dropout, off Keras's fused op:
-    a fully masked row gives zeros there) and draws its own dropout while training."""
+    """Gemma, GPT-NeoX, Whisper, Bloom and T5 drop attention weights inside their kernels: the
+    swapped kernel gives stock's outputs at inference (Whisper's, with dropout, off Keras's
+    fused op: a fully masked row gives zeros there) and draws its own dropout in training."""
     build, expected, _ = FAMILIES[name]
     stock, ours = twins(partial(build, dropout=0.5))
     swap_kernels(ours, expected, name)
