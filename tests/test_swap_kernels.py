@@ -30,13 +30,19 @@ from keras_hub.src.models.llama.llama_causal_lm import LlamaCausalLM
 from keras_hub.src.models.mistral.mistral_backbone import MistralBackbone
 from keras_hub.src.models.mistral.mistral_causal_lm import MistralCausalLM
 from keras_hub.src.models.mixtral.mixtral_backbone import MixtralBackbone
+from keras_hub.src.models.mixtral.mixtral_causal_lm import MixtralCausalLM
 from keras_hub.src.models.phi3.phi3_backbone import Phi3Backbone
+from keras_hub.src.models.phi3.phi3_causal_lm import Phi3CausalLM
 from keras_hub.src.models.qwen.qwen_backbone import QwenBackbone
 from keras_hub.src.models.qwen.qwen_causal_lm import QwenCausalLM
 from keras_hub.src.models.qwen3.qwen3_backbone import Qwen3Backbone
+from keras_hub.src.models.qwen3.qwen3_causal_lm import Qwen3CausalLM
 from keras_hub.src.models.qwen3_moe.qwen3_moe_backbone import Qwen3MoeBackbone
+from keras_hub.src.models.qwen3_moe.qwen3_moe_causal_lm import Qwen3MoeCausalLM
 from keras_hub.src.models.qwen_moe.qwen_moe_backbone import QwenMoeBackbone
+from keras_hub.src.models.qwen_moe.qwen_moe_causal_lm import QwenMoeCausalLM
 from keras_hub.src.models.smollm3.smollm3_backbone import SmolLM3Backbone
+from keras_hub.src.models.smollm3.smollm3_causal_lm import SmolLM3CausalLM
 from keras_hub.src.models.t5.t5_backbone import T5Backbone
 from keras_hub.src.models.whisper.whisper_backbone import WhisperBackbone
 from test_swap import twins
@@ -68,22 +74,26 @@ FAMILIES = {
     "llama": (partial(LlamaBackbone, **GQA), "LlamaAttention", LlamaCausalLM),
     "mistral": (partial(MistralBackbone, **GQA, sliding_window=3), "CachedMistralAttention",
                 MistralCausalLM),
-    "mixtral": (partial(MixtralBackbone, **MOE, sliding_window=3), "CachedMixtralAttention", None),
-    "phi3": (partial(Phi3Backbone, **GQA), "Phi3Attention", None),
+    "mixtral": (partial(MixtralBackbone, **MOE, sliding_window=3), "CachedMixtralAttention",
+                MixtralCausalLM),
+    "phi3": (partial(Phi3Backbone, **GQA), "Phi3Attention", Phi3CausalLM),
     "gemma": (partial(GemmaBackbone, **GQA, head_dim=8), "CachedGemmaAttention", GemmaCausalLM),
     "gemma2": (partial(GemmaBackbone, **GEMMA2), "CachedGemmaAttention", GemmaCausalLM),
+    # The stock Gemma3CausalLM built so (no preprocessor, no images) cannot generate.
     "gemma3": (partial(Gemma3Backbone, **GEMMA2, image_size=16), "CachedGemma3Attention", None),
     "qwen": (partial(QwenBackbone, **GQA), "QwenAttention", QwenCausalLM),
     # The stock Qwen with its window cannot generate (`cache_update_index or 0` on a tensor).
     "qwen_window": (partial(QwenBackbone, **GQA, use_sliding_window_attention=True,
                             sliding_window_size=3), "QwenAttention", None),
     "qwen_moe": (partial(QwenMoeBackbone, **MOE, moe_intermediate_dim=8,
-                         shared_expert_intermediate_dim=8), "QwenMoeAttention", None),
+                         shared_expert_intermediate_dim=8), "QwenMoeAttention",
+                 QwenMoeCausalLM),
     "qwen3": (partial(Qwen3Backbone, **GQA, head_dim=4, sliding_window_size=3), "Qwen3Attention",
-              None),
+              Qwen3CausalLM),
     "qwen3_moe": (partial(Qwen3MoeBackbone, **MOE, moe_intermediate_dim=8, head_dim=4,
-                          sliding_window_size=3), "Qwen3MoeAttention", None),
-    "smollm3": (partial(SmolLM3Backbone, **SMOLLM3), "SmolLM3Attention", None),
+                          sliding_window_size=3), "Qwen3MoeAttention",
+                  Qwen3MoeCausalLM),
+    "smollm3": (partial(SmolLM3Backbone, **SMOLLM3), "SmolLM3Attention", SmolLM3CausalLM),
     "gpt_neo_x": (partial(GPTNeoXBackbone, **DECODER, num_heads=2, dropout=0.0),
                   "GPTNeoXAttention", GPTNeoXCausalLM),
     # Kernels written inside `call`, with ALiBi: `call` replaced (the class's sublayers kept).
