@@ -110,9 +110,11 @@ def _projected(self, x, attention_mask, cache, cache_update_index, extra):
 
 
 def _call_training(layer):
-    """The `training` of the call in progress (Keras's call context): these classes' `call`
-    takes none, and their dropout layers read it from there."""
-    context = getattr(layer, "_get_call_context", lambda: None)()
+    """The `training` of the call in progress (Keras's call context, read without making
+    one): these classes' `call` takes none, and their dropout layers read it from there."""
+    from keras.src.backend.common import global_state
+
+    context = global_state.get_global_attribute("current_call_ctx")
     return None if context is None else context.training
 
 

@@ -233,7 +233,8 @@ def _on_core(self, family, query, key, value, mask, training, fused, is_causal=F
     dropout, and with `fused`, the fused op's fully masked rows."""
     if mask is not None:
         mask = ops.cast(mask, "bool")
-        mask = mask[:, None] if len(mask.shape) == 3 else mask  # (B, 1, T, S)
+        while len(mask.shape) < 4:  # (T, S) or (B, T, S) to (B|1, 1, T, S)
+            mask = ops.expand_dims(mask, -3)
     dropout = family.dropout(self)  # the stock kernel's, drawn from only while training
     active = dropout is not None and training is not None and training is not False
     implementation, chunk_size = self._sdpa_core_options

@@ -48,14 +48,16 @@ def enter(classes, options, bind, kernel_classes=(), swap_kernel=None):
         for cls in classes:
             if cls not in _CONSTRUCTORS:
                 _CONSTRUCTORS[cls] = _constructor(cls, bind)
-        if _OPEN == 0:
-            try:
+        try:
+            if _OPEN == 0:
                 _patch({cls: _CONSTRUCTORS[cls] for cls in classes})
-                _patch_kernel_constructors(kernel_classes, swap_kernel)
-            except BaseException:
+            # On every entry: a family imported after an outer scope opened is covered too.
+            _patch_kernel_constructors(kernel_classes, swap_kernel)
+        except BaseException:
+            if _OPEN == 0:
                 _patch(_restoring())
                 _restore_kernel_constructors()
-                raise
+            raise
         _OPEN += 1
     entry = dict(options)
     _OPTIONS.set((*_OPTIONS.get(), entry))
@@ -86,11 +88,12 @@ def _patch_kernel_constructors(classes, swap_kernel):
     `swap_kernel(layer, options)`. The class's other attributes, and `isinstance`, are
     untouched; `_restore_kernel_constructors` puts each `__init__` back."""
     for cls in classes:
-        init = cls.__dict__.get("__init__")
-        if init is None or cls in _KERNEL_INITS:
+        if cls in _KERNEL_INITS:
             continue
-        _KERNEL_INITS[cls] = init
-        cls.__init__ = _swapping_init(cls, init, swap_kernel)
+        # Its own `__init__`, or None where it inherits one (Whisper's): then the wrapper,
+        # set on the class, is deleted again at the end.
+        _KERNEL_INITS[cls] = cls.__dict__.get("__init__")
+        cls.__init__ = _swapping_init(cls, cls.__init__, swap_kernel)
 
 
 def _swapping_init(cls, init, swap_kernel):
@@ -109,7 +112,10 @@ def _swapping_init(cls, init, swap_kernel):
 def _restore_kernel_constructors():
     while _KERNEL_INITS:
         cls, init = _KERNEL_INITS.popitem()
-        cls.__init__ = init
+        if init is None:
+            del cls.__init__
+        else:
+            cls.__init__ = init
 
 
 def _restoring():

@@ -357,7 +357,7 @@ def _find(model, swappable, report):
             if _kernels.family_of(child) is not None:
                 if not _kernels.is_swapped(child):
                     report.kernels.append((where, type(child).__name__))
-                    kernels.append(child)
+                kernels.append(child)  # swapped before: this call's options replace its own
             elif type(child) in swappable and why is None:
                 found.append((parent, child, where))
             elif why is not None and not _sublayers_hold_attention(child, swappable):
