@@ -198,7 +198,7 @@ def make(
         block_kinds = None  # the mask_mod lowered to a causal mask or a window: no block map
     if implementation == "decode" and is_causal:
         _check_decode_alignment(query, key, *given)
-    masked = is_causal or mask_mod is not None or _per_query_and_key(mask_pattern)
+    masked = is_causal or mask_mod is not None or _blocked_mask(mask_pattern, query, key)
     chunk_size, balance = _chunk_size(chunk_size, sliding_window, mask_mod, masked)
     dropout_rate = float(dropout_rate) if training else 0.0
     path = _path(implementation, query, key, return_weights, chunk_size, score_mod, dropout_rate)
@@ -296,10 +296,16 @@ def _check_decode_alignment(query, key, given_causal, given_mask_mod):
     )
 
 
-def _per_query_and_key(mask_pattern):
-    """Whether a mask varies along both T and S, as a causal or windowed one given as a
-    tensor does: the chunked path then skips the blocks it empties (`_blocks`)."""
-    return mask_pattern is not None and all(mask_pattern[2:])
+def _blocked_mask(mask_pattern, query, key):
+    """Whether a mask varies along both T and S (as a causal or windowed one given as a
+    tensor does) over lengths known to pass one default block: then smaller blocks, of which
+    the chunked path skips those the mask empties (`_blocks`). Shorter or unknown lengths
+    keep the default, and so the dense path where it ran before: an unstructured mask at
+    T=S=1,024 (B=16, N=8) took 1.66x the dense time forward plus backward in blocks of 512."""
+    if mask_pattern is None or not all(mask_pattern[2:]):
+        return False
+    lengths = [_known(query.shape[1]), _known(key.shape[1])]
+    return max(size or 0 for size in lengths) > _chunked.DEFAULT_CHUNK_SIZE
 
 
 def _chunk_size(chunk_size, sliding_window, mask_mod, masked):

@@ -163,6 +163,23 @@ def test_auto_picks_chunked_only_for_large_scores_without_weights():
     assert choose("dense", large, large, False, block) == "dense"
 
 
+@pytest.mark.parametrize(
+    "length, chunked, chunk_size", [(1024, False, None), (4096, True, 512)], ids=["T1024", "T4096"]
+)
+def test_a_mask_tensor_takes_small_blocks_only_past_one_default_block(length, chunked, chunk_size):
+    """A `(T, S)` mask (B=16, N=8: 512 MiB of scores at T=1,024) keeps "auto"'s choice as
+    without it up to one default block, dense at T=1,024 (blocks of 512 took 1.66x its time
+    on an unstructured mask), and past it runs the chunked path in blocks of 512, which skip
+    what the mask empties."""
+    q = ops.zeros((16, length, 8, 1))
+    mask = np.tril(np.ones((length, length), bool))[None, None]
+    plan, _ = _plan.make(q, q, q, mask)
+    taken = bool(_plan.chunked_by_size(plan, q, q)) if plan.by_size else plan.path == "chunked"
+    assert taken == chunked
+    if chunked:
+        assert plan.chunk_size == chunk_size
+
+
 def test_dropout_and_weights_fall_back_to_dense():
     q, k, v = inputs(9, 9)
     kwargs = dict(dropout_rate=0.3, training=True, seed=11, return_weights=True)
@@ -237,7 +254,6 @@ def test_layer_in_a_keras_model_trains_with_chunked_attention():
     data = np.random.default_rng(0).normal(size=(8, 10, 8)).astype("float32")
     history = model.fit(data, data.mean(1), epochs=3, verbose=0)
     assert history.history["loss"][-1] < history.history["loss"][0]
-
 
 
 def test_default_blocks_are_evened_out_over_the_length(monkeypatch):
