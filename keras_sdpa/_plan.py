@@ -338,7 +338,7 @@ def _path(implementation, query, key, return_weights, chunk_size, score_mod, dro
 def _fitted(chunk_size, query, key, balance):
     """One block of the sequence, not of `chunk_size`: blocks of 2048 padded a T=512 batch
     of 256 to 24 GiB of scores (the dense path needs 0.5 GiB)."""
-    lengths = (query.shape[1], key.shape[1])
+    lengths = (_known(query.shape[1]), _known(key.shape[1]))
     if None in lengths or not max(lengths):
         return chunk_size
     chunk_size = min(chunk_size, max(lengths))

@@ -77,8 +77,12 @@ def test_keras_suites_and_the_swap_pass_on_jax():
 
 @pytest.mark.large  # the swap's harness whole on JAX: fit, generate and .keras too
 def test_the_swap_harness_passes_whole_on_jax():
-    """The large checks of `tests/test_swap_families.py` (its default cases run above)."""
-    _pytest_on_jax(["tests/test_swap_families.py"], 40, "--run-large", "-m", "large")
+    """The large checks of `tests/test_swap_families.py`, `tests/test_swap_kernels.py` and
+    `tests/test_swap_adapted.py` (their default cases run above)."""
+    files = [
+        "tests/test_swap_families.py", "tests/test_swap_kernels.py", "tests/test_swap_adapted.py",
+    ]  # fmt: skip
+    _pytest_on_jax(files, 85, "--run-large", "-m", "large")
 
 
 # The library's own test files, ported to keras.ops, NumPy and `tests/on_backend.py`: their
