@@ -312,3 +312,29 @@ def test_the_kernel_swapped_family_fits_as_the_stock_one(name, core_calls):
             keras.ops.convert_to_numpy(b), keras.ops.convert_to_numpy(a), atol=1e-5, rtol=1e-5,
             err_msg=a.path,
         )  # fmt: skip
+
+
+@pytest.mark.default_cases("gemma2")
+@pytest.mark.parametrize("name", ["llama", "gemma2", "bloom", "falcon", "t5", "whisper"])
+def test_under_mixed_bfloat16_the_swap_is_within_the_stock_models_own_error(name):
+    """Under `mixed_bfloat16` (the same weights), the swapped model is as close to the float32
+    model as the stock bfloat16 model is: within twice its error, plus 1% of the output's
+    scale (bfloat16 keeps 8 bits; the two round in different places)."""
+    build = FAMILIES[name][0]
+    keras.utils.set_random_seed(0)
+    reference = build()
+    weights = reference.get_weights()
+    stock, ours = build(dtype="mixed_bfloat16"), build(dtype="mixed_bfloat16")
+    stock.set_weights(weights)
+    ours.set_weights(weights)
+    swap_kernels(ours, FAMILIES[name][1], name)
+    for case, padding in PADDING.items():
+        inputs = feed(reference, padding)
+        outputs = [keras.tree.flatten(model(inputs)) for model in (reference, stock, ours)]
+        for want, got_stock, got in zip(*outputs):
+            want = keras.ops.convert_to_numpy(want)
+            scale = float(np.max(np.abs(want)))
+            stock_error = np.max(np.abs(keras.ops.convert_to_numpy(got_stock) - want))
+            error = np.max(np.abs(keras.ops.convert_to_numpy(got) - want))
+            assert stock_error > 0, "the stock model did not round in bfloat16"
+            assert error <= 2 * stock_error + 0.01 * scale, (case, error, stock_error, scale)
