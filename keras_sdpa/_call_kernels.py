@@ -65,20 +65,10 @@ def _projected(self, x, attention_mask, cache, cache_update_index, extra):
     query_dense, key_dense, value_dense, output_dense = (
         getattr(self, name) for name in family.projections
     )
-    query, key, value = query_dense(x), key_dense(x), value_dense(x)  # (B, T, N, H)
-    if cache is not None:
-        if cache_update_index is None:
-            key, value = cache[:, 0, ...], cache[:, 1, ...]
-        else:
-            start = [0, cache_update_index, 0, 0]
-            key = ops.slice_update(cache[:, 0, ...], start, key)
-            value = ops.slice_update(cache[:, 1, ...], start, value)
-            cache = ops.stack((key, value), axis=1)
-    elif cache_update_index is not None:
-        raise ValueError(
-            "`cache_update_index` should not be set if `cache` is `None`. Received: "
-            f"cache={cache}, cache_update_index={cache_update_index}"
-        )
+    query = query_dense(x)  # (B, T, N, H)
+    key, value, cache = with_cache(
+        cache, cache_update_index, lambda: (key_dense(x), value_dense(x))
+    )
     mask = None
     if attention_mask is not None:
         mask = attention_mask
@@ -86,9 +76,6 @@ def _projected(self, x, attention_mask, cache, cache_update_index, extra):
             mask = ops.greater(mask, 0.5)  # as `keras.layers.Softmax` reads a mask
         mask = mask[:, None]  # (B, 1, T, S)
     dropout = family.dropout(self)
-    training = _call_training(self)
-    active = dropout.rate > 0 and training is not None and training is not False
-    implementation, chunk_size = self._sdpa_core_options
     out = core.scaled_dot_product_attention(
         query,
         key,
@@ -96,17 +83,49 @@ def _projected(self, x, attention_mask, cache, cache_update_index, extra):
         mask,
         bias=family.bias(self, extra, ops.shape(key)[1]),
         scale=self.inv_norm_factor,
-        dropout_rate=dropout.rate if active else 0.0,
-        training=training if active else False,
-        seed=dropout.seed_generator.next() if active else None,
-        implementation=implementation,
-        chunk_size=chunk_size,
+        **core_options(self, dropout, _call_training(self)),
     )  # (B, T, N, H)
     batch, length = ops.shape(x)[0], ops.shape(x)[1]
     out = output_dense(ops.reshape(out, (batch, length, self.num_heads * self.head_dim)))
     if family.output_dropout:
         out = dropout(out)
     return out if cache is None else (out, cache)
+
+
+def with_cache(cache, cache_update_index, project):
+    """The keys and values a call attends to, and the cache it returns: keras-hub's contract,
+    a `(B, 2, S, N, H)` cache read whole when `cache_update_index` is None, else updated at
+    that index with `project()`'s `(key, value)`; without a cache, `project()`'s."""
+    if cache is not None and cache_update_index is None:
+        return cache[:, 0, ...], cache[:, 1, ...], cache
+    key, value = project()
+    if cache is not None:
+        start = [0, cache_update_index, 0, 0]
+        key = ops.slice_update(cache[:, 0, ...], start, key)
+        value = ops.slice_update(cache[:, 1, ...], start, value)
+        return key, value, ops.stack((key, value), axis=1)
+    if cache_update_index is not None:
+        raise ValueError(
+            "`cache_update_index` should not be set if `cache` is `None`. Received: "
+            f"cache={cache}, cache_update_index={cache_update_index}"
+        )
+    return key, value, cache
+
+
+def core_options(layer, dropout, training):
+    """The core's dropout and path arguments for a swapped kernel: the stock kernel's
+    `dropout` (a `keras.layers.Dropout`, or None), drawn from only while training, and the
+    swap's `implementation` and `chunk_size`."""
+    active = dropout is not None and dropout.rate > 0
+    active = active and training is not None and training is not False
+    implementation, chunk_size = layer._sdpa_core_options
+    return {
+        "dropout_rate": dropout.rate if active else 0.0,
+        "training": training if active else False,
+        "seed": dropout.seed_generator.next() if active else None,
+        "implementation": implementation,
+        "chunk_size": chunk_size,
+    }
 
 
 def _call_training(layer):
@@ -148,36 +167,20 @@ def _t5_call(
 
     query = heads(self.query_projector(hidden_states))
     source = hidden_states if key_value_states is None else key_value_states
-    if cache is not None and cache_update_index is None:
-        key, value = cache[:, 0, ...], cache[:, 1, ...]
-    else:
-        key, value = heads(self.key_projector(source)), heads(self.value_projector(source))
-        if cache is not None:
-            start = [0, cache_update_index, 0, 0]
-            key = ops.slice_update(cache[:, 0, ...], start, key)
-            value = ops.slice_update(cache[:, 1, ...], start, value)
-            cache = ops.stack((key, value), axis=1)
-        elif cache_update_index is not None:
-            raise ValueError(
-                "`cache_update_index` should not be set if `cache` is `None`. Received: "
-                f"cache={cache}, cache_update_index={cache_update_index}"
-            )
+    key, value, cache = with_cache(
+        cache,
+        cache_update_index,
+        lambda: (heads(self.key_projector(source)), heads(self.value_projector(source))),
+    )
     if position_bias is None:
         position_bias = _t5_position_bias(self, query, key, mask, cache_update_index)
-    dropout = self.dropout_layer
-    active = dropout.rate > 0 and training is not None and training is not False
-    implementation, chunk_size = self._sdpa_core_options
     out = core.scaled_dot_product_attention(
         query,
         key,
         value,
         bias=position_bias,
         scale=1.0,
-        dropout_rate=dropout.rate if active else 0.0,
-        training=training if active else False,
-        seed=dropout.seed_generator.next() if active else None,
-        implementation=implementation,
-        chunk_size=chunk_size,
+        **core_options(self, self.dropout_layer, training),
     )  # (B, T, N, H)
     out = self.output_projector(ops.reshape(out, (batch, -1, self.inner_dim)))
     return out, position_bias, cache

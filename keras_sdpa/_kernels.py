@@ -24,7 +24,7 @@ import types
 from keras import ops
 
 from keras_sdpa import ops as core
-from keras_sdpa._call_kernels import CALL_FAMILIES, CallFamily
+from keras_sdpa._call_kernels import CALL_FAMILIES, CallFamily, core_options
 
 
 def _fused_available(layer):
@@ -235,9 +235,6 @@ def _on_core(self, family, query, key, value, mask, training, fused, is_causal=F
         mask = ops.cast(mask, "bool")
         while len(mask.shape) < 4:  # (T, S) or (B, T, S) to (B|1, 1, T, S)
             mask = ops.expand_dims(mask, -3)
-    dropout = family.dropout(self)  # the stock kernel's, drawn from only while training
-    active = dropout is not None and training is not None and training is not False
-    implementation, chunk_size = self._sdpa_core_options
     out = core.scaled_dot_product_attention(
         query,
         key,
@@ -246,11 +243,7 @@ def _on_core(self, family, query, key, value, mask, training, fused, is_causal=F
         is_causal=is_causal,
         scale=family.scale(self),
         attn_logits_soft_cap=family.soft_cap(self),
-        dropout_rate=dropout.rate if active else 0.0,
-        training=training if active else False,
-        seed=dropout.seed_generator.next() if active else None,
-        implementation=implementation,
-        chunk_size=chunk_size,
+        **core_options(self, family.dropout(self), training),
     )  # (B, T, N, H)
     if fused and mask is not None:
         out = _fused_rows(out, value, mask)
