@@ -76,8 +76,9 @@ def backbone(family, window):
     return MistralBackbone(**SHAPE, sliding_window=window if family == "mistral" else None)
 
 
-def make_step(family, swapped, length, window=1024, new_tokens=0):
-    """A `NewIds` step: forward plus backward, or with `new_tokens`, Llama's `generate`."""
+def make_step(family, swapped, length, window=1024, new_tokens=0, decode=False):
+    """A `NewIds` step: forward plus backward; with `new_tokens`, Llama's `generate`, or with
+    `decode` too, Llama's decoding loop alone."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     import keras
     import numpy as np
@@ -86,6 +87,8 @@ def make_step(family, swapped, length, window=1024, new_tokens=0):
 
     keras.utils.set_random_seed(0)
     model = backbone(family, window)
+    if decode:
+        return decode_step(model, swapped, length, new_tokens)
     if new_tokens:
         return generate_step(model, swapped, length, new_tokens)
     if swapped:
@@ -130,6 +133,43 @@ def generate_step(backbone, swapped, prompt, new_tokens):
         return np.asarray(model.generate(inputs, stop_token_ids=None)["token_ids"])
 
     return NewIds(generate, [ids, ids != 0])
+
+
+def decode_step(backbone, swapped, length, new_tokens):
+    """Llama's decoding loop without its prefill: `new_tokens` greedy steps of its own
+    `call_with_cache` in one XLA-compiled `tf.while_loop` (as its `generate` runs them), the
+    last `new_tokens` positions of a cache of `length` that its own prefill (`_build_cache`)
+    filled. Each call gets a new first token and new cache values."""
+    import numpy as np
+    from keras_hub.src.models.llama.llama_causal_lm import LlamaCausalLM
+
+    import keras_sdpa
+
+    model = LlamaCausalLM(backbone=backbone, preprocessor=None)
+    if swapped:
+        keras_sdpa.replace_attention(model)
+    start = length - new_tokens
+    ids = np.random.default_rng(0).integers(1, VOCABULARY, (1, length)).astype("int32")
+    _, cache = model._build_cache(ids)
+    return NewIds(decoding_loop(model, start, new_tokens), [ids[:, :1], cache])
+
+
+def decoding_loop(model, start, new_tokens):
+    import tensorflow as tf
+
+    @tf.function(jit_compile=True)
+    def loop(token, cache):
+        def body(index, token, cache):
+            logits, _, cache = model.call_with_cache(token, cache, index)
+            return index + 1, tf.argmax(logits[:, -1:], axis=-1, output_type="int32"), cache
+
+        def more(index, token, cache):
+            return index < start + new_tokens
+
+        _, token, _ = tf.while_loop(more, body, (tf.constant(start), token, cache))
+        return token
+
+    return lambda *args: loop(*args).numpy()
 
 
 def measure(variants, rounds, per=1.0):

@@ -57,6 +57,11 @@ class Family:
         dropout: the `keras.layers.Dropout` the stock kernel applies to the weights, or None.
         kernel: the method that replaces the class's `_compute_attention`: the decoders'
             signature, or Keras's `MultiHeadAttention`'s (`_keras_kernel`).
+        groups: how many query heads share a key/value head where the class repeats its keys
+            and values to the query heads (`ops.repeat`) before its kernel, or 1. The swapped
+            kernel takes every `groups`-th head back, which is exactly the class's own keys,
+            and the core reads each key/value head once for its group (grouped-query
+            attention) instead of `groups` copies.
     """
 
     scale: object
@@ -66,6 +71,7 @@ class Family:
     soft_cap: object = lambda layer: None
     dropout: object = lambda layer: None
     kernel: str = "_compute_attention"
+    groups: object = lambda layer: 1
 
 
 def _inv_norm(layer):
@@ -100,9 +106,15 @@ KERAS_MHA = Family(
     dropout=lambda layer: layer._dropout_layer if layer._dropout else None,
     kernel="_keras_kernel",
 )
-LLAMA_LIKE = Family(scale=_inv_norm, fused=_fused_available)
-QWEN = Family(scale=_inv_norm, fused=_fused_available, window=_window_flag)
-QWEN3 = Family(scale=_inv_norm, fused=_fused_available, window=_qwen3_window)
+def _groups(layer):
+    """The key/value groups of a class that repeats its keys (Mistral names it privately)."""
+    groups = getattr(layer, "num_key_value_groups", None)
+    return getattr(layer, "_num_key_value_groups", 1) if groups is None else groups
+
+
+LLAMA_LIKE = Family(scale=_inv_norm, fused=_fused_available, groups=_groups)
+QWEN = Family(scale=_inv_norm, fused=_fused_available, window=_window_flag, groups=_groups)
+QWEN3 = Family(scale=_inv_norm, fused=_fused_available, window=_qwen3_window, groups=_groups)
 GEMMA = Family(
     scale=_gemma_scale,
     fused=_own_fused_test,
@@ -199,6 +211,9 @@ def _compute_attention(
     if mask is not None and family.window(self) and (not fused or family.window_when_fused):
         index = 0 if cache_update_index is None else cache_update_index
         mask = self._mask_sliding_window(mask, cache_update_index=index)
+    groups = family.groups(self)
+    if groups > 1 and key.shape[2] == query.shape[2]:  # repeated by the class: one copy each
+        key, value = key[:, :, ::groups], value[:, :, ::groups]
     return _on_core(self, family, query, key, value, mask, training, fused=fused)
 
 

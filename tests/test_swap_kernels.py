@@ -127,12 +127,12 @@ def swap_kernels(model, expected, name=None):
 @pytest.fixture
 def core_calls(monkeypatch):
     """The keyword arguments of every call of the core (eager, or traced by a compiled
-    function)."""
+    function), with `key_heads`, the heads of the keys it was handed."""
     calls = []
     real = core.scaled_dot_product_attention
 
     def counted(*args, **kwargs):
-        calls.append(kwargs)
+        calls.append(dict(kwargs, key_heads=args[1].shape[-2]))
         return real(*args, **kwargs)
 
     monkeypatch.setattr(core, "scaled_dot_product_attention", counted)
@@ -154,6 +154,11 @@ def test_the_kernel_swapped_family_gives_the_stock_outputs(name, core_calls):
         assert_same_outputs(ours(inputs), stock(inputs), case)
         count = ATTENTION_LAYERS.get(name, DECODER["num_layers"])
         assert len(core_calls) - before == count, "the core did not run"
+    # Grouped-query attention reaches the core grouped: each key/value head once, not the
+    # copies a Llama-style class repeats to the query heads before its kernel.
+    kv_heads = getattr(stock, "num_key_value_heads", None)
+    if kv_heads is not None:
+        assert {call["key_heads"] for call in core_calls} == {kv_heads}
 
 
 def test_a_second_swap_reports_nothing_new_and_its_options_replace_the_first(core_calls):
