@@ -12,7 +12,10 @@ layers, 4 query heads of 32 over 2 key/value heads, width 128, random weights):
   every other layer;
 - Mistral with its sliding window of `--window` against the same model with the full causal
   mask, both swapped: what skipping the blocks outside the band buys;
-- Llama's `generate` per new token: a prompt of `--prompt` tokens and `--new_tokens` greedy ones.
+- Llama's `generate` per new token: a prompt of `--prompt` tokens and `--new_tokens` greedy ones;
+- Llama's decoding loop alone, per token: `--decode_tokens` greedy steps of its `call_with_cache`
+  at the end of a cache of `--length` (decode reads the whole cache once per token: there
+  Llama's repeated keys cost `groups` copies, the swap reads each key/value head once).
 
 Every timed call gets new token ids and a new `c`, drawn before its clock starts (batches of one
 row: new random ids rather than a rotation). Times: alternating rounds in one process after one
@@ -219,6 +222,16 @@ def rows(args):
     )
     total = f"{args.prompt:,} + {args.new_tokens}"
     yield "Llama `generate`, per new token", total, "ms", r, ("stock", "swapped")
+    r = measure(
+        {
+            "stock": ("llama", False, t, 0, args.decode_tokens, True),
+            "swapped": ("llama", True, t, 0, args.decode_tokens, True),
+        },
+        args.generate_rounds,
+        per=args.decode_tokens / 1e3,
+    )
+    label = f"Llama decoding loop, per token ({args.decode_tokens} tokens)"
+    yield label, f"cache {t:,}", "ms", r, ("stock", "swapped")
 
 
 def table(args, measured):
@@ -262,13 +275,22 @@ def main(argv=None):
     parser.add_argument("--window", type=int, default=512)
     parser.add_argument("--prompt", type=int, default=2048)
     parser.add_argument("--new_tokens", type=int, default=64)
+    parser.add_argument("--decode_tokens", type=int, default=32)
     # A `generate` call is short (a fifth of a second) and its ratio noisy: 3 rounds of it
     # gave 0.877x and 1.222x on the same code, 15 rounds 0.818x (0.61-0.95).
     parser.add_argument("--generate_rounds", type=int, default=15)
     parser.add_argument("--output", help="a Markdown file whose decoders section is replaced")
     args = parser.parse_args(argv)
     at_least_one(
-        parser, args, "rounds", "length", "window", "prompt", "new_tokens", "generate_rounds"
+        parser,
+        args,
+        "rounds",
+        "length",
+        "window",
+        "prompt",
+        "new_tokens",
+        "decode_tokens",
+        "generate_rounds",
     )
     args.argv = sys.argv[1:] if argv is None else argv
     section = table(args, list(rows(args)))

@@ -213,8 +213,16 @@ def _compute_attention(
         mask = self._mask_sliding_window(mask, cache_update_index=index)
     groups = family.groups(self)
     if groups > 1 and key.shape[2] == query.shape[2]:  # repeated by the class: one copy each
-        key, value = key[:, :, ::groups], value[:, :, ::groups]
+        key, value = _first_copies(key, groups), _first_copies(value, groups)
     return _on_core(self, family, query, key, value, mask, training, fused=fused)
+
+
+def _first_copies(x, groups):
+    """`(B, S, N, H)` keys repeated `groups` times each (`ops.repeat(.., axis=2)`) to the
+    `(B, S, N // groups, H)` keys they repeat: a reshape and a contiguous slice (a strided
+    slice took 4x its time in TensorFlow's graph mode)."""
+    shape = ops.shape(x)
+    return ops.reshape(x, (shape[0], shape[1], shape[2] // groups, groups, shape[3]))[:, :, :, 0]
 
 
 def _keras_kernel(
