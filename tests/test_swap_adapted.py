@@ -82,7 +82,7 @@ def projections(layer):
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")  # layers that have no `quantize`
-@pytest.mark.default_cases("bert-lora", "gpt2-int8", "llama-lora", "llama-int8")
+@pytest.mark.default_cases("bert-lora", "llama-lora", "llama-int8")
 @pytest.mark.parametrize("mode", ["lora", "int8"])
 @pytest.mark.parametrize("name", list(BACKBONES))
 def test_an_adapted_model_is_swapped_and_computes_what_it_did(name, mode):
