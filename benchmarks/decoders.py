@@ -249,7 +249,8 @@ def table(args, measured):
         "`tf.function` steps in graph mode, the last eighth of each sequence padding; "
         f"`generate` is Llama's own. {NEW_INPUTS} Here, with batches of one, the token ids "
         f"are new random ids each call and `c` new normal values. {args.rounds} alternating "
-        f"rounds ({args.generate_rounds} for `generate`, whose calls are short) in one process "
+        f"rounds ({args.generate_rounds} for `generate` and the decoding loop, whose calls are "
+        "short) in one process "
         "after a call that traces; ratio = median of the per-round "
         "ratios to the row's first variant (range in brackets). Peak MiB: resident memory "
         "during the first call above the level once the model is built and its inputs drawn, "
@@ -292,6 +293,11 @@ def main(argv=None):
         "decode_tokens",
         "generate_rounds",
     )
+    if args.decode_tokens > args.length:
+        parser.error(
+            f"--decode_tokens must be at most --length ({args.length:,}); "
+            f"received {args.decode_tokens:,}"
+        )
     args.argv = sys.argv[1:] if argv is None else argv
     section = table(args, list(rows(args)))
     print(section)

@@ -239,9 +239,15 @@ def test_the_swapped_family_gives_the_stock_outputs_with_and_without_padding(nam
         assert_same_outputs(ours(inputs), stock(inputs), case)
 
 
+# The stock references run eagerly on TensorFlow, where the compiled step on CPU is a graph of
+# the same ops (no XLA): tracing it would only add time. On JAX their step stays compiled:
+# JAX's eager and jit results differ in rounding (EdRec's second loss by 1.6e-5, relative).
+EAGER_REFERENCE = keras.backend.backend() == "tensorflow"
+
+
 def with_head(backbone, eager=False):
     """`backbone` under a one-unit head on its first-token (or pooled) outputs; `eager`: its
-    `fit` runs eagerly (the stock reference, whose traced step would only add compile time)."""
+    `fit` runs eagerly."""
     features = []
     for output in keras.tree.flatten(backbone.output):
         if len(output.shape) == 3:
@@ -289,7 +295,8 @@ def assert_fits_alike(stock, ours, changed):
 @pytest.mark.parametrize("name", FAMILIES)
 def test_the_swapped_family_fits_as_the_stock_one(name):
     stock, ours = swapped_twins(name)
-    assert_fits_alike(with_head(stock, eager=True), with_head(ours), changed=1e-2)
+    stock, ours = with_head(stock, eager=EAGER_REFERENCE), with_head(ours)
+    assert_fits_alike(stock, ours, changed=1e-2)
 
 
 def prompts(backbone):

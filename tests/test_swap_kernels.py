@@ -47,6 +47,7 @@ from keras_hub.src.models.t5.t5_backbone import T5Backbone
 from keras_hub.src.models.whisper.whisper_backbone import WhisperBackbone
 from test_swap import twins
 from test_swap_families import (
+    EAGER_REFERENCE,
     PADDING,
     VOCAB,
     assert_fits_alike,
@@ -191,12 +192,15 @@ def test_the_kernel_swapped_family_generates_the_stock_greedy_tokens(name, core_
         return model
 
     stock, ours = twins(lm)
-    stock.compile(sampler="greedy", run_eagerly=True)  # the reference: no compile time
+    stock.compile(sampler="greedy", run_eagerly=EAGER_REFERENCE)
     inputs = prompts(stock.backbone)
     want = stock.generate(inputs, stop_token_ids=None)
     swap_kernels(ours, expected)
     got = ours.generate(inputs, stop_token_ids=None)
     assert core_calls, "the core did not run"
+    kv_heads = getattr(stock.backbone, "num_key_value_heads", None)
+    if kv_heads is not None:  # the cached calls' keys (the cache's) grouped too
+        assert {call["key_heads"] for call in core_calls} == {kv_heads}
     for key in want:
         np.testing.assert_array_equal(got[key], want[key], err_msg=key)
 
@@ -306,12 +310,12 @@ def with_mean_head(backbone, eager=False):
 @pytest.mark.default_cases("llama", "gemma2")
 @pytest.mark.parametrize("name", FAMILIES)
 def test_the_kernel_swapped_family_fits_as_the_stock_one(name, core_calls):
-    """Two `fit` steps (Keras's compiled train step; the stock reference eagerly) give the
-    stock losses and weights."""
+    """Two `fit` steps (Keras's compiled train step; the stock reference eagerly on
+    TensorFlow) give the stock losses and weights."""
     build, expected, _ = FAMILIES[name]
     stock, ours = twins(build)
     swap_kernels(ours, expected, name)
-    stock, ours = with_mean_head(stock, eager=True), with_mean_head(ours)
+    stock, ours = with_mean_head(stock, eager=EAGER_REFERENCE), with_mean_head(ours)
     assert_fits_alike(stock, ours, changed=1e-3)
     assert core_calls, "the core did not run"
 
