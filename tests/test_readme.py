@@ -1035,7 +1035,8 @@ def test_decoder_figures_are_the_benchmarks():
     assert f"takes **{window[0]}x** the time of the same swapped model" in page
     assert f"takes {decode[0]}x the stock model's time per token" in page
     low, high = re.search(
-        r"^\| Llama `generate`[^|]*\|[^|]*\| swapped \|[^|]*\| \*\*[\d.]+\*\* \(([\d.]+)-([\d.]+)\)",
+        r"^\| Llama `generate`[^|]*\|[^|]*\| swapped \|[^|]*\| "
+        r"\*\*[\d.]+\*\* \(([\d.]+)-([\d.]+)\)",
         section, re.M,
     ).groups()  # fmt: skip
     assert f"({low}-{high} over 15 rounds)" in page
@@ -1046,6 +1047,7 @@ def test_decoder_figures_are_the_benchmarks():
     assert f"takes {window[0]}x the time" in notes and f"takes {stock_window[0]}x" in notes
     assert f"takes {decode[0]}x the stock time per token" in notes
     assert f"the decoding loop alone takes {loop[0]}x" in notes
-    assert f"peak is higher ({decode[1]} against {rows['Llama `generate`', 'stock'][1]} MiB)" in notes
+    stock_decode = rows["Llama `generate`", "stock"]
+    assert f"peak is higher ({decode[1]} against {stock_decode[1]} MiB)" in notes
     full = rows["Mistral", "swapped, full causal"]
     assert f"swapped peak ({window[1]} MiB) is above the full causal one ({full[1]})" in notes
