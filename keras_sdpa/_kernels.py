@@ -106,6 +106,8 @@ KERAS_MHA = Family(
     dropout=lambda layer: layer._dropout_layer if layer._dropout else None,
     kernel="_keras_kernel",
 )
+
+
 def _groups(layer):
     """The key/value groups of a class that repeats its keys (Mistral names it privately)."""
     groups = getattr(layer, "num_key_value_groups", None)

@@ -212,9 +212,7 @@ DROPOUT = {"gemma": "dropout", "gpt_neo_x": "dropout", "whisper": "dropout", "bl
 
 @pytest.mark.default_cases("gemma", "bloom")
 @pytest.mark.parametrize("name", DROPOUT)
-def test_a_kernel_with_dropout_matches_stock_at_inference_and_drops_in_training(
-    name, core_calls
-):
+def test_a_kernel_with_dropout_matches_stock_at_inference_and_drops_in_training(name, core_calls):
     """Gemma, GPT-NeoX, Whisper, Bloom, Falcon and T5 drop attention weights inside their
     kernels: the swapped kernel gives stock's outputs at inference (Whisper's, with dropout,
     off Keras's fused op: a fully masked row gives zeros there), and in training the core
