@@ -1051,3 +1051,16 @@ def test_decoder_figures_are_the_benchmarks():
     assert f"peak is higher ({decode[1]} against {stock_decode[1]} MiB)" in notes
     full = rows["Mistral", "swapped, full causal"]
     assert f"swapped peak ({window[1]} MiB) is above the full causal one ({full[1]})" in notes
+
+
+def test_the_decoders_benchmark_refuses_more_decode_tokens_than_its_cache(capsys):
+    """`--decode_tokens` past `--length` would write the cache at negative positions."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import decoders
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    with pytest.raises(SystemExit):
+        decoders.main(["--length", "64", "--decode_tokens", "65"])
+    error = capsys.readouterr().err
+    assert "--decode_tokens must be at most --length (64); received 65" in error
