@@ -66,10 +66,17 @@ def pytest_addoption(parser):
     )
 
 
+# XLA's flags in the tiers (`pytest_configure`): LLVM's -O0 where the tests mostly compile, -O1
+# where they also run real work. The processes the large tier starts for tests that mostly
+# compile take the first: the JAX sessions of the swap's harness (one `fit` test on JAX took
+# 20 s against 27 s at -O1, two alternating pairs) and the model-parallel runs.
+COMPILING_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+RUNNING_XLA_FLAGS = "--xla_backend_optimization_level=1 --xla_cpu_use_fusion_emitters=false"
+
+
 def pytest_configure(config):
     # Before any test module imports TensorFlow; the workers and the processes the tests start
     # inherit it.
-    level = 1 if config.getoption("--run-large") else 0
     # Both tiers generate XLA's fused loops with its older emitters, which compile faster than
     # its MLIR fusion emitters: test_ops, test_mods and test_chunked on one worker took 0.80x,
     # 0.96x and 0.86x the time in three alternating pairs, and the default tier with coverage
@@ -78,8 +85,7 @@ def pytest_configure(config):
     # `test_the_core_is_right_under_xlas_default_flags` (large) runs the core's default cases
     # under them.
     os.environ.setdefault(
-        "XLA_FLAGS",
-        f"--xla_backend_optimization_level={level} --xla_cpu_use_fusion_emitters=false",
+        "XLA_FLAGS", RUNNING_XLA_FLAGS if config.getoption("--run-large") else COMPILING_XLA_FLAGS
     )
 
 

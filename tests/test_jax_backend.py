@@ -12,6 +12,7 @@ import sys
 import textwrap
 
 import pytest
+from conftest import COMPILING_XLA_FLAGS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The test files written on keras.ops and NumPy, which hold on both backends: this package's
@@ -26,18 +27,26 @@ KERAS_AND_SWAP = [
 BOTH_BACKENDS = ON_BOTH + KERAS_AND_SWAP
 # What does not run on JAX, and why.
 NOT_ON_JAX = {
-    "tests/test_swap.py::test_a_tf_checkpoint_saves_and_restores_the_new_layers":
-        "TensorFlow's own checkpoint format",
-    "tests/test_swap.py::test_a_functional_graph_node_is_swapped_and_saves_as_this_layer[mha]":
+    "tests/test_swap.py::test_a_tf_checkpoint_saves_and_restores_the_new_layers": (
+        "TensorFlow's own checkpoint format"
+    ),
+    "tests/test_swap.py::test_a_functional_graph_node_is_swapped_and_saves_as_this_layer[mha]": (
         "the stock twin fails: Keras 3.15's MultiHeadAttention on JAX cannot take a value "
-        "size other than the key size (it reshapes its output to the key size)",
+        "size other than the key size (it reshapes its output to the key size)"
+    ),
 }
 
 pytestmark = pytest.mark.xdist_group("jax")
 
 
-def _jax_env():
-    env = dict(os.environ, KERAS_BACKEND="jax", JAX_PLATFORMS="cpu")
+def _jax_env(devices=1):
+    """The environment of a JAX session on `devices` host devices. It compiles as the default
+    tier does (LLVM's -O0, `tests/conftest.py`), in either tier: these sessions mostly
+    compile."""
+    flags = COMPILING_XLA_FLAGS
+    if devices > 1:
+        flags += f" --xla_force_host_platform_device_count={devices}"
+    env = dict(os.environ, KERAS_BACKEND="jax", JAX_PLATFORMS="cpu", XLA_FLAGS=flags)
     env.pop("PYTEST_XDIST_WORKER", None)
     return env
 
@@ -100,11 +109,8 @@ LIBRARY = [
 def test_the_library_tests_pass_on_jax():
     """The library's test files, on JAX with float64 enabled (`JAX_ENABLE_X64`): their
     references and finite differences compute in float64, which JAX otherwise rounds to
-    float32. (`tests/test_on_both_backends.py` runs in JAX's default float32 mode.) Without
-    the large tier's `XLA_FLAGS`, the session compiles as the default tier does (LLVM's -O0,
-    `tests/conftest.py`): these tests are mostly compiling."""
+    float32. (`tests/test_on_both_backends.py` runs in JAX's default float32 mode.)"""
     env = dict(_jax_env(), JAX_ENABLE_X64="1")
-    env.pop("XLA_FLAGS", None)
     _pytest_on_jax(LIBRARY, 360, env=env, timeout=3000)
 
 
@@ -157,7 +163,9 @@ def small_model():
     return keras.Model(inputs, keras.layers.Dense(1)(x))
 """
 
-SAVE_ON_JAX = MODEL + """
+SAVE_ON_JAX = (
+    MODEL
+    + """
 import sys
 import numpy as np
 folder = sys.argv[1]
@@ -172,6 +180,7 @@ model.save(folder + "/jax.keras")
 np.savez(folder + "/jax.npz", x=x, y=np.asarray(model(x)))
 print("saved on jax: ok")
 """
+)
 
 
 @pytest.mark.large  # two JAX processes; the default tier round-trips `.keras` on each backend
@@ -194,7 +203,9 @@ def test_keras_files_load_across_backends(tmp_path):
     np.testing.assert_allclose(np.asarray(loaded(saved["x"])), saved["y"], atol=1e-6)
 
 
-DATA_PARALLEL = MODEL + """
+DATA_PARALLEL = (
+    MODEL
+    + """
 import jax
 import numpy as np
 
@@ -218,12 +229,12 @@ np.testing.assert_allclose(two, one, rtol=1e-5)
 assert two[-1] < two[0]
 print("data parallel: ok")
 """
+)
 
 
 def test_data_parallel_on_two_devices_trains_as_one():
     """`keras.distribution.DataParallel` over two host devices: the same losses as one."""
-    flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
-    env = dict(_jax_env(), XLA_FLAGS=flags.strip())
+    env = _jax_env(devices=2)
     result = subprocess.run(
         [sys.executable, "-c", DATA_PARALLEL], cwd=ROOT, env=env, capture_output=True,
         text=True, timeout=600,
@@ -239,8 +250,7 @@ def test_the_backends_page_data_parallel_example_runs_on_jax():
     page = open(os.path.join(ROOT, "docs", "backends.md")).read()
     (example,) = re.findall(r"```py\n(.*?)```", page, flags=re.S)
     assert "DataParallel" in example
-    flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
-    env = dict(_jax_env(), XLA_FLAGS=flags.strip())
+    env = _jax_env(devices=2)
     script = example + "\nassert len(jax.devices()) == 2\nprint('example: ok')\n"
     result = subprocess.run(
         [sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
