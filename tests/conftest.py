@@ -12,8 +12,9 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # two workers, and the session's tiny training run 62 s against 78 s. The large tier runs the
 # shipped model on real reviews, where -O0's slower code costs more than it saves (the
 # deletion tests there took 136 s against 58 s), so it keeps -O1 (the full suite at -O1: 0.85x
-# the CPU time of XLA's default -O2). The HLO passes (fusion, layouts) and the numerics are
-# XLA's own at every level; speed is measured in benchmarks/, never here.
+# the CPU time of XLA's default -O2), except in the JAX sessions it starts to run test files
+# (`tests/test_jax_backend.py`), which are mostly compiling. The HLO passes (fusion, layouts)
+# and the numerics are XLA's own at every level; speed is measured in benchmarks/, never here.
 # Under pytest-xdist each worker computes on one thread: the two workers fill the two cores.
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("TF_NUM_INTRAOP_THREADS", "1")
@@ -67,16 +68,19 @@ def pytest_addoption(parser):
 
 
 # XLA's flags in the tiers (`pytest_configure`): LLVM's -O0 where the tests mostly compile, -O1
-# where they also run real work. The processes the large tier starts for tests that mostly
-# compile take the first: the JAX sessions of the swap's harness (one `fit` test on JAX took
-# 20 s against 27 s at -O1, two alternating pairs) and the model-parallel runs.
+# where they also run real work. Every JAX session of `tests/test_jax_backend.py` takes the
+# first, in either tier (one of the harness's `fit` tests on JAX took 20 s against 27 s at -O1,
+# two alternating pairs). Flags given to pytest (`XLA_FLAGS=... python -m pytest`) win over
+# both, there too. The model-parallel runs (`tests/test_model_parallel.py`) keep XLA's defaults,
+# as a user's programs do.
 COMPILING_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 RUNNING_XLA_FLAGS = "--xla_backend_optimization_level=1 --xla_cpu_use_fusion_emitters=false"
+GIVEN_XLA_FLAGS = os.environ.get("XLA_FLAGS")  # before `pytest_configure` sets the tier's
 
 
 def pytest_configure(config):
     # Before any test module imports TensorFlow; the workers and the processes the tests start
-    # inherit it.
+    # inherit it (the JAX sessions get theirs from `tests/test_jax_backend.py`).
     # Both tiers generate XLA's fused loops with its older emitters, which compile faster than
     # its MLIR fusion emitters: test_ops, test_mods and test_chunked on one worker took 0.80x,
     # 0.96x and 0.86x the time in three alternating pairs, and the default tier with coverage

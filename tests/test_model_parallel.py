@@ -10,7 +10,6 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import COMPILING_XLA_FLAGS
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -20,9 +19,7 @@ def model_parallel(name):
     env = dict(
         os.environ,
         KERAS_BACKEND="jax",
-        # As the default tier compiles (`tests/conftest.py`): Llama's run took 19 s against
-        # 32 s under XLA's default flags.
-        XLA_FLAGS=f"{COMPILING_XLA_FLAGS} --xla_force_host_platform_device_count=8",
+        XLA_FLAGS="--xla_force_host_platform_device_count=8",
         PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
         TF_CPP_MIN_LOG_LEVEL="3",
     )
