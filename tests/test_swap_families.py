@@ -375,6 +375,17 @@ def xlnet():
     return XLNetBackbone(**DECODER, num_heads=2)
 
 
+def qwen3_5():
+    from keras_hub.src.models.qwen3_5.qwen3_5_backbone import Qwen3_5Backbone
+
+    linear = dict(linear_num_key_heads=2, linear_num_value_heads=2)
+    return Qwen3_5Backbone(
+        **{**DECODER, "num_layers": 2}, num_query_heads=2, num_key_value_heads=1, head_dim=8,
+        layer_types=["linear_attention", "full_attention"], **linear,
+        linear_key_head_dim=8, linear_value_head_dim=8,
+    )  # fmt: skip
+
+
 # (Llama, Mistral, Gemma, GPT-NeoX and the other decoders whose class computes its kernel in
 # `_compute_attention`, and Whisper's subclass of keras-hub's cached attention, which changes
 # only what it builds, keep their class with the kernel swapped: tests/test_swap_kernels.py.)
@@ -386,6 +397,9 @@ REFUSED = {
     ),
     # Its `XLNetAttentionMaskLayer` makes masks; it is no attention.
     "xlnet": (xlnet, {"TwoStreamRelativeAttention": SUBCLASS.format(MHA)}),
+    # Softmax attention whose kernel swap is not built (`_kernels.LEFT`); its other layer type,
+    # the gated delta rule, is linear attention and no class of attention by name.
+    "qwen3_5": (qwen3_5, {"Qwen3_5Attention": "kernel swap is not built or tested here"}),
 }
 
 
