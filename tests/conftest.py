@@ -70,12 +70,11 @@ def pytest_addoption(parser):
 # XLA's flags in the tiers (`pytest_configure`): LLVM's -O0 where the tests mostly compile, -O1
 # where they also run real work. Every JAX session of `tests/test_jax_backend.py` takes the
 # first, in either tier (one of the harness's `fit` tests on JAX took 20 s against 27 s at -O1,
-# two alternating pairs). Flags given to pytest (`XLA_FLAGS=... python -m pytest`) win over
-# both, there too. The model-parallel runs (`tests/test_model_parallel.py`) keep XLA's defaults,
-# as a user's programs do.
+# two alternating pairs), whatever `XLA_FLAGS` pytest was given (the workers inherit the
+# tier's flags, so a worker cannot tell them from a user's). The model-parallel runs
+# (`tests/test_model_parallel.py`) keep XLA's defaults, as a user's programs do.
 COMPILING_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 RUNNING_XLA_FLAGS = "--xla_backend_optimization_level=1 --xla_cpu_use_fusion_emitters=false"
-GIVEN_XLA_FLAGS = os.environ.get("XLA_FLAGS")  # before `pytest_configure` sets the tier's
 
 
 def pytest_configure(config):

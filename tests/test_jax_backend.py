@@ -12,7 +12,7 @@ import sys
 import textwrap
 
 import pytest
-from conftest import COMPILING_XLA_FLAGS, GIVEN_XLA_FLAGS
+from conftest import COMPILING_XLA_FLAGS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The test files written on keras.ops and NumPy, which hold on both backends: this package's
@@ -42,8 +42,8 @@ pytestmark = pytest.mark.xdist_group("jax")
 def _jax_env(devices=1):
     """The environment of a JAX session on `devices` host devices. It compiles as the default
     tier does (LLVM's -O0, `tests/conftest.py`), in either tier: these sessions mostly
-    compile. Flags given to pytest are kept."""
-    flags = COMPILING_XLA_FLAGS if GIVEN_XLA_FLAGS is None else GIVEN_XLA_FLAGS
+    compile."""
+    flags = COMPILING_XLA_FLAGS
     if devices > 1:
         flags += f" --xla_force_host_platform_device_count={devices}"
     env = dict(os.environ, KERAS_BACKEND="jax", JAX_PLATFORMS="cpu", XLA_FLAGS=flags)
