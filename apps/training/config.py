@@ -42,7 +42,7 @@ class Config:
     dropout: float = 0.4
     # pretraining (apps/training/pretrain.py): masked-word prediction trains the embedding and
     # the blocks first, on the reviews `--vocabulary_source` names (never validation or test)
-    pretrain_steps: int = 1500  # 0 = no pretraining
+    pretrain_steps: int = 0  # 0 = no pretraining (docs/app.md: 1,500 steps did not pay)
     pretrain_batch_size: int = 64  # reviews per step (every replica computes all of them)
     # Adam: linear warm-up over the first 10% of the steps, then cosine decay to 0
     pretrain_learning_rate: float = 1e-3
