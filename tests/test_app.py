@@ -564,7 +564,10 @@ def test_predict_cli_text_arguments_and_errors(run, capsys, tmp_path):
         (["--pretrain_steps", "-1"], "pretrain_steps=-1"),
         (["--mask_rate", "1.5"], "mask_rate=1.5"),
         (["--predicted_words", "2"], "predicted_words=2"),
-        (["--predicted_words", "40000"], "predicted_words=40000, vocab_size=30000"),
+        (
+            ["--pretrain_steps", "1500", "--predicted_words", "40000"],
+            "predicted_words=40000, vocab_size=30000",
+        ),
         (["--pretrain_batch_size", "0"], "pretrain_batch_size=0"),
         (["--pretrain_learning_rate", "0"], "pretrain_learning_rate=0.0"),
     ],

@@ -126,8 +126,16 @@ def _percent(value):
 
 
 def _cpu(machine):
-    """The words the pages name a run's CPU by, from its `metrics.json`'s `machine`."""
-    return "a 2-core AMD EPYC" if "AMD EPYC" in machine else "a 2-core Intel Xeon"
+    """The words the pages name a run's CPU by ("AMD EPYC", "Intel Xeon"), from the `machine`
+    of its `metrics.json` or `serving.json`; the pages say "a 2-core ..." (`_on`)."""
+    names = {"AMD EPYC": "AMD EPYC", "Intel(R) Xeon(R)": "Intel Xeon"}
+    (name,) = [name for key, name in names.items() if machine.startswith(key)]
+    return name
+
+
+def _on(machine):
+    cores = re.search(r", (\d+) logical CPUs", machine)[1]
+    return f"a {cores}-core {_cpu(machine)}"
 
 
 def test_readme_results_are_the_committed_metrics():
@@ -190,6 +198,9 @@ def test_shipped_run_is_the_quickstart_command_on_the_apps_defaults():
 
 
 DEFAULT_SEEDS = "pretrain0"  # the README's command since #63
+NO_PRETRAINING_SEEDS = (
+    "unsup_poolemb_ngram16_pairs200k_tri200k_vocab30k_drop04_wd05"  # the same, on an earlier commit
+)
 PRETRAINED_SEEDS = "pretrain1500"  # the same with `--pretrain_steps 1500`, the default before
 
 
@@ -219,6 +230,19 @@ def test_readme_quotes_the_default_configurations_seeds_and_the_shipped_run_is_s
         f"{minutes:.1f} minutes of fine-tuning, with attention AOPCs of {aopc}."
     ) in text
     assert statistics.fmean(tests) >= 90.5 and min(tests) >= 90.0 and minutes <= 10
+    aopcs = [run["faithfulness"]["comprehensiveness_aopc"]["attention"]["mean"] for run in runs]
+    assert min(aopcs) >= 0.192 and "It passes each on every seed." in text
+    # "Each seed read within one review of what the same configuration read on an earlier commit"
+    before, _, _ = _seed_figures(NO_PRETRAINING_SEEDS)
+    reviews = [
+        [
+            round((now[f"{split}_accuracy"] - then[f"{split}_accuracy"]) * now[f"{split}_examples"])
+            for split in ("validation", "test")
+        ]
+        for now, then in zip(runs, before, strict=True)
+    ]
+    assert reviews == [[0, 0], [0, 0], [0, -1]], reviews
+    assert "seeds 0 and 1 to the review, seed 2 one test review fewer." in text
     assert f"this model is {91.87 - statistics.fmean(tests):.2f} points below it" in text
     # Seed 0's record is the shipped run's own metrics.json, copied, as the page says.
     seed0 = ROOT / f"saved_models/experiments/seeds/{DEFAULT_SEEDS}/seed0.metrics.json"
@@ -264,16 +288,24 @@ def test_seed_table_is_recomputed_from_its_metrics_files():
 
     folder = ROOT / "saved_models/experiments/seeds"
     table = (folder / "README.md").read_text()
+    import dataclasses
+
+    from apps.training import config as train_config
+    from apps.training import sweep
+
     rows = re.findall(
-        r"^\| `([^`]+)` \| `[^`]*` \| `[^`]*` \| ([\d, ]+) \| ([^|]+) \| ([^|]+) \| ([\d.]+) "
+        r"^\| `([^`]+)` \| `[^`]*` \| `([^`]*)` \| ([\d, ]+) \| ([^|]+) \| ([^|]+) \| ([\d.]+) "
         r"\| ([\d.]+) \|$",
         table,
         flags=re.M,
     )
     configurations = [path for path in folder.iterdir() if path.is_dir()]
     assert len(rows) == len(configurations) >= 1
-    for name, seeds, validation, test, minutes, pretraining in rows:
+    defaults = dataclasses.asdict(train_config.Config())
+    for name, against, seeds, validation, test, minutes, pretraining in rows:
         runs = [json.loads(path.read_text()) for path in sorted((folder / name).glob("*.json"))]
+        # The flags that turn today's defaults into the configuration: stale if they change.
+        assert against == sweep.against_defaults(runs[0]["config"], defaults), name
         assert sorted(int(seed) for seed in seeds.split(", ")) == sorted(
             run["config"]["seed"] for run in runs
         )
@@ -679,7 +711,10 @@ def test_serving_figures_are_the_measured_ones():
     benchmarks = (ROOT / "BENCHMARKS.md").read_text()
     text = " ".join(pages_text().split())
     assert f"measured {serving['reviews_per_second']:.0f} reviews/s at batch 256" in text
-    assert f"{serving['batch_1_p50_ms']:.1f} ms p50 for one review a call" in text
+    assert (
+        f"{serving['batch_1_p50_ms']:.1f} ms p50 for one review a call "
+        f"(`saved_models/imdb_sdpa/serving.json`, on {_on(serving['machine'])})"
+    ) in text
     ratios = dict(
         re.findall(r"^\| (256|32|1) \| \d+ \| \d+ \| \*\*([\d.]+)\*\*", benchmarks, flags=re.M)
     )
@@ -894,13 +929,12 @@ def test_backends_page_and_readme_quote_the_jax_benchmarks():
     assert f"({quoted}: the layer and the core, T=512 and 2,048)" in page
 
 
-NO_PRETRAINING_SEEDS = "unsup_poolemb_ngram16_pairs200k_tri200k_vocab30k_drop04_wd05"
-
-
 def test_app_page_quotes_the_pretraining_ablation_from_its_seed_files():
     """The ablation table: each seed's validation and test accuracy without and with
     pretraining, from the two configurations' metrics.json, and their mean ± std."""
     import statistics
+
+    from apps.training import config as train_config
 
     folder = ROOT / "saved_models/experiments/seeds"
     arms = []
@@ -929,7 +963,7 @@ def test_app_page_quotes_the_pretraining_ablation_from_its_seed_files():
     tests = [[100 * runs[seed]["test_accuracy"] for seed in seeds] for runs in arms]
     gain = statistics.fmean(tests[1]) - statistics.fmean(tests[0])
     bar = 2 * max(statistics.stdev(values) for values in tests)
-    assert gain < bar
+    assert gain < bar and train_config.Config().pretrain_steps == 0
     flat = " ".join(text.split())
     assert f"Pretraining moves the test mean by {gain:.2f} points" in flat
     assert f"the default only if it wins by twice the larger spread (here {bar:.2f} points)" in flat
@@ -942,32 +976,41 @@ def test_app_page_quotes_the_shipped_runs_stages_and_out_of_domain_table():
     metrics = json.loads((shipped / "metrics.json").read_text())
     stages = metrics["stage_seconds"]
     assert stages["pretraining"] is None  # the README's command does not pretrain (#63)
-    total = sum(stages[name] for name in ("data", "fine_tuning", "report")) / 60
+    total = sum(value for value in stages.values() if value is not None) / 60
     text = " ".join((ROOT / "docs/app.md").read_text().split())
+    assert (
+        f"at the commit its `metrics.json` records, on {_on(metrics['machine'])}; every figure"
+    ) in text
     assert (
         f"data {stages['data'] / 60:.1f} min, fine-tuning {stages['fine_tuning'] / 60:.1f} min, "
         f"report and export {stages['report'] / 60:.1f} min: {total:.1f} minutes in all, on "
-        f"{_cpu(metrics['machine'])}"
+        f"{_on(metrics['machine'])}. Issue #63 asks for 9 minutes on this CPU (7 on the Intel "
+        f"Xeon) and this run does not meet it."
     ) in text
+    assert _cpu(metrics["machine"]) == "AMD EPYC" and 9 < total <= 25
     # The same stages on the Intel Xeon: the pretrained default's seed 0, the same code path
     # but for its pretraining stage.
     xeon = json.loads(
         (ROOT / f"saved_models/experiments/seeds/{PRETRAINED_SEEDS}/seed0.metrics.json").read_text()
     )
-    assert "Xeon" in xeon["machine"]
     other = xeon["stage_seconds"]
     ratio = stages["fine_tuning"] / other["fine_tuning"]
     assert (
-        f"this EPYC fine-tunes {ratio:.1f} times slower than the Xeon, whose run of the same "
-        f"stages (`saved_models/experiments/seeds/{PRETRAINED_SEEDS}/seed0.metrics.json`, the same "
-        f"code path but for the pretraining stage) took data {other['data'] / 60:.1f}, "
-        f"fine-tuning {other['fine_tuning'] / 60:.1f} and report {other['report'] / 60:.1f} "
-        f"minutes: {(other['data'] + other['fine_tuning'] + other['report']) / 60:.1f} in all."
+        f"It fine-tuned {ratio:.1f} times as long as a run of the same stages on the Xeon, which "
+        f"took data {other['data'] / 60:.1f}, fine-tuning {other['fine_tuning'] / 60:.1f} and "
+        f"report {other['report'] / 60:.1f} minutes: "
+        f"{(other['data'] + other['fine_tuning'] + other['report']) / 60:.1f} in all "
+        f"(`saved_models/experiments/seeds/{PRETRAINED_SEEDS}/seed0.metrics.json`,"
     ) in text
+    assert _on(xeon["machine"]) == "a 2-core Intel Xeon"
     readme = " ".join(README.read_text().split())
     assert (
         f"fine-tunes the classifier on IMDB's labelled reviews: {total:.1f} minutes on "
-        f"{_cpu(metrics['machine'])}"
+        f"{_on(metrics['machine'])}"
+    ) in readme
+    assert (
+        f"pretraining its encoder first (`--pretrain_steps {xeon['config']['pretrain_steps']}`) "
+        f"did not pay for its {other['pretraining'] / 60:.1f} minutes on {_on(xeon['machine'])}."
     ) in readme
     report = json.loads((shipped / "out_of_domain.json").read_text())
     assert report["model"] == "saved_models/imdb_sdpa" and report["pretrain_steps"] == 0
@@ -975,8 +1018,9 @@ def test_app_page_quotes_the_shipped_runs_stages_and_out_of_domain_table():
     table = model_card.out_of_domain_table(report)
     assert table in (ROOT / "docs/app.md").read_text()
     assert table in (shipped / "README.md").read_text()
-    # The pretrained model is the baseline now: "pretraining reads ..." compares it with this one.
-    after, before = report["baseline"]["sets"], report["sets"]
+    # "Pretraining reads ..." compares the pretrained model (the baseline now) with the other.
+    sides = sorted([report, report["baseline"]], key=lambda side: side["pretrain_steps"])
+    before, after = (side["sets"] for side in sides)
 
     def moved(name):
         change = 100 * (after[name]["accuracy"] - before[name]["accuracy"])
@@ -1021,7 +1065,7 @@ def test_app_page_quotes_what_more_pretraining_buys_from_its_files():
         if int(steps):
             assert metrics["pretraining"]["steps"] == int(steps)
         seconds = sum(value or 0 for value in metrics["stage_seconds"].values())
-        assert minutes.strip() == f"{seconds / 60:.1f} ({_cpu(metrics['machine'])[9:]})"
+        assert minutes.strip() == f"{seconds / 60:.1f} ({_cpu(metrics['machine'])})"
     accuracy = [
         json.loads((ROOT / row[4]).read_text())["pretraining"]["accuracy"] for row in rows[1:]
     ]
