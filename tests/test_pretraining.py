@@ -337,7 +337,7 @@ def test_model_card_quotes_the_out_of_domain_file(tmp_path):
 @pytest.mark.large  # downloads vaderSentiment's source from PyPI and serves 12,752 texts
 def test_shipped_out_of_domain_figures_are_measured_again(tmp_path):
     """The CLI, run again on (a copy of) the shipped model without `--baseline`, measures the
-    committed figures and keeps the committed baseline: the model shipped before #56 is gone."""
+    committed figures and keeps the committed baseline (the pretrained model shipped before #63)."""
     model = _shipped_copy(tmp_path / "model")
     report = json.loads((model / "out_of_domain.json").read_text())
     assert out_of_domain.main(["--model", str(model)]) == 0
