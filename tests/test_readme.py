@@ -138,6 +138,11 @@ def _on(machine):
     return f"a {cores}-core {_cpu(machine)}"
 
 
+def _minutes(stages):
+    """A run's minutes from its `stage_seconds` (a stage that did not run is None)."""
+    return sum(seconds for seconds in stages.values() if seconds is not None) / 60
+
+
 def test_readme_results_are_the_committed_metrics():
     """Every accuracy the READMEs quote is the one the app wrote to a metrics.json."""
     metrics = json.loads((ROOT / "saved_models/imdb_sdpa/metrics.json").read_text())
@@ -285,15 +290,14 @@ def test_interrupted_screens_table_matches_their_history_files():
 
 def test_seed_table_is_recomputed_from_its_metrics_files():
     """Every row of the sweep table: mean, sample std and min of the seeds' own metrics.json."""
-    import statistics
-
-    folder = ROOT / "saved_models/experiments/seeds"
-    table = (folder / "README.md").read_text()
     import dataclasses
+    import statistics
 
     from apps.training import config as train_config
     from apps.training import sweep
 
+    folder = ROOT / "saved_models/experiments/seeds"
+    table = (folder / "README.md").read_text()
     rows = re.findall(
         r"^\| `([^`]+)` \| `[^`]*` \| `([^`]*)` \| ([\d, ]+) \| ([^|]+) \| ([^|]+) \| ([\d.]+) "
         r"\| ([\d.]+) \|$",
@@ -988,7 +992,7 @@ def test_app_page_quotes_the_shipped_runs_stages_and_out_of_domain_table():
     metrics = json.loads((shipped / "metrics.json").read_text())
     stages = metrics["stage_seconds"]
     assert stages["pretraining"] is None  # the README's command does not pretrain (#63)
-    total = sum(value for value in stages.values() if value is not None) / 60
+    total = _minutes(stages)
     text = " ".join((ROOT / "docs/app.md").read_text().split())
     assert (
         f"at the commit its `metrics.json` records, on {_on(metrics['machine'])}; every figure"
@@ -1011,7 +1015,7 @@ def test_app_page_quotes_the_shipped_runs_stages_and_out_of_domain_table():
         f"It fine-tuned {ratio:.1f} times as long as a run of the same stages on the Xeon, which "
         f"took data {other['data'] / 60:.1f}, fine-tuning {other['fine_tuning'] / 60:.1f} and "
         f"report {other['report'] / 60:.1f} minutes: "
-        f"{(other['data'] + other['fine_tuning'] + other['report']) / 60:.1f} in all "
+        f"{_minutes({k: other[k] for k in ('data', 'fine_tuning', 'report')}):.1f} in all "
         f"(`saved_models/experiments/seeds/{PRETRAINED_SEEDS}/seed0.metrics.json`,"
     ) in text
     assert _on(xeon["machine"]) == "a 2-core Intel Xeon"
@@ -1084,8 +1088,8 @@ def test_app_page_quotes_what_more_pretraining_buys_from_its_files():
         assert test == _percent(metrics["test_accuracy"])
         if int(steps):
             assert metrics["pretraining"]["steps"] == int(steps)
-        seconds = sum(value or 0 for value in metrics["stage_seconds"].values())
-        assert minutes.strip() == f"{seconds / 60:.1f} ({_cpu(metrics['machine'])})"
+        in_all = _minutes(metrics["stage_seconds"])
+        assert minutes.strip() == f"{in_all:.1f} ({_cpu(metrics['machine'])})"
     accuracy = [
         json.loads((ROOT / row[5]).read_text())["pretraining"]["accuracy"] for row in rows[1:]
     ]
