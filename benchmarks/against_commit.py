@@ -153,8 +153,13 @@ def cases(args):
     if "attention" in args.suite:
         for which in ("layer", "core"):
             for length in args.lengths:
-                found.append((f"{which}, fwd+bwd", length,
-                              partial(attention_step, args.backend, which, length)))  # fmt: skip
+                found.append(
+                    (
+                        f"{which}, fwd+bwd",
+                        length,
+                        partial(attention_step, args.backend, which, length),
+                    )
+                )
     if "features" in args.suite:
         for _, ours, peer, flag in COMPARISONS:
             for variant in (ours, peer):
@@ -172,17 +177,21 @@ def parse_arguments(argv):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--commit", required=True, help="the commit to compare against")
     parser.add_argument(
-        "--backend", choices=list(BACKENDS), help="Keras's backend (default: KERAS_BACKEND, "
-        "else tensorflow)",
-    )  # fmt: skip
+        "--backend",
+        choices=list(BACKENDS),
+        help="Keras's backend (default: KERAS_BACKEND, else tensorflow)",
+    )
     parser.add_argument("--suite", nargs="+", choices=SUITES, default=list(SUITES))
-    parser.add_argument("--lengths", type=int, nargs="+", default=[512, 2048],
-                        help="T=S of the attention suite")  # fmt: skip
+    parser.add_argument(
+        "--lengths", type=int, nargs="+", default=[512, 2048], help="T=S of the attention suite"
+    )
     parser.add_argument("--window", type=int, default=512, help="the features' sliding window")
-    parser.add_argument("--window_length", type=int, default=8192,
-                        help="T=S of the features' chunked cases")  # fmt: skip
-    parser.add_argument("--gqa_length", type=int, default=4096,
-                        help="T=S of the features' grouped-head cases")  # fmt: skip
+    parser.add_argument(
+        "--window_length", type=int, default=8192, help="T=S of the features' chunked cases"
+    )
+    parser.add_argument(
+        "--gqa_length", type=int, default=4096, help="T=S of the features' grouped-head cases"
+    )
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--output", help="also write the section to this Markdown file")

@@ -37,10 +37,20 @@ from common import NEW_INPUTS, Fed, cpu_name, replace_section  # noqa: E402
 START, END = "<!-- app-step:start -->", "<!-- app-step:end -->"
 MIXED_START, MIXED_END = "<!-- app-step-mixed:start -->", "<!-- app-step-mixed:end -->"
 MODEL_ARGUMENTS = (
-    "vocab_size", "sequence_length", "embed_dim", "num_heads", "key_dim", "ff_dim",
-    "num_layers", "dropout", "seed", "bigram_vocab_size", "trigram_vocab_size", "ngram_dim",
+    "vocab_size",
+    "sequence_length",
+    "embed_dim",
+    "num_heads",
+    "key_dim",
+    "ff_dim",
+    "num_layers",
+    "dropout",
+    "seed",
+    "bigram_vocab_size",
+    "trigram_vocab_size",
+    "ngram_dim",
     "pooling_values",
-)  # fmt: skip
+)
 
 
 def shipped_config():

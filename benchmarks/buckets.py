@@ -43,13 +43,21 @@ def build(config, vectorizer):
 
     keras.utils.set_random_seed(config["seed"])
     model, _ = model_lib.build_classifier(
-        vocab_size=vectorizer.vocabulary_size(), sequence_length=config["sequence_length"],
-        embed_dim=config["embed_dim"], num_heads=config["num_heads"], key_dim=config["key_dim"],
-        ff_dim=config["ff_dim"], num_layers=config["num_layers"], dropout=config["dropout"],
-        seed=config["seed"], bigram_vocab_size=config["bigram_vocab_size"],
-        trigram_vocab_size=config["trigram_vocab_size"], pooling_scale=config["pooling_scale"],
-        pooling_values=config["pooling_values"], ngram_dim=config["ngram_dim"],
-    )  # fmt: skip
+        vocab_size=vectorizer.vocabulary_size(),
+        sequence_length=config["sequence_length"],
+        embed_dim=config["embed_dim"],
+        num_heads=config["num_heads"],
+        key_dim=config["key_dim"],
+        ff_dim=config["ff_dim"],
+        num_layers=config["num_layers"],
+        dropout=config["dropout"],
+        seed=config["seed"],
+        bigram_vocab_size=config["bigram_vocab_size"],
+        trigram_vocab_size=config["trigram_vocab_size"],
+        pooling_scale=config["pooling_scale"],
+        pooling_values=config["pooling_values"],
+        ngram_dim=config["ngram_dim"],
+    )
     embedding = model.get_layer("embedding")
     if config["bigram_vocab_size"]:
         embedding.set_bigrams(data.read_ngrams(vectorizer, os.path.join(RUN, "bigrams.txt")))
@@ -176,8 +184,11 @@ def main(argv=None):
         config = json.load(f)["config"]
     vectorizer, batches = load_batches(args, config)
     widths = [x.shape[1] for run in batches["bucketed"][1:] for x, _ in run]  # the timed ones
-    print(f"{args.rounds} rounds of {args.steps} batches of {config['batch_size']}, widths "
-          f"{sorted(set(widths))}", file=sys.stderr)  # fmt: skip
+    print(
+        f"{args.rounds} rounds of {args.steps} batches of {config['batch_size']}, widths "
+        f"{sorted(set(widths))}",
+        file=sys.stderr,
+    )
     times = time_batches(args, config, vectorizer, batches)
     section = section_text(args, config, widths, times)
     print(section)

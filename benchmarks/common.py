@@ -53,8 +53,11 @@ def cpu_name():
         "unknown CPU",
     )
     flags = set(next((line for line in info.splitlines() if line.startswith("flags")), "").split())
-    units = [name for flag, name in (("amx_bf16", "AMX-BF16"), ("avx512_bf16", "AVX-512 BF16"))
-             if flag in flags]  # fmt: skip
+    units = [
+        name
+        for flag, name in (("amx_bf16", "AMX-BF16"), ("avx512_bf16", "AVX-512 BF16"))
+        if flag in flags
+    ]
     return f"{model}, {os.cpu_count()} logical CPUs, " + (
         " and ".join(units) if units else "no AMX or AVX-512 BF16"
     )
@@ -279,8 +282,10 @@ def export_commit(commit, folder):
     """The commit's `keras_sdpa/` as the package `keras_sdpa_before` under `folder`."""
     archive = subprocess.run(
         ["git", "archive", "--format=tar", commit, "keras_sdpa"],
-        cwd=ROOT, capture_output=True, check=True,
-    ).stdout  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        check=True,
+    ).stdout
     with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
         for member in tar.getmembers():
             if not member.isfile():

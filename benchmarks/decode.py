@@ -171,7 +171,7 @@ def main(argv=None):
     parser.add_argument("--nocache_length", type=int, default=1024)
     parser.add_argument("--memory_length", type=int, default=32768)
     parser.add_argument("--output", help="a Markdown file whose decode section is replaced")
-    args = parser.parse_args(argv)  # fmt: skip
+    args = parser.parse_args(argv)
     at_least_one(parser, args, "rounds")
     rows = []
     for batch in (int(b) for b in args.batches.split(",") if b):
@@ -193,8 +193,7 @@ def main(argv=None):
     if args.memory_length:
         for heads in (N, 2):
             print(f"memory: K={heads}", file=sys.stderr)
-            memory.append((heads, child_peak_mib("decode", ("ours", 1, args.memory_length,
-                                                            heads))))  # fmt: skip
+            memory.append((heads, child_peak_mib("decode", ("ours", 1, args.memory_length, heads))))
     section = table(rows, nocache, memory, args)
     print(section)
     if args.output:

@@ -41,10 +41,14 @@ START, END = "<!-- features:start -->", "<!-- features:end -->"
 H = 64
 # The two comparisons: the row's label, ours, the peer, and the flag that sets their T=S.
 COMPARISONS = (
-    ("chunked, sliding_window={window} vs full chunked (N=4)", "window_chunked", "full_chunked",
-     "window_length"),
+    (
+        "chunked, sliding_window={window} vs full chunked (N=4)",
+        "window_chunked",
+        "full_chunked",
+        "window_length",
+    ),
     ("GQA 8 query / 2 key-value heads vs 8 full heads", "gqa_8_2", "mha_8", "gqa_length"),
-)  # fmt: skip
+)
 
 
 def variant_arguments(name, window):
@@ -101,8 +105,11 @@ def alternate(ours, peer, length, window, rounds):
         order = (ours, peer) if index % 2 == 0 else (peer, ours)
         for name in order:
             times[name].append(timed(steps[name]))
-        print(f"  round {index + 1}/{rounds}: {ours} {times[ours][-1]:.2f} s, "
-              f"{peer} {times[peer][-1]:.2f} s", file=sys.stderr)  # fmt: skip
+        print(
+            f"  round {index + 1}/{rounds}: {ours} {times[ours][-1]:.2f} s, "
+            f"{peer} {times[peer][-1]:.2f} s",
+            file=sys.stderr,
+        )
     return times
 
 
@@ -167,10 +174,16 @@ def main(argv=None):
     args = parser.parse_args(argv)
     at_least_one(parser, args, "rounds")
     rows = [
-        row(label.format(window=args.window), ours, peer, getattr(args, flag), args.window,
-            args.rounds)
+        row(
+            label.format(window=args.window),
+            ours,
+            peer,
+            getattr(args, flag),
+            args.window,
+            args.rounds,
+        )
         for label, ours, peer, flag in COMPARISONS
-    ]  # fmt: skip
+    ]
     section = table(rows, args)
     print(section)
     if args.output:

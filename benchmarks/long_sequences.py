@@ -119,8 +119,14 @@ def alternate(impls, length, chunk_size, rounds):
 def run_child(impl, length, chunk_size, timeout, memory_limit_gib):
     """Runs one measurement in a child; kills it past the time or memory limit."""
     cmd = [
-        sys.executable, __file__, "--child", impl, str(length), "--chunk_size", str(chunk_size),
-    ]  # fmt: skip
+        sys.executable,
+        __file__,
+        "--child",
+        impl,
+        str(length),
+        "--chunk_size",
+        str(chunk_size),
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     start, peak = time.time(), 0.0
     try:
@@ -281,8 +287,9 @@ def main(argv=None):
     print()
     print(section)
     if args.output:
-        replace_section(args.output, START, END, section, before="\n## Notes",
-                        missing="# Benchmarks\n")  # fmt: skip
+        replace_section(
+            args.output, START, END, section, before="\n## Notes", missing="# Benchmarks\n"
+        )
     print(f"wrote {figure}")
 
 

@@ -189,23 +189,66 @@ def main(argv=None):
     t, d = args.length, args.dense_length
     rows = [
         compare("`mods.causal()` vs no mask, chunked", "causal_mod", "none", t, args.rounds, 0.60),
-        compare("causal as a plain function vs no mask, chunked", "causal_fn", "none", t,
-                args.rounds, 0.60),
-        compare("`document` (8 segments) vs no mask, chunked", "document_mod", "none", t,
-                args.rounds, 0.25),
-        compare("`sliding_window(512)` vs no mask, chunked", "window_mod", "none", t,
-                args.rounds, 0.20),
-        compare("`mods.causal()` vs `is_causal=True`, chunked", "causal_mod", "causal_arg", t,
-                args.rounds, 1.10),
-        compare("causal as a plain function vs `is_causal=True`, chunked", "causal_fn",
-                "causal_arg", t, args.rounds, 1.10),
-        compare("ALiBi `score_mod` vs ALiBi `bias`, chunked", "alibi_mod", "alibi_bias", t,
-                args.rounds, 1.10),
-        compare("causal as a plain function vs `is_causal=True`, dense", "causal_fn_dense",
-                "causal_arg_dense", d, args.rounds, 1.10),
-        compare("ALiBi `score_mod` vs ALiBi `bias`, dense", "alibi_mod_dense",
-                "alibi_bias_dense", d, args.rounds, 1.10),
-    ]  # fmt: skip
+        compare(
+            "causal as a plain function vs no mask, chunked",
+            "causal_fn",
+            "none",
+            t,
+            args.rounds,
+            0.60,
+        ),
+        compare(
+            "`document` (8 segments) vs no mask, chunked",
+            "document_mod",
+            "none",
+            t,
+            args.rounds,
+            0.25,
+        ),
+        compare(
+            "`sliding_window(512)` vs no mask, chunked", "window_mod", "none", t, args.rounds, 0.20
+        ),
+        compare(
+            "`mods.causal()` vs `is_causal=True`, chunked",
+            "causal_mod",
+            "causal_arg",
+            t,
+            args.rounds,
+            1.10,
+        ),
+        compare(
+            "causal as a plain function vs `is_causal=True`, chunked",
+            "causal_fn",
+            "causal_arg",
+            t,
+            args.rounds,
+            1.10,
+        ),
+        compare(
+            "ALiBi `score_mod` vs ALiBi `bias`, chunked",
+            "alibi_mod",
+            "alibi_bias",
+            t,
+            args.rounds,
+            1.10,
+        ),
+        compare(
+            "causal as a plain function vs `is_causal=True`, dense",
+            "causal_fn_dense",
+            "causal_arg_dense",
+            d,
+            args.rounds,
+            1.10,
+        ),
+        compare(
+            "ALiBi `score_mod` vs ALiBi `bias`, dense",
+            "alibi_mod_dense",
+            "alibi_bias_dense",
+            d,
+            args.rounds,
+            1.10,
+        ),
+    ]
     memory = [(length, peak_memory("document_mod", length)) for length in lengths]
     section = table(rows, memory, args)
     print(section)

@@ -71,9 +71,15 @@ def measure(length, dtype, capped):
     def ours(path):
         def attend(q, k, v):
             return keras_sdpa.scaled_dot_product_attention(
-                q, k, v, mask, bias=tf.cast(bias, q.dtype), attn_logits_soft_cap=cap,
-                implementation=path, chunk_size=max(16, length // 4),
-            )  # fmt: skip
+                q,
+                k,
+                v,
+                mask,
+                bias=tf.cast(bias, q.dtype),
+                attn_logits_soft_cap=cap,
+                implementation=path,
+                chunk_size=max(16, length // 4),
+            )
 
         return attend
 

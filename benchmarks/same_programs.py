@@ -40,31 +40,50 @@ CASES = {
     "dense, bfloat16": (dict(dtype="bfloat16"), Q),
     "chunked, causal": (dict(is_causal=True, implementation="chunked", chunk_size=16), Q),
     "chunked, window, dropout": (
-        dict(sliding_window=20, implementation="chunked", chunk_size=16, dropout_rate=0.1,
-             training=True, seed=3), Q,
-    ),  # fmt: skip
+        dict(
+            sliding_window=20,
+            implementation="chunked",
+            chunk_size=16,
+            dropout_rate=0.1,
+            training=True,
+            seed=3,
+        ),
+        Q,
+    ),
     "chunked, bias": (dict(bias="bias", implementation="chunked", chunk_size=16), Q),
     "chunked, chunked_local mask_mod": (
-        dict(mask_mod="local", implementation="chunked", chunk_size=16), Q,
-    ),  # fmt: skip
+        dict(mask_mod="local", implementation="chunked", chunk_size=16),
+        Q,
+    ),
     "chunked, ALiBi score_mod": (
-        dict(score_mod="alibi", implementation="chunked", chunk_size=16), Q,
-    ),  # fmt: skip
+        dict(score_mod="alibi", implementation="chunked", chunk_size=16),
+        Q,
+    ),
     "chunked, causal, bfloat16": (
-        dict(dtype="bfloat16", implementation="chunked", chunk_size=16, is_causal=True), Q,
-    ),  # fmt: skip
+        dict(dtype="bfloat16", implementation="chunked", chunk_size=16, is_causal=True),
+        Q,
+    ),
     "chunked, T=40, S=60, key padding": (
-        dict(implementation="chunked", chunk_size=16, mask="ragged"), RAGGED_Q, RAGGED_KV,
-    ),  # fmt: skip
+        dict(implementation="chunked", chunk_size=16, mask="ragged"),
+        RAGGED_Q,
+        RAGGED_KV,
+    ),
     "chunked, block_mask, float16": (
-        dict(mask_mod="local", block_mask=True, implementation="chunked", chunk_size=16,
-             dtype="float16"), Q,
-    ),  # fmt: skip
+        dict(
+            mask_mod="local",
+            block_mask=True,
+            implementation="chunked",
+            chunk_size=16,
+            dtype="float16",
+        ),
+        Q,
+    ),
     "dense, float64, T=40, S=60": (dict(dtype="float64"), RAGGED_Q, RAGGED_KV),
     "decode, key padding": (dict(implementation="decode", mask="cache"), DECODE_Q),
     "decode, window, ALiBi score_mod": (
-        dict(implementation="decode", sliding_window=8, score_mod="alibi"), DECODE_Q,
-    ),  # fmt: skip
+        dict(implementation="decode", sliding_window=8, score_mod="alibi"),
+        DECODE_Q,
+    ),
 }
 
 
@@ -152,8 +171,10 @@ def compare(now, before):
                 cells.append("(inference only)")
                 continue
             try:
-                a, b = (normalize(optimized_hlo(p, options, query_shape, kv_shape, backward))
-                        for p in (now, before))  # fmt: skip
+                a, b = (
+                    normalize(optimized_hlo(p, options, query_shape, kv_shape, backward))
+                    for p in (now, before)
+                )
                 cells.append(f"same ({len(a.splitlines())} lines)" if a == b else "differs")
             except Exception as error:  # noqa: BLE001 (a case one commit cannot run)
                 cells.append(f"error: {type(error).__name__}")

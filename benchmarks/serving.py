@@ -83,10 +83,22 @@ def predict_end_to_end(model, path, count, cache):
     """Seconds for `python -m apps.predict --input path --json` to answer every review."""
     start = time.perf_counter()
     result = subprocess.run(
-        [sys.executable, "-m", "apps.predict", "--model", model, "--input", path, "--json",
-         "--xla_cache", cache],
-        cwd=ROOT, capture_output=True, timeout=3600,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "apps.predict",
+            "--model",
+            model,
+            "--input",
+            path,
+            "--json",
+            "--xla_cache",
+            cache,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        timeout=3600,
+    )
     seconds = time.perf_counter() - start
     if result.returncode != 0:
         raise RuntimeError(result.stderr.decode()[-2000:])

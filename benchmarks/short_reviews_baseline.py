@@ -63,9 +63,12 @@ def fit_linear(train, validation, seed):
 
     keras.utils.set_random_seed(seed)
     vectorizer = keras.layers.TextVectorization(
-        max_tokens=FEATURES, ngrams=2, output_mode="multi_hot", standardize=data.standardize,
+        max_tokens=FEATURES,
+        ngrams=2,
+        output_mode="multi_hot",
+        standardize=data.standardize,
         sparse=True,
-    )  # fmt: skip
+    )
     vectorizer.adapt(tf.data.Dataset.from_tensor_slices(train[0]).batch(1024))
 
     def dataset(texts, labels, shuffle):
@@ -89,9 +92,12 @@ def fit_linear(train, validation, seed):
     )
     stop = keras.callbacks.EarlyStopping(patience=1, restore_best_weights=True)
     model.fit(
-        dataset(*train, shuffle=True), validation_data=dataset(*validation, shuffle=False),
-        epochs=EPOCHS, callbacks=[stop], verbose=2,
-    )  # fmt: skip
+        dataset(*train, shuffle=True),
+        validation_data=dataset(*validation, shuffle=False),
+        epochs=EPOCHS,
+        callbacks=[stop],
+        verbose=2,
+    )
 
     def log_odds(texts):
         ds = tf.data.Dataset.from_tensor_slices(texts).batch(1024).map(vectorizer)
@@ -121,8 +127,10 @@ def main(argv=None):
     val_sentences = every_sentence(splits.validation_text, splits.validation_label)
     reviews = (splits.train_text, splits.train_label)
     val_reviews = (splits.validation_text, splits.validation_label)
-    print(f"{len(reviews[0])} training reviews, {len(sentences[0])} of their sentences",
-          file=sys.stderr)  # fmt: skip
+    print(
+        f"{len(reviews[0])} training reviews, {len(sentences[0])} of their sentences",
+        file=sys.stderr,
+    )
     trainings = {
         "reviews": (reviews, val_reviews),
         "sentences": (sentences, val_sentences),

@@ -87,9 +87,14 @@ def gpt2_step(length, swapped):
     import keras_sdpa
 
     backbone = GPT2Backbone(
-        vocabulary_size=VOCABULARY, num_layers=LAYERS, num_heads=HEADS, hidden_dim=WIDTH,
-        intermediate_dim=4 * WIDTH, max_sequence_length=length, dropout=0.0,
-    )  # fmt: skip
+        vocabulary_size=VOCABULARY,
+        num_layers=LAYERS,
+        num_heads=HEADS,
+        hidden_dim=WIDTH,
+        intermediate_dim=4 * WIDTH,
+        max_sequence_length=length,
+        dropout=0.0,
+    )
     model = GPT2CausalLM(backbone=backbone, preprocessor=None)
     model.compile(sampler="greedy")
     if swapped:
@@ -116,9 +121,14 @@ def gradient_step(family, length, swapped):
         from keras_hub.src.models.bert.bert_backbone import BertBackbone
 
         model = BertBackbone(
-            vocabulary_size=VOCABULARY, num_layers=LAYERS, num_heads=HEADS, hidden_dim=WIDTH,
-            intermediate_dim=4 * WIDTH, max_sequence_length=length, dropout=0.0,
-        )  # fmt: skip
+            vocabulary_size=VOCABULARY,
+            num_layers=LAYERS,
+            num_heads=HEADS,
+            hidden_dim=WIDTH,
+            intermediate_dim=4 * WIDTH,
+            max_sequence_length=length,
+            dropout=0.0,
+        )
         ids = np.random.default_rng(0).integers(1, VOCABULARY, (1, length)).astype("int32")
         mask = np.arange(length)[None] < length - length // 8  # the last eighth is padding
         names, inputs = ("token_ids", "segment_ids", "padding_mask"), [ids, 0 * ids, mask]
@@ -127,9 +137,13 @@ def gradient_step(family, length, swapped):
         from keras_hub.src.models.vit.vit_backbone import ViTBackbone
 
         model = ViTBackbone(
-            image_shape=(length, length, 3), patch_size=16, num_layers=LAYERS, num_heads=HEADS,
-            hidden_dim=WIDTH, mlp_dim=4 * WIDTH,
-        )  # fmt: skip
+            image_shape=(length, length, 3),
+            patch_size=16,
+            num_layers=LAYERS,
+            num_heads=HEADS,
+            hidden_dim=WIDTH,
+            mlp_dim=4 * WIDTH,
+        )
         names, inputs = None, [np.random.default_rng(1).uniform(size=(1, length, length, 3))]
         inputs[0] = inputs[0].astype("float32")
         tokens, output = (length // 16) ** 2 + 1, None  # the patches and the class token
@@ -198,14 +212,32 @@ def main(argv=None):
     at_least_one(parser, args, "rounds", "image_size", "new_tokens")
     rows = []
     for length in args.bert_lengths:
-        rows.append(("BERT encoder, forward + backward", f"T={length:,}", "s",
-                     measure("bert", length, args.rounds, 1)))  # fmt: skip
+        rows.append(
+            (
+                "BERT encoder, forward + backward",
+                f"T={length:,}",
+                "s",
+                measure("bert", length, args.rounds, 1),
+            )
+        )
     tokens = (args.image_size // 16) ** 2 + 1
-    rows.append(("ViT, forward + backward", f"{args.image_size}x{args.image_size} ({tokens:,} "
-                 "tokens)", "s", measure("vit", args.image_size, args.rounds, 1)))  # fmt: skip
+    rows.append(
+        (
+            "ViT, forward + backward",
+            f"{args.image_size}x{args.image_size} ({tokens:,} tokens)",
+            "s",
+            measure("vit", args.image_size, args.rounds, 1),
+        )
+    )
     total = PROMPT + args.new_tokens
-    rows.append(("GPT-2 `generate`, per new token", f"S={total}", "ms",
-                 measure("gpt2", total, args.rounds, args.new_tokens / 1e3)))  # fmt: skip
+    rows.append(
+        (
+            "GPT-2 `generate`, per new token",
+            f"S={total}",
+            "ms",
+            measure("gpt2", total, args.rounds, args.new_tokens / 1e3),
+        )
+    )
     lines = [
         "## keras-hub models with their attention swapped",
         "",

@@ -51,8 +51,12 @@ def _pytest(*args):
     if result.returncode != 0:
         failures = re.findall(r"^(?:FAILED|ERROR) .*$", result.stdout, flags=re.M)
         first = result.stdout.find("= FAILURES =")
-        sys.exit(f"pytest {' '.join(args)} failed ({result.returncode}): {summary}\n"
-                 + "\n".join(failures) + "\n" + result.stdout[first : first + 6000])  # fmt: skip
+        sys.exit(
+            f"pytest {' '.join(args)} failed ({result.returncode}): {summary}\n"
+            + "\n".join(failures)
+            + "\n"
+            + result.stdout[first : first + 6000]
+        )
     counts = {word: int(n) for n, word in re.findall(r"(\d+) (passed|skipped|deselected)", summary)}
     print(f"  {seconds:.0f} s: {summary}", flush=True)
     return seconds, counts
@@ -60,18 +64,36 @@ def _pytest(*args):
 
 def _collected(*args):
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:xdist",
-         "-o", "addopts=", "--collect-only", "-q", *args],
-        cwd=ROOT, capture_output=True, text=True, check=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "no:xdist",
+            "-o",
+            "addopts=",
+            "--collect-only",
+            "-q",
+            *args,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return int(re.search(r"(\d+)(?:/\d+)? tests? collected", result.stdout)[1])
 
 
 def _coverage(package):
     result = subprocess.run(
         [sys.executable, "-m", "coverage", "report", f"--include=*/{package}/*", "--format=total"],
-        cwd=ROOT, capture_output=True, text=True, check=True,
-    )  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return float(result.stdout.strip())
 
 

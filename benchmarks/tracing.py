@@ -74,8 +74,11 @@ def child(variant):
         f"print(json.dumps(m.first_call_seconds({variant!r})))"
     )
     # XLA's defaults, and no persistent cache (`TF_XLA_FLAGS`): every first call compiles.
-    env = {name: value for name, value in os.environ.items()
-           if name not in ("XLA_FLAGS", "TF_XLA_FLAGS")}  # fmt: skip
+    env = {
+        name: value
+        for name, value in os.environ.items()
+        if name not in ("XLA_FLAGS", "TF_XLA_FLAGS")
+    }
     result = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=env
     )

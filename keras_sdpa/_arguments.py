@@ -7,20 +7,41 @@ import types
 
 import keras
 
-from keras_sdpa import _plan, mods, ops
+from keras_sdpa import _request, mods
 from keras_sdpa._rank_n import normalize_axes
 
 # The constructor's arguments in its order, as `get_config` records them; those that are
 # objects are saved by their serializer, the activity regularizer from where the layer keeps
 # it (MultiHeadAttention's place: each projection's, not the layer's own).
 ARGUMENTS = (
-    "num_heads", "key_dim", "value_dim", "dropout", "use_bias", "output_shape",
-    "attention_axes", "sliding_window", "flash_attention", "kernel_initializer",
-    "bias_initializer", "kernel_regularizer", "bias_regularizer", "activity_regularizer",
-    "kernel_constraint", "bias_constraint", "use_gate", "seed", "num_key_value_heads",
-    "output_projection", "implementation", "chunk_size", "scale", "attn_logits_soft_cap",
-    "score_mod", "mask_mod", "replaces",
-)  # fmt: skip
+    "num_heads",
+    "key_dim",
+    "value_dim",
+    "dropout",
+    "use_bias",
+    "output_shape",
+    "attention_axes",
+    "sliding_window",
+    "flash_attention",
+    "kernel_initializer",
+    "bias_initializer",
+    "kernel_regularizer",
+    "bias_regularizer",
+    "activity_regularizer",
+    "kernel_constraint",
+    "bias_constraint",
+    "use_gate",
+    "seed",
+    "num_key_value_heads",
+    "output_projection",
+    "implementation",
+    "chunk_size",
+    "scale",
+    "attn_logits_soft_cap",
+    "score_mod",
+    "mask_mod",
+    "replaces",
+)
 _SERIALIZERS = types.MappingProxyType(
     {
         "kernel_initializer": keras.initializers.serialize,
@@ -37,12 +58,11 @@ _SERIALIZERS = types.MappingProxyType(
 
 
 def check(
-    num_heads, key_dim, value_dim, num_key_value_heads, dropout, output_shape, attention_axes,
-    sliding_window, flash_attention, implementation, chunk_size, scale, attn_logits_soft_cap,
-    score_mod, mask_mod,
-):  # fmt: skip
-    """Checks the constructor's arguments; returns `output_shape` (None or a tuple),
-    `attention_axes` (None or a tuple) and `scale` (None or a float) as the layer keeps them."""
+    num_heads, key_dim, value_dim, num_key_value_heads, dropout, output_shape, attention_axes, core
+):
+    """Checks the constructor's arguments (`core` the `_request.Request` of those it passes
+    to the core, checked when it was made); returns `output_shape` and `attention_axes`,
+    each None or a tuple, as the layer keeps them."""
     check_positive_int("num_heads", num_heads)
     for name, size in (
         ("key_dim", key_dim),
@@ -72,23 +92,9 @@ def check(
                 f"Received: attention_axes={attention_axes!r}"
             )
         attention_axes = tuple(attention_axes)
-    ops.check_sliding_window(sliding_window)
-    _plan.check_flash_attention(flash_attention)
-    _plan.check_implementation(implementation, layer=True)
-    if chunk_size is not None and (
-        not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size <= 0
-    ):
-        raise ValueError(
-            f"`chunk_size` must be a positive integer or None. Received: chunk_size={chunk_size!r}"
-        )
-    if scale is not None:
-        ops._check_scale(scale)
-        scale = float(scale)
-    ops.check_soft_cap(attn_logits_soft_cap)
-    ops._check_mod("score_mod", score_mod)
-    ops._check_mod("mask_mod", mask_mod)
-    mods.check_heads(score_mod, num_heads)
-    return output_shape, attention_axes, scale
+    _request.check_implementation(core.implementation, layer=True)
+    mods.check_heads(core.score_mod, num_heads)
+    return output_shape, attention_axes
 
 
 def config(layer):

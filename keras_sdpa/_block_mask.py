@@ -1,8 +1,6 @@
 """FlexAttention's block masks: a `mask_mod`'s block kinds for the chunked path, made once and
 shared by the calls (and layers) that pass them as `block_mask=`."""
 
-import numbers
-
 from keras_sdpa import _backend, _blocks, _checks, _chunked, mods
 from keras_sdpa import _masking as M
 
@@ -57,14 +55,20 @@ def create_block_mask(mask_mod, B, N, T, S, block_size=None, num_kv_heads=None):
     if block_size is None:
         block_size = _chunked.MASKED_CHUNK_SIZE
     for name, value in (("B", B), ("N", N), ("T", T), ("S", S), ("block_size", block_size)):
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
-            raise ValueError(f"`{name}` must be a positive int. Received: {name}={value!r}")
+        _checks.positive_int(name, value)
     num_kv_heads = N if num_kv_heads is None else num_kv_heads
     template, tensors = mods.split(mask_mod)
     # On JAX the values of the variables the mod holds enter the program as inputs.
     variable_values = _backend.get().variable_inputs(mods.variables_of(template))
     kinds = _block_kinds_xla(
-        tensors, variable_values, template=template, B=B, N=N, K=num_kv_heads, T=T, S=S,
+        tensors,
+        variable_values,
+        template=template,
+        B=B,
+        N=N,
+        K=num_kv_heads,
+        T=T,
+        S=S,
         C=block_size,
     )
     return BlockMask(kinds, mask_mod, block_size, dict(B=B, N=N, T=T, S=S))

@@ -31,9 +31,14 @@ class Blocking:
         self.kinds = tensors.block_kinds
         if tensors.mask_mod is not None and self.kinds is None:
             self.kinds = kinds_of_blocks(
-                tensors.mask_mod, self.b_index, plan.num_heads, self.num_kv_heads, self.t,
-                self.s, c,
-            )  # fmt: skip
+                tensors.mask_mod,
+                self.b_index,
+                plan.num_heads,
+                self.num_kv_heads,
+                self.t,
+                self.s,
+                c,
+            )
         if self.mask_grid is not None and all(plan.mask_pattern[2:]):
             self.kinds = empty_where_masked(self.kinds, self.mask_grid, self.num_q, self.num_k)
         self.spans = None if self.kinds is None else nonempty_spans(self.kinds)
@@ -54,9 +59,12 @@ class Blocking:
             result = ops.logical_and(result, block(self.mask_grid, plan.mask_pattern, i, j))
         if self.tensors.mask_mod is not None and with_mod:
             mod = M.mod_mask(
-                self.tensors.mask_mod, self.b_index, plan.num_heads, self.num_kv_heads,
+                self.tensors.mask_mod,
+                self.b_index,
+                plan.num_heads,
+                self.num_kv_heads,
                 *self.positions(i, j),
-            )  # fmt: skip
+            )
             result = ops.logical_and(result, mod)
         return result
 
@@ -135,9 +143,13 @@ def kinds_of_blocks(mask_mod, b_index, num_heads, num_kv_heads, t, s, chunk_size
         queries, keys = i * c + offsets, j * c + offsets
         real_q, real_k = (queries < t)[:, None], (keys < s)[None, :]  # (C, 1), (1, C)
         allowed = M.mod_mask(
-            mask_mod, b_index, num_heads, num_kv_heads,
-            ops.minimum(queries, t - 1), ops.minimum(keys, s - 1),
-        )  # fmt: skip
+            mask_mod,
+            b_index,
+            num_heads,
+            num_kv_heads,
+            ops.minimum(queries, t - 1),
+            ops.minimum(keys, s - 1),
+        )
         some = ops.any(ops.logical_and(allowed, ops.logical_and(real_q, real_k)))
         every = ops.logical_and(
             ops.all(ops.logical_or(allowed, ops.logical_not(real_q))),

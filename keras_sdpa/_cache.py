@@ -67,40 +67,47 @@ def update(cache, index, key, new_keys_and_values):
     return cache[:, 0], cache[:, 1], offset, cache
 
 
-def attend(
-    q, keys, values, offset, attention_mask, attention_bias, use_causal_mask, mask_mod, *,
-    score_mod, sliding_window, num_heads, **core,
-):  # fmt: skip
+def attend(q, keys, values, offset, attention_mask, attention_bias, use_causal_mask, request):
     """The core on the projected queries `q` `(B, T, N, H)` against the cached `keys` and
     `values` `(B, S, K, H)`, the queries starting at `offset` `(B,)`: the causal mask, the
-    window and the mods (`mask_mod` this call's, `score_mod` the layer's) count from there.
+    window and the mods of `request` (the layer's `_request.Request` for this call) count
+    from there.
 
-    `core` holds the layer's keywords of `keras_sdpa.ops.attend` (`flash_attention`,
-    `implementation`, dropout, ...). With `training` and a `dropout`, the attention weights
-    are dropped as in the uncached call (keras-hub's too). Returns the attention output
-    `(B, T, N, H)`, the weights (or None) and the mask as the core took it.
+    With `training` and a `dropout`, the attention weights are dropped as in the uncached
+    call (keras-hub's too). Returns the attention output `(B, T, N, H)`, the weights (or
+    None) and the mask as the core took it.
     """
     # The core sees the score mod only inside the positioned wrapper, whose head count it
     # cannot read: checked here, for a score mod set after the layer was made too.
-    mods.check_heads(score_mod, num_heads)
-    positioned = Positioned(offset, bool(use_causal_mask), sliding_window, mask_mod, score_mod)
-    mask = _layer_masks.to_core(attention_mask)  # (B|1, N|1, T, S)
+    mods.check_heads(request.score_mod, q.shape[2])
+    positioned = Positioned(
+        offset,
+        bool(use_causal_mask),
+        request.sliding_window,
+        request.mask_mod,
+        request.score_mod,
+    )
+    mask = _layer_masks.to_core(attention_mask)  # (B|1, N|1, T|1, S)
     # The bias in its own precision: the core adds it to float32 logits under mixed precision.
     bias = None if attention_bias is None else keras.ops.convert_to_tensor(attention_bias)
+    request = request.replace(
+        # One new token against the cache: the core's decode path reads the cache in its
+        # (B, S, K, H) layout, where the others would transpose a copy of it every token.
+        cached=True,
+        is_causal=False,  # counted from each row's position, in the positioned mods
+        sliding_window=None,
+        score_mod=positioned.score_mod(),
+        mask_mod=positioned.mask_mod(),
+    )
     result = ops.attend(
         q,
         keras.ops.cast(keys, q.dtype),
         keras.ops.cast(values, q.dtype),
         mask,
-        # One new token against the cache: the core's decode path reads the cache in its
-        # (B, S, K, H) layout, where the others would transpose a copy of it every token.
-        cached=True,
-        bias=bias,
-        score_mod=positioned.score_mod(),
-        mask_mod=positioned.mask_mod(),
-        **core,
+        bias,
+        request,
     )
-    out, weights = result if core.get("return_weights") else (result, None)
+    out, weights = result if request.return_weights else (result, None)
     return out, weights, mask
 
 
@@ -138,9 +145,10 @@ def check_index(index, new, size):
         last = np.iinfo("int32").max if size is None else size - (length or 0)
         if values.size and (values.min() < 0 or values.max() > last):
             rule = (
-                f"{room}: each row's index in [0, {last}]" if None not in (length, size)
+                f"{room}: each row's index in [0, {last}]"
+                if None not in (length, size)
                 else f"must be a position in [0, {last}]"
-            )  # fmt: skip
+            )
             raise ValueError(
                 f"`cache_update_index` {rule}. Received: cache_update_index={values.tolist()}"
             )
@@ -205,9 +213,12 @@ class Positioned(mods.Mod):
 
     def _key(self):
         return (
-            type(self), self.causal, self.window,
-            mods._static_key(self.inner_mask), mods._static_key(self.inner_score),
-        )  # fmt: skip
+            type(self),
+            self.causal,
+            self.window,
+            mods._static_key(self.inner_mask),
+            mods._static_key(self.inner_score),
+        )
 
     def _tensors(self):
         return (self.offset,) + tuple(mods.tensors_of(self.inner_mask))

@@ -11,16 +11,19 @@ from keras import ops as kops
 from keras_sdpa import _backend
 
 
+def positive_int(name, value, or_none=False):
+    """`value` as an int, or a `ValueError` naming `name` unless it is a positive integer
+    (or, with `or_none`, None)."""
+    if value is None and or_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
+        expected = "None or a positive int" if or_none else "a positive int"
+        raise ValueError(f"`{name}` must be {expected}. Received: {name}={value!r}")
+    return int(value)
+
+
 def check_sliding_window(sliding_window):
-    if sliding_window is not None and (
-        isinstance(sliding_window, bool)
-        or not isinstance(sliding_window, numbers.Integral)
-        or sliding_window <= 0
-    ):
-        raise ValueError(
-            "`sliding_window` must be None or a positive int. "
-            f"Received: sliding_window={sliding_window!r}"
-        )
+    positive_int("sliding_window", sliding_window, or_none=True)
 
 
 def check_soft_cap(attn_logits_soft_cap):

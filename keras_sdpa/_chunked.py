@@ -92,8 +92,9 @@ def attend(q, k, v, plan, tensors, count_visits=False):
     # The forward and its gradient read the masks, block kinds, seed and mods' tensors as
     # they are: only the inputs here get gradients.
     def attend_blocks(*inputs):
-        forward = blocks._replace(q=inputs[0], k=inputs[1], v=inputs[2],
-                                  bias=inputs[3] if has_bias else None)  # fmt: skip
+        forward = blocks._replace(
+            q=inputs[0], k=inputs[1], v=inputs[2], bias=inputs[3] if has_bias else None
+        )
         out_blocks, lse_blocks, _ = _forward(blocking, forward)
 
         def grad_fn(d_out_blocks, variables=None):
@@ -242,8 +243,9 @@ def _d_query_block(blocking, blocks, params, variables, i, d_qs, d_bias, d_param
 
     def key_block(j, *carried):
         def compute_block(with_mod):
-            return _d_query_key_block(blocking, blocks, params, variables, i, j, row_i, *carried,
-                                      with_mod)  # fmt: skip
+            return _d_query_key_block(
+                blocking, blocks, params, variables, i, j, row_i, *carried, with_mod
+            )
 
         return (j + 1, *blocking.visit(i, j, carried, compute_block))
 
@@ -278,9 +280,15 @@ def _d_query_key_block(
     d_raw, new_params, new_vars = d_scores, d_params, d_vars
     if blocking.tensors.score_mod is not None:
         d_raw, g_params, g_vars = M.mod_vjp(
-            blocking.tensors.score_mod, raw, blocking.b_index, plan.num_heads,
-            *blocking.positions(i, j), d_scores, params, variables,
-        )  # fmt: skip
+            blocking.tensors.score_mod,
+            raw,
+            blocking.b_index,
+            plan.num_heads,
+            *blocking.positions(i, j),
+            d_scores,
+            params,
+            variables,
+        )
         new_params = [a + b for a, b in zip(d_params, g_params)]
         new_vars = [a + ops.convert_to_tensor(b) for a, b in zip(d_vars, g_vars)]
     d_q_block = blocking.matmul(M.to_rows(d_raw), take(blocks.k, j))
@@ -370,9 +378,15 @@ def _modded_block(blocking, blocks, i, j, k_j, v_j, d_k, d_v, with_mod):
     if plan.cap is not None:
         d_scores = d_scores * M.cap_derivative(scores, plan.cap)
     d_raw, _, _ = M.mod_vjp(
-        blocking.tensors.score_mod, raw, blocking.b_index, plan.num_heads,
-        *blocking.positions(i, j), d_scores, (), (),
-    )  # fmt: skip
+        blocking.tensors.score_mod,
+        raw,
+        blocking.b_index,
+        plan.num_heads,
+        *blocking.positions(i, j),
+        d_scores,
+        (),
+        (),
+    )
     d_v_new = d_v + blocking.matmul(M.to_rows(applied), rows_d_out, transpose_a=True)
     d_k_new = d_k + blocking.matmul(M.to_rows(d_raw), rows_q, transpose_a=True)
     return shim.with_static_shape(d_k_new, d_k.shape), shim.with_static_shape(d_v_new, d_v.shape)

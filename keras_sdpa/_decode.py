@@ -45,16 +45,21 @@ def attend(q, key, value, plan, tensors):
     q = ops.cast(q, compute)
     t, s = ops.shape(q)[3], ops.shape(key)[1]
     constraint = M.band(ops.arange(t), ops.arange(s), plan.is_causal, plan.window)  # (T, S)
-    allowed = M.combine(_dense.with_mask_mod(tensors.mask, q, s, plan, tensors.mask_mod),
-                        constraint)  # (B|1, K|1, G|1, T|1, S|1) or None  # fmt: skip
+    allowed = M.combine(
+        _dense.with_mask_mod(tensors.mask, q, s, plan, tensors.mask_mod), constraint
+    )  # (B|1, K|1, G|1, T|1, S|1) or None
     shim = _backend.get()
     raw = shim.cache_logits(q, ops.cast(key, compute))  # (B, K, G, T, S)
     raw = M.scaled(raw, plan.logit_scale)
     if tensors.score_mod is not None:
         raw = M.apply_score_mod(
-            tensors.score_mod, raw, M.batch_index(ops.shape(q)[0]), plan.num_heads,
-            ops.arange(t), ops.arange(s),
-        )  # fmt: skip
+            tensors.score_mod,
+            raw,
+            M.batch_index(ops.shape(q)[0]),
+            plan.num_heads,
+            ops.arange(t),
+            ops.arange(s),
+        )
     scores = M.logits(raw, tensors.bias, plan.cap)
     penalty, any_allowed = None, None
     if allowed is not None:

@@ -88,9 +88,13 @@ def with_mask_mod(mask, q, s, plan, mask_mod):
         return mask
     shape = ops.shape(q)  # (B, K, G, T, H)
     mod = M.mod_mask(
-        mask_mod, M.batch_index(shape[0]), plan.num_heads, plan.num_kv_heads,
-        ops.arange(shape[3]), ops.arange(s),
-    )  # fmt: skip
+        mask_mod,
+        M.batch_index(shape[0]),
+        plan.num_heads,
+        plan.num_kv_heads,
+        ops.arange(shape[3]),
+        ops.arange(s),
+    )
     return mod if mask is None else ops.logical_and(mask, mod)
 
 
@@ -221,9 +225,15 @@ class _Forward:
         operand, logit_scale = plan.operand, plan.logit_scale
         d_scores, _, rows_d_out = self._d_scores(d_out, d_weights)
         d_raw, d_params, d_variables = M.mod_vjp(
-            self.mod, _raw_logits(q, k, plan), self.b_index, plan.num_heads, *self.positions,
-            d_scores, self.params, variables,
-        )  # fmt: skip
+            self.mod,
+            _raw_logits(q, k, plan),
+            self.b_index,
+            plan.num_heads,
+            *self.positions,
+            d_scores,
+            self.params,
+            variables,
+        )
         d_q = M.from_rows(M.matmul(M.to_rows(d_raw), k, operand), groups)
         d_q = M.scaled(d_q, logit_scale)
         d_k = M.matmul(M.to_rows(d_raw), M.to_rows(q), operand, False, True)

@@ -269,8 +269,16 @@ def _keras_kernel(
     Keras's default (queries not `(B, T, N, H)`)."""
     if return_attention_scores or len(query.shape) != 4:
         stock = type(self)._compute_attention
-        return stock(self, query, key, value, attention_mask, training, return_attention_scores,
-                     use_causal_mask)  # fmt: skip
+        return stock(
+            self,
+            query,
+            key,
+            value,
+            attention_mask,
+            training,
+            return_attention_scores,
+            use_causal_mask,
+        )
     mask, is_causal = attention_mask, bool(use_causal_mask)
     if is_causal and mask is not None:  # one mask, so that its fully masked rows are known
         mask = ops.logical_and(ops.cast(mask, "bool"), self._compute_causal_mask(query, value))

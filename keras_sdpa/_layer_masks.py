@@ -176,11 +176,13 @@ def bind_segment_ids(mask_mod, segment_ids, query, key, cache):
         )
     expected = [("batch size", 0, query.shape[0])]
     if cache is not None:
-        shape = keras.ops.convert_to_tensor(cache).shape  # checked whole in `_call_cached`
+        shape = keras.ops.convert_to_tensor(cache).shape  # checked whole in `_layer_call.cached`
         expected.append(("the cache's length", 1, shape[2] if len(shape) == 5 else None))
     else:
-        expected += [("the query's length", 1, query.shape[1]),
-                     ("the key's length", 1, key.shape[1])]  # fmt: skip
+        expected += [
+            ("the query's length", 1, query.shape[1]),
+            ("the key's length", 1, key.shape[1]),
+        ]
     for name, axis, size in expected:
         if None not in (size, segment_ids.shape[axis]) and size != segment_ids.shape[axis]:
             raise ValueError(

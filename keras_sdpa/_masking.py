@@ -127,9 +127,7 @@ def matmul(a, b, operand=None, transpose_b=False, transpose_a=False):
     to `operand` only there. (`keras.ops.matmul` has neither the transposed operands nor
     the accumulation type: `_backend` says it for each backend.)
     """
-    return _backend.get().matmul(
-        a, b, operand, transpose_a=transpose_a, transpose_b=transpose_b
-    )
+    return _backend.get().matmul(a, b, operand, transpose_a=transpose_a, transpose_b=transpose_b)
 
 
 def scaled(x, scale):

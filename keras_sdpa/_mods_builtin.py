@@ -14,16 +14,10 @@ import keras
 import numpy as np
 from keras import ops
 
-from keras_sdpa import _backend
+from keras_sdpa import _backend, _checks
 from keras_sdpa._mods_core import Mod, _static_key, join, tensors_of
 
 _PACKAGE = "keras_sdpa"
-
-
-def _check_positive_int(name, value):
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
-        raise ValueError(f"`{name}` must be a positive int. Received: {name}={value!r}")
-    return int(value)
 
 
 # ----------------------------------------------------------------------------- mask mods
@@ -45,7 +39,7 @@ class SlidingWindow(Mod):
     """
 
     def __init__(self, window):
-        self.window = _check_positive_int("window", window)
+        self.window = _checks.positive_int("window", window)
 
     def __call__(self, b, h, q_idx, kv_idx):
         return ops.abs(q_idx - kv_idx) < self.window
@@ -60,7 +54,7 @@ class ChunkedLocal(Mod):
     there also causal: `and_masks(causal(), chunked_local(c))`)."""
 
     def __init__(self, chunk):
-        self.chunk = _check_positive_int("chunk", chunk)
+        self.chunk = _checks.positive_int("chunk", chunk)
 
     def __call__(self, b, h, q_idx, kv_idx):
         return q_idx // self.chunk == kv_idx // self.chunk
@@ -196,9 +190,7 @@ def _gather_rows(ids, b, positions):
 class _Combined(Mod):
     def __init__(self, *mask_mods):
         if not mask_mods:
-            raise ValueError(
-                f"`{type(self).__name__}` needs at least one mask mod. Received: none"
-            )
+            raise ValueError(f"`{type(self).__name__}` needs at least one mask mod. Received: none")
         for mod in mask_mods:
             if not callable(mod):
                 raise ValueError(
@@ -286,7 +278,7 @@ class Alibi(Mod):
     """
 
     def __init__(self, num_heads):
-        self.num_heads = _check_positive_int("num_heads", num_heads)
+        self.num_heads = _checks.positive_int("num_heads", num_heads)
 
     def __call__(self, score, b, h, q_idx, kv_idx):
         slopes = ops.convert_to_tensor(alibi_slopes(self.num_heads), score.dtype)
@@ -339,9 +331,9 @@ class RelativePositionBias(keras.layers.Layer):
         **kwargs,
     ):
         super().__init__(**kwargs)
-        self.num_heads = _check_positive_int("num_heads", num_heads)
-        self.num_buckets = _check_positive_int("num_buckets", num_buckets)
-        self.max_distance = _check_positive_int("max_distance", max_distance)
+        self.num_heads = _checks.positive_int("num_heads", num_heads)
+        self.num_buckets = _checks.positive_int("num_buckets", num_buckets)
+        self.max_distance = _checks.positive_int("max_distance", max_distance)
         if self.num_buckets < (4 if bidirectional else 2):
             raise ValueError(
                 "`num_buckets` must be at least 4 (2 with bidirectional=False). "
@@ -379,9 +371,7 @@ class RelativePositionBias(keras.layers.Layer):
                 "num_buckets": self.num_buckets,
                 "max_distance": self.max_distance,
                 "bidirectional": self.bidirectional,
-                "embeddings_initializer": keras.initializers.serialize(
-                    self.embeddings_initializer
-                ),
+                "embeddings_initializer": keras.initializers.serialize(self.embeddings_initializer),
             }
         )
         return config

@@ -17,21 +17,8 @@ import typing
 import keras
 from keras import ops
 
-from keras_sdpa import _backend, _block_mask, _checks, _chunked, mods
+from keras_sdpa import _backend, _block_mask, _checks, _chunked, _request, mods
 from keras_sdpa import _masking as M
-
-FLASH_ATTENTION = (None, True, False)
-IMPLEMENTATIONS = ("auto", "dense", "chunked", "decode")
-
-
-def check_flash_attention(flash_attention):
-    """The layer's `flash_attention`: `True` chunked, `False` dense, `None` the implementation's."""
-    if flash_attention not in FLASH_ATTENTION:
-        raise ValueError(
-            "`flash_attention` must be None, True or False. "
-            f"Received: flash_attention={flash_attention!r}"
-        )
-    return flash_attention
 
 
 def check_scores(flash_attention, return_attention_scores):
@@ -43,18 +30,6 @@ def check_scores(flash_attention, return_attention_scores):
             "`flash_attention=True` never forms. Received: flash_attention=True, "
             "return_attention_scores=True"
         )
-
-
-def check_implementation(implementation, layer=False):
-    """`implementation` of the core, or of the layer (`layer`: no `"decode"`, which the layer
-    picks itself for a cached call of one query row)."""
-    allowed = IMPLEMENTATIONS[:3] if layer else IMPLEMENTATIONS
-    if implementation not in allowed:
-        names = ", ".join(f'"{name}"' for name in allowed[:-1]) + f' or "{allowed[-1]}"'
-        raise ValueError(
-            f"`implementation` must be {names}. Received: implementation={implementation!r}"
-        )
-    return implementation
 
 
 # implementation="auto" goes chunked above this many bytes of float32 scores (B * N * T * S * 4).
@@ -152,127 +127,111 @@ class CallTensors(typing.NamedTuple):
     variable_values: tuple  # JAX: the values of the variables the mods hold
 
 
-def make(
-    query,
-    key,
-    value,
-    mask=None,
-    *,
-    bias=None,
-    is_causal=False,
-    sliding_window=None,
-    attn_logits_soft_cap=None,
-    scale=None,
-    dropout_rate=0.0,
-    training=False,
-    seed=None,
-    return_weights=False,
-    implementation="auto",
-    chunk_size=None,
-    score_mod=None,
-    mask_mod=None,
-    block_mask=None,
-    flash_attention=None,
-    cached=False,
-):
-    """The `Plan` and the `CallTensors` of `scaled_dot_product_attention`'s arguments, checked.
+def make(query, key, value, mask=None, bias=None, request=_request.DEFAULT):
+    """The `Plan` and the `CallTensors` of one call: the tensors checked, and `request` (the
+    options, checked when it was made) decided against their shapes.
 
     `flash_attention` (the layer's: `True` chunked, `False` dense) overrides
     `implementation`; `cached` (the layer's call against a key/value cache) runs the decode
     path for one query row when neither chooses. A cached call with `flash_attention=True`
     returns its scores from the dense path (only an uncached one refuses them).
     """
-    (mask, mask_pattern), (bias, bias_pattern), scale = _checked(
-        query, key, value, mask, bias, dropout_rate, scale, sliding_window,
-        attn_logits_soft_cap, score_mod, mask_mod,
-    )  # fmt: skip
-    implementation = _implementation(
-        implementation, flash_attention, cached, return_weights, query.shape[1]
+    (mask, mask_pattern), (bias, bias_pattern) = _checked(
+        query, key, value, mask, bias, request.score_mod
     )
-    block_kinds = None
-    if block_mask is not None:
-        block_kinds, chunk_size = _block_mask.check(block_mask, mask_mod, chunk_size, query, key)
-    given = (bool(is_causal), mask_mod)  # for the decode check's message
-    mask_mod, is_causal, sliding_window = lower_mask_mod(mask_mod, is_causal, sliding_window)
+    implementation = _implementation(request, query.shape[1])
+    chunk_size, block_kinds = request.chunk_size, None
+    if request.block_mask is not None:
+        block_kinds, chunk_size = _block_mask.check(
+            request.block_mask, request.mask_mod, chunk_size, query, key
+        )
+    mask_mod, is_causal, sliding_window = lower_mask_mod(
+        request.mask_mod, request.is_causal, request.sliding_window
+    )
     if mask_mod is None:
         block_kinds = None  # the mask_mod lowered to a causal mask or a window: no block map
     if implementation == "decode" and is_causal:
-        _check_decode_alignment(query, key, *given)
+        _check_decode_alignment(query, key, bool(request.is_causal), request.mask_mod)
     masked = is_causal or mask_mod is not None or _blocked_mask(mask_pattern, query, key)
     chunk_size, balance = _chunk_size(chunk_size, sliding_window, mask_mod, masked)
-    dropout_rate = float(dropout_rate) if training else 0.0
-    path = _path(implementation, query, key, return_weights, chunk_size, score_mod, dropout_rate)
+    dropout_rate = float(request.dropout_rate) if request.training else 0.0
+    return_weights = bool(request.return_weights)
+    path = _path(implementation, query, key, return_weights, chunk_size, request.score_mod)
+    if path == "decode" and dropout_rate > 0.0:
+        path = "dense"  # the decode path serves inference; dropout's mask is the dense path's
     if path == "chunked" and block_kinds is None:
         chunk_size = _fitted(chunk_size, query, key, balance)
-    score_template, score_tensors = mods.split(score_mod)
-    mask_template, mask_tensors = mods.split(mask_mod)
+    seed = _checks._as_seed(request.seed) if dropout_rate > 0.0 else None
+    block_kinds = block_kinds if path == "chunked" else None  # only that path has blocks
+    call, score_template, mask_template = _call_tensors(
+        mask, bias, seed, block_kinds, request.score_mod, mask_mod
+    )
+    cap = request.attn_logits_soft_cap
     plan = Plan(
         path="dense" if path == "auto" else path,
         by_size=path == "auto",
         num_heads=query.shape[2],
         num_kv_heads=key.shape[2],
         dtype=keras.backend.standardize_dtype(query.dtype),
-        scale=float(scale),
+        scale=request.scale_for(query.shape[-1]),
         chunk_size=chunk_size,
         mask_pattern=mask_pattern,
         bias_pattern=bias_pattern,
         is_causal=bool(is_causal),
         window=sliding_window,
-        cap=None if attn_logits_soft_cap is None else float(attn_logits_soft_cap),
+        cap=None if cap is None else float(cap),
         dropout_rate=dropout_rate,
-        return_weights=bool(return_weights),
+        return_weights=return_weights,
         score_mod=Template.of(score_template),
         mask_mod=Template.of(mask_template),
-    )
-    call = CallTensors(
-        mask=mask,
-        bias=bias,
-        seed=_checks._as_seed(seed) if dropout_rate > 0.0 else None,
-        score_tensors=score_tensors,
-        mask_tensors=mask_tensors,
-        block_kinds=block_kinds if path == "chunked" else None,  # only that path has blocks
-        variable_values=_backend.get().variable_inputs(
-            mods.variables_of(score_template, mask_template)
-        ),
     )
     return plan, call
 
 
-def _checked(query, key, value, mask, bias, dropout_rate, scale, sliding_window, cap,
-             score_mod, mask_mod):  # fmt: skip
-    """The arguments' checks: the mask and the bias with their broadcast patterns, the scale."""
+def _call_tensors(mask, bias, seed, block_kinds, score_mod, mask_mod):
+    """The call's `CallTensors`, and the mods' templates (`mods.split`): what the program
+    is keyed by, apart from the tensors it takes."""
+    score_template, score_tensors = mods.split(score_mod)
+    mask_template, mask_tensors = mods.split(mask_mod)
+    variables = mods.variables_of(score_template, mask_template)
+    call = CallTensors(
+        mask=mask,
+        bias=bias,
+        seed=seed,
+        score_tensors=score_tensors,
+        mask_tensors=mask_tensors,
+        block_kinds=block_kinds,
+        variable_values=_backend.get().variable_inputs(variables),
+    )
+    return call, score_template, mask_template
+
+
+def _checked(query, key, value, mask, bias, score_mod):
+    """The tensors' checks: the inputs, and the mask and the bias with their broadcast
+    patterns; the score mod's head count against the query's."""
     _checks._check_inputs(query, key, value)
     mask_and_pattern = bias_and_pattern = (None, None)
     if mask is not None:
         mask_and_pattern = _checks._check_mask(ops.convert_to_tensor(mask), query, key)
     if bias is not None:
         bias_and_pattern = _checks._check_bias(bias, query, key)
-    if not 0.0 <= dropout_rate < 1.0:
-        raise ValueError(f"`dropout_rate` must be in [0, 1). Received: dropout_rate={dropout_rate}")
-    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
-    _checks._check_scale(scale)
-    _checks.check_sliding_window(sliding_window)
-    _checks.check_soft_cap(cap)
-    _checks._check_mod("score_mod", score_mod)
-    _checks._check_mod("mask_mod", mask_mod)
     mods.check_heads(score_mod, query.shape[2])
-    return mask_and_pattern, bias_and_pattern, scale
+    return mask_and_pattern, bias_and_pattern
 
 
-def _implementation(implementation, flash_attention, cached, return_weights, length):
+def _implementation(request, length):
     """The one name of the path asked for: `flash_attention`, `implementation` and the cache's
     decode, mapped here and nowhere else."""
-    check_flash_attention(flash_attention)
-    check_implementation(implementation)
+    flash_attention, cached = request.flash_attention, request.cached
     if flash_attention is not None:
         if not cached:  # a cached call returns them from the dense path, as it always has
-            check_scores(flash_attention, return_weights)
+            check_scores(flash_attention, request.return_weights)
         return "chunked" if flash_attention else "dense"
-    if cached and implementation == "auto" and length == 1:
+    if cached and request.implementation == "auto" and length == 1:
         # One new token against the cache: the decode path reads the cache in its
         # (B, S, K, H) layout, where the others would transpose a copy of it every token.
         return "decode"
-    return implementation
+    return request.implementation
 
 
 def _check_decode_alignment(query, key, given_causal, given_mask_mod):
@@ -288,7 +247,7 @@ def _check_decode_alignment(query, key, given_causal, given_mask_mod):
         except ValueError:  # a mod whose config cannot be written (per-row tensors)
             causal_by = f"mask_mod={type(given_mask_mod).__name__}(…)"
     raise ValueError(
-        'A causal mask aligns query `t` with key `t` (top left, as Keras), so with '
+        "A causal mask aligns query `t` with key `t` (top left, as Keras), so with "
         '`implementation="decode"` a new token would read only the first keys. For '
         "queries at the end of a cache use the layer's `cache_update_index`, or a `mask` "
         f"of the positions each query may read. Received: {causal_by}, "
@@ -310,19 +269,15 @@ def _blocked_mask(mask_pattern, query, key):
 
 def _chunk_size(chunk_size, sliding_window, mask_mod, masked):
     """The chunk size given or its default (smaller blocks when `masked`, so that more are
-    skipped), checked, and whether a default may be evened out over the lengths
+    skipped), and whether a default may be evened out over the lengths
     (`balanced_chunk_size`)."""
     balance = chunk_size is None and sliding_window is None and mask_mod is None
     if chunk_size is None:
         chunk_size = default_chunk_size(sliding_window, masked)
-    if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size <= 0:
-        raise ValueError(
-            f"`chunk_size` must be a positive int. Received: chunk_size={chunk_size!r}"
-        )
     return chunk_size, balance
 
 
-def _path(implementation, query, key, return_weights, chunk_size, score_mod, dropout_rate):
+def _path(implementation, query, key, return_weights, chunk_size, score_mod):
     path = choose_path(implementation, query, key, return_weights, chunk_size)
     if path == "auto" and score_mod is not None:
         # The run-time choice is a tf.cond around two programs, and TensorFlow cannot take
@@ -330,8 +285,6 @@ def _path(implementation, query, key, return_weights, chunk_size, score_mod, dro
         # undefined when eager execution is enabled"): decide while tracing instead, from
         # one example's scores, as inside a caller's XLA step.
         path = choose_path_from_one_example(query, key, chunk_size)
-    if path == "decode" and dropout_rate > 0.0:
-        path = "dense"  # the decode path serves inference; dropout's mask is the dense path's
     return path
 
 

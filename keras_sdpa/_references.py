@@ -13,13 +13,18 @@ from keras.src.ops.node import KerasHistory
 # and `_replace_in_graph` update them.
 _BOOKKEEPING = frozenset(
     [
-        "_nodes_by_depth", "_operations_by_depth", "_inbound_nodes", "_outbound_nodes",
+        "_nodes_by_depth",
+        "_operations_by_depth",
+        "_inbound_nodes",
+        "_outbound_nodes",
         # TensorFlow's Trackable (`setattr` updates them, with the checkpoint's dependencies):
-        "_self_unconditional_checkpoint_dependencies", "_self_unconditional_dependency_names",
-        "_self_unconditional_deferred_dependencies", "_self_name_based_restores",
+        "_self_unconditional_checkpoint_dependencies",
+        "_self_unconditional_dependency_names",
+        "_self_unconditional_deferred_dependencies",
+        "_self_name_based_restores",
         "_self_saveable_object_factories",
     ]
-)  # fmt: skip
+)
 # Lists, tuples and dicts (Keras's tracked ones and TensorFlow's wrappers subclass them) nest
 # this deep at most between a layer and what it holds (TensorFlow wraps each list in a
 # list, and an instance's materialized `__dict__` is one more).

@@ -186,8 +186,9 @@ def _constructor(layer_class, bind):
             # A class defined inside the scope on a patched name (a module imported there)
             # subclasses the real `layer_class`, as it would outside the scope.
             super().__init_subclass__(**kwargs)
-            cls.__bases__ = tuple(layer_class if base is Constructed else base
-                                  for base in cls.__bases__)  # fmt: skip
+            cls.__bases__ = tuple(
+                layer_class if base is Constructed else base for base in cls.__bases__
+            )
 
     Constructed.__name__ = Constructed.__qualname__ = f"SDPA{layer_class.__name__}"
     return Constructed

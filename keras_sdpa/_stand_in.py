@@ -19,23 +19,33 @@ from keras_sdpa import _layer_masks
 # inputs' implicit masks only as the `*_mask` arguments its `call` names, so keras-hub's
 # `CachedMultiHeadAttention`, which names none, never sees them.
 _KERAS = (
-    "query", "value", "key", "query_mask", "value_mask", "key_mask", "attention_mask",
-    "return_attention_scores", "training", "use_causal_mask",
-)  # fmt: skip
-CALL_ARGUMENTS = types.MappingProxyType({
-    "MultiHeadAttention": _KERAS,
-    "GroupedQueryAttention": _KERAS,
-    "CachedMultiHeadAttention": (
-        "query",
-        "value",
-        "key",
-        "attention_mask",
-        "cache",
-        "cache_update_index",
-        "return_attention_scores",
-        "training",
-    ),  # fmt: skip
-})
+    "query",
+    "value",
+    "key",
+    "query_mask",
+    "value_mask",
+    "key_mask",
+    "attention_mask",
+    "return_attention_scores",
+    "training",
+    "use_causal_mask",
+)
+CALL_ARGUMENTS = types.MappingProxyType(
+    {
+        "MultiHeadAttention": _KERAS,
+        "GroupedQueryAttention": _KERAS,
+        "CachedMultiHeadAttention": (
+            "query",
+            "value",
+            "key",
+            "attention_mask",
+            "cache",
+            "cache_update_index",
+            "return_attention_scores",
+            "training",
+        ),
+    }
+)
 
 
 def check(replaces, use_gate, sliding_window):

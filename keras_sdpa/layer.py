@@ -6,13 +6,21 @@ config), `_shapes` (projections' equations, output shapes), `_rank_n` (inputs of
 space), `_stand_in` (the class it replaces). The core, `keras_sdpa.ops.attend`, picks the path.
 """
 
-import functools
+import inspect
 
 import keras
 
-from keras_sdpa import _arguments, _backend, _cache, _folded, _layer_masks, _rank_n, _shapes, ops
+from keras_sdpa import (
+    _arguments,
+    _backend,
+    _layer_call,
+    _layer_masks,
+    _rank_n,
+    _request,
+    _shapes,
+    ops,
+)
 from keras_sdpa import _stand_in as stand_in
-from keras_sdpa._plan import check_scores
 
 
 @keras.saving.register_keras_serializable(package="keras_sdpa")
@@ -111,17 +119,38 @@ class ScaledDotProductAttention(keras.layers.Layer):
     """
 
     def __init__(
-        self, num_heads=1, key_dim=None, value_dim=None, dropout=0.0, use_bias=True,
-        output_shape=None, attention_axes=None, sliding_window=None, flash_attention=None,
-        kernel_initializer="glorot_uniform", bias_initializer="zeros", kernel_regularizer=None,
-        bias_regularizer=None, activity_regularizer=None, kernel_constraint=None,
-        bias_constraint=None, use_gate=False, seed=None, num_key_value_heads=None,
-        output_projection=None, implementation="auto", chunk_size=None, scale=None,
-        attn_logits_soft_cap=None, score_mod=None, mask_mod=None, replaces=None, **kwargs,
-    ):  # fmt: skip
-        # As in MultiHeadAttention, the activity regularizer applies to every projection's
-        # output, not to the layer's.
+        self,
+        num_heads=1,
+        key_dim=None,
+        value_dim=None,
+        dropout=0.0,
+        use_bias=True,
+        output_shape=None,
+        attention_axes=None,
+        sliding_window=None,
+        flash_attention=None,
+        kernel_initializer="glorot_uniform",
+        bias_initializer="zeros",
+        kernel_regularizer=None,
+        bias_regularizer=None,
+        activity_regularizer=None,
+        kernel_constraint=None,
+        bias_constraint=None,
+        use_gate=False,
+        seed=None,
+        num_key_value_heads=None,
+        output_projection=None,
+        implementation="auto",
+        chunk_size=None,
+        scale=None,
+        attn_logits_soft_cap=None,
+        score_mod=None,
+        mask_mod=None,
+        replaces=None,
+        **kwargs,
+    ):
         super().__init__(**kwargs)
+        # Each projection's, not the layer's own, as in MultiHeadAttention.
         self._activity_regularizer = keras.regularizers.get(activity_regularizer)
         _backend.check()
         stand_in.check(replaces, use_gate, sliding_window)
@@ -129,15 +158,30 @@ class ScaledDotProductAttention(keras.layers.Layer):
         if replaces is not None:
             self._call_signature = stand_in.call_signature(self.call, replaces)
             self.call_signature_parameters = list(self._call_signature.parameters)
-        self.output_shape, attention_axes, scale = _arguments.check(
-            num_heads, key_dim, value_dim, num_key_value_heads, dropout, output_shape,
-            attention_axes, sliding_window, flash_attention, implementation, chunk_size, scale,
-            attn_logits_soft_cap, score_mod, mask_mod,
-        )  # fmt: skip
+        core = _request.Request(  # the options the layer passes to the core, checked
+            sliding_window=sliding_window,
+            attn_logits_soft_cap=attn_logits_soft_cap,
+            scale=scale,
+            implementation=implementation,
+            chunk_size=chunk_size,
+            score_mod=score_mod,
+            mask_mod=mask_mod,
+            flash_attention=flash_attention,
+        )
+        self.output_shape, attention_axes = _arguments.check(
+            num_heads,
+            key_dim,
+            value_dim,
+            num_key_value_heads,
+            dropout,
+            output_shape,
+            attention_axes,
+            core,
+        )
         self.num_heads, self.key_dim, self.value_dim = num_heads, key_dim, value_dim
         self.dropout, self.use_bias = dropout, use_bias
         self.attention_axes, self.sliding_window = attention_axes, sliding_window
-        self.flash_attention = flash_attention
+        self.flash_attention, self.attn_logits_soft_cap = flash_attention, attn_logits_soft_cap
         self.kernel_initializer = keras.initializers.get(kernel_initializer)
         self.bias_initializer = keras.initializers.get(bias_initializer)
         self.kernel_regularizer = keras.regularizers.get(kernel_regularizer)
@@ -147,10 +191,9 @@ class ScaledDotProductAttention(keras.layers.Layer):
         self.use_gate, self.seed = use_gate, seed
         self.num_key_value_heads, self.output_projection = num_key_value_heads, output_projection
         self.implementation, self.chunk_size = implementation, chunk_size
-        self.scale, self.attn_logits_soft_cap = scale, attn_logits_soft_cap
-        # Not tracked here: a mod that owns weights (the T5 table) is tracked at the end of
-        # `build`, so that its weights follow the projections' and
-        # `set_weights(mha.get_weights() + [table])` reads in MultiHeadAttention's order.
+        self.scale = None if scale is None else float(scale)
+        # Untracked: a mod's weights (the T5 table) are tracked at the end of `build`, after the
+        # projections', so `set_weights(mha.get_weights() + [table])` reads in MHA's order.
         object.__setattr__(self, "score_mod", score_mod)
         object.__setattr__(self, "mask_mod", mask_mod)
         self.seed_generator = keras.random.SeedGenerator(seed) if dropout > 0 else None
@@ -219,7 +262,11 @@ class ScaledDotProductAttention(keras.layers.Layer):
             return initializer.__class__.from_config(initializer.get_config())
 
         return _shapes.einsum_dense(
-            name, input_shape, output_shape, bound_dims, self.use_bias,
+            name,
+            input_shape,
+            output_shape,
+            bound_dims,
+            self.use_bias,
             activation=activation,
             kernel_initializer=fresh(self.kernel_initializer),
             bias_initializer=fresh(self.bias_initializer),
@@ -229,141 +276,81 @@ class ScaledDotProductAttention(keras.layers.Layer):
             kernel_constraint=self.kernel_constraint,
             bias_constraint=self.bias_constraint,
             dtype=self.dtype_policy,
-        )  # fmt: skip
+        )
 
-    @property
-    def query_dense(self):
-        return self._query_dense
-
-    @property
-    def key_dense(self):
-        return self._key_dense
-
-    @property
-    def value_dense(self):
-        return self._value_dense
-
-    @property
-    def output_dense(self):
-        return self._output_dense
-
-    # W_Q, W_K, W_V, W_O by the names of the derivation.
+    # The projections, by MultiHeadAttention's names and by the derivation's: W_Q, W_K, ...
+    query_dense = property(lambda self: self._query_dense)
+    key_dense = property(lambda self: self._key_dense)
+    value_dense = property(lambda self: self._value_dense)
+    output_dense = property(lambda self: self._output_dense)
     query_kernel = property(lambda self: self._query_dense.kernel)
     key_kernel = property(lambda self: self._key_dense.kernel)
     value_kernel = property(lambda self: self._value_dense.kernel)
     output_kernel = property(lambda self: self._output_dense.kernel)
 
     def call(
-        self, query, value, key=None, query_mask=None, value_mask=None, key_mask=None,
-        attention_mask=None, attention_bias=None, return_attention_scores=False, training=None,
-        use_causal_mask=False, segment_ids=None, cache=None, cache_update_index=None,
-    ):  # fmt: skip
+        self,
+        query,
+        value,
+        key=None,
+        query_mask=None,
+        value_mask=None,
+        key_mask=None,
+        attention_mask=None,
+        attention_bias=None,
+        return_attention_scores=False,
+        training=None,
+        use_causal_mask=False,
+        segment_ids=None,
+        cache=None,
+        cache_update_index=None,
+    ):
         key = value if key is None else key
-        attention_bias = _arguments.bias_value(attention_bias)
-        query_mask = stand_in.query_mask(self.replaces, query, query_mask)
         projections = (self._query_dense, self._value_dense, self._key_dense)
         widths = [dense.kernel.shape[0] for dense in projections]  # the inputs' widths
         _arguments.check_call_inputs(query, value, key, widths, self.attention_axes)
-        mask_mod = _layer_masks.bind_segment_ids(self.mask_mod, segment_ids, query, key, cache)
-        if cache is not None or cache_update_index is not None:
-            return self._call_cached(
-                query, value, key, (query_mask, value_mask, key_mask), attention_mask,
-                attention_bias, return_attention_scores, mask_mod, cache, cache_update_index,
-                training, use_causal_mask,
-            )  # fmt: skip
-        own_core = self._own_core
-        # The query's padding masks whole rows: the core gets the key-side masks only, and those
-        # rows are zeroed after it (the same numbers; a (B, S) mask costs the core 0.88x the
-        # time of a (B, T, S) one, forward plus backward, at the app's B=64, T=512).
-        rows = query_mask if own_core and len(query.shape) == 3 else None
-        mask = _layer_masks.combine_masks(
-            None if rows is not None else query_mask, value_mask, key_mask, attention_mask,
-            len(query.shape),
-        )  # fmt: skip
+        call = _layer_call.Call(
+            query,
+            value,
+            key,
+            masks=(stand_in.query_mask(self.replaces, query, query_mask), value_mask, key_mask),
+            attention_mask=attention_mask,
+            attention_bias=_arguments.bias_value(attention_bias),
+            return_scores=return_attention_scores,
+            training=training,
+            causal=use_causal_mask,
+            mask_mod=_layer_masks.bind_segment_ids(self.mask_mod, segment_ids, query, key, cache),
+            cache=cache,
+            index=cache_update_index,
+        )
         with _layer_masks.masks_set_aside(query, value, key):
+            attend = _layer_call.route(self, call)  # cached, overridden, folded or projected
+            out, weights, cache = attend(self, call)  # (B, *dims_q, N, Hv), ...
             gate = self._gate_dense(query) if self.use_gate else None  # (B, *dims_q, N, Hv)
-            folded = self._folds_projections(query, training, use_causal_mask)
-            if folded:
-                out, weights = self._attend_in_input_space(
-                    query, value, key, mask, training, return_attention_scores,
-                    use_causal_mask, attention_bias,
-                )  # fmt: skip
-            else:
-                q = self._query_dense(query)  # (B, *dims_q, N, H)
-                k = self._key_dense(key)  # (B, *dims_v, K, H)
-                v = self._value_dense(value)  # (B, *dims_v, K, Hv)
-        if not own_core:
-            # A subclass that overrides MultiHeadAttention's `_compute_attention`
-            # gets MHA's contract: the causal mask folded into `attention_mask`.
-            check_scores(self.flash_attention, return_attention_scores)
-            _arguments.check_overridden_core(
-                type(self).__name__, self.score_mod, self.mask_mod, attention_bias
-            )
-            if use_causal_mask:
-                mask = _layer_masks.with_causal(mask, query, value)
-            out, weights = self._compute_attention(q, k, v, mask, training, return_attention_scores)
-            return self._finish(query, out, weights, gate, return_attention_scores)
-        if folded:  # the mean of the projected values, for `stand_in.rows`
-            dense = self._value_dense
-            mean_values = functools.partial(_folded.mean_values, value, dense.kernel, dense.bias)
-        else:
-            out, weights = self._compute_attention(
-                q, k, v, mask, training, return_attention_scores,
-                use_causal_mask=use_causal_mask, attention_bias=attention_bias, mask_mod=mask_mod,
-            )  # fmt: skip
-            mean_values = functools.partial(keras.ops.mean, v, axis=1, keepdims=True)
-        out, weights = _layer_masks.zero_rows(out, weights, rows)
-        out = stand_in.rows(
-            self, out, value, mean_values, mask, rows, return_attention_scores, use_causal_mask
-        )
-        return self._finish(query, out, weights, gate, return_attention_scores)
-
-    def _call_cached(
-        self, query, value, key, masks, attention_mask, attention_bias, return_attention_scores,
-        mask_mod, cache, index, training, use_causal_mask,
-    ):  # fmt: skip
-        """keras-hub's `CachedMultiHeadAttention` contract, with per-row positions: the layer
-        projects the queries (and the new keys and values, which `keras_sdpa._cache` writes),
-        and `_cache.attend` runs the core from each row's position. Returns `(out, cache)`,
-        or `(out, scores, cache)`."""
-        if not self._own_core:
-            raise ValueError(
-                f"A `cache` reaches only this layer's own attention; {type(self).__name__} "
-                "overrides `_compute_attention`."
-            )
-        query_mask, value_mask, key_mask = masks
-        cache = _cache.check(
-            cache, index, query, value_mask, key_mask, self._kv_heads, self._key_dim,
-            self._value_dim,
-        )  # fmt: skip
-        q = self._query_dense(query)  # (B, T, N, H)
-        keys, values, offset, cache = _cache.update(  # (B, S, K, H) twice, (B,), the cache
-            cache, index, key, lambda: (self._key_dense(key), self._value_dense(value))
-        )
-        out, weights, mask = _cache.attend(
-            q, keys, values, offset, attention_mask, attention_bias, use_causal_mask, mask_mod,
-            score_mod=self.score_mod, sliding_window=self.sliding_window,
-            num_heads=self.num_heads,
-            **self._core_options(training, return_attention_scores),
-        )  # fmt: skip
-        out, weights = _layer_masks.zero_rows(out, weights, query_mask)
-        out = stand_in.cached_rows(self, out, values, mask, return_attention_scores)
-        gate = self._gate_dense(query) if self.use_gate else None
         out = self._finish(query, out, weights, gate, return_attention_scores)
+        if cache is None:
+            return out
         return (*out, cache) if return_attention_scores else (out, cache)
 
-    def _core_options(self, training, return_attention_scores):
-        """The layer's keywords of `keras_sdpa.ops.attend`, which decides the path from them,
-        with a fresh dropout seed where dropout is active."""
+    def _core_request(self, training, return_attention_scores, **call_options):
+        """This call's `keras_sdpa._request.Request`: the layer's settings as they are now,
+        with a fresh dropout seed where dropout is active, and `call_options` (this call's
+        causal mask, its mask mod)."""
         seed = None
         if training and self.dropout > 0:
             seed = _backend.get().per_replica(self.seed_generator.next())
-        return dict(
-            flash_attention=self.flash_attention,
-            implementation=self.implementation,
-            chunk_size=self.chunk_size,
+        settings = dict(
+            sliding_window=self.sliding_window,
             attn_logits_soft_cap=self.attn_logits_soft_cap,
             scale=self.scale,
+            implementation=self.implementation,
+            chunk_size=self.chunk_size,
+            score_mod=self.score_mod,
+            mask_mod=self.mask_mod,
+            flash_attention=self.flash_attention,
+        )
+        return _request.Request(
+            **{**settings, **call_options},
             dropout_rate=self.dropout,
             training=bool(training),
             seed=seed,
@@ -391,40 +378,20 @@ class ScaledDotProductAttention(keras.layers.Layer):
 
     def _folds_projections(self, query, training, use_causal_mask):
         """Whether a short query attends in the inputs' space (`keras_sdpa._folded`)."""
-        return self._own_core and _folded.folds(
-            query, training, use_causal_mask,
-            heads=(self.num_heads, self._kv_heads),
-            sizes=(self._key_dim, self._value_dim),
-            dropout=self.dropout,
-            unfoldable=(
-                self.attn_logits_soft_cap, self.score_mod, self.mask_mod, self.sliding_window,
-                self._activity_regularizer,
-            ),
-            projections=(self._query_dense, self._key_dense, self._value_dense),
-        )  # fmt: skip
-
-    def _attend_in_input_space(
-        self, query, value, key, mask, training, return_attention_scores, use_causal_mask,
-        attention_bias,
-    ):  # fmt: skip
-        """Attention with `W_K` folded into the query and `W_V` applied after the weighted sum
-        (`keras_sdpa._folded`). Returns `(B, T, N, Hv)` and the weights or None."""
-        q = self._query_dense(query)  # (B, T, N, H)
-        key_kernel, key_bias = self._key_dense.kernel, self._key_dense.bias
-        q_keys, keys, values = _folded.fold(
-            q, key, value, key_kernel, key_bias, self.scale, self._key_dim
-        )  # (B, T, N, E_k), (B, S, 1, E_k), (B, S, 1, E_v) and the ones
-        mixed, weights = self._compute_attention(
-            q_keys, keys, values, mask, training, return_attention_scores,
-            use_causal_mask=use_causal_mask, attention_bias=attention_bias,
-        )  # fmt: skip
-        value_kernel, value_bias = self._value_dense.kernel, self._value_dense.bias
-        return _folded.unfold(mixed, value.shape[-1], value_kernel, value_bias), weights
+        return _layer_call.folds(self, query, training, use_causal_mask)
 
     def _compute_attention(
-        self, query, key, value, attention_mask=None, training=None,
-        return_attention_scores=False, use_causal_mask=False, attention_bias=None, mask_mod=None,
-    ):  # fmt: skip
+        self,
+        query,
+        key,
+        value,
+        attention_mask=None,
+        training=None,
+        return_attention_scores=False,
+        use_causal_mask=False,
+        attention_bias=None,
+        mask_mod=None,
+    ):
         """Attention on projected tensors, MultiHeadAttention's override point.
 
         Args:
@@ -451,17 +418,19 @@ class ScaledDotProductAttention(keras.layers.Layer):
         if attention_bias is not None:
             attention_bias = keras.ops.convert_to_tensor(attention_bias)
             bias = flat.bias(attention_bias, self.num_heads)  # (B'|1, N|1, T|1, S|1)
+        request = self._core_request(
+            training,
+            return_attention_scores,
+            is_causal=use_causal_mask,
+            mask_mod=self.mask_mod if mask_mod is None else mask_mod,
+        )
         result = ops.attend(
             flat.inputs(query, "query"),
             flat.inputs(key, "value"),
             flat.inputs(value, "value"),
             mask,
-            bias=bias,
-            is_causal=use_causal_mask,
-            sliding_window=self.sliding_window,
-            score_mod=self.score_mod,
-            mask_mod=self.mask_mod if mask_mod is None else mask_mod,
-            **self._core_options(training, return_attention_scores),
+            bias,
+            request,
         )
         out, weights = result if return_attention_scores else (result, None)
         out = flat.outputs(out)  # (B, *dims_q, N, Hv)
@@ -475,15 +444,20 @@ class ScaledDotProductAttention(keras.layers.Layer):
 
     def compute_output_shape(self, query_shape, value_shape, key_shape=None):
         return _shapes.output_shape(
-            query_shape, value_shape, key_shape, self.uses_output_projection, self.output_shape,
-            self.num_heads, self.key_dim, self.value_dim,
-        )  # fmt: skip
+            query_shape,
+            value_shape,
+            key_shape,
+            self.uses_output_projection,
+            self.output_shape,
+            self.num_heads,
+            self.key_dim,
+            self.value_dim,
+        )
 
-    def compute_output_spec(
-        self, query, value, key=None, query_mask=None, value_mask=None, key_mask=None,
-        attention_mask=None, attention_bias=None, return_attention_scores=False, training=None,
-        use_causal_mask=False, segment_ids=None, cache=None, cache_update_index=None,
-    ):  # fmt: skip
+    def compute_output_spec(self, query, value, key=None, *args, **kwargs):
+        # The call's other arguments, by name as `call` takes them (by position too).
+        given = inspect.signature(self.call).bind(query, value, key, *args, **kwargs).arguments
+        return_attention_scores = given.get("return_attention_scores", False)
         key_shape = None if key is None else key.shape
         shape = self.compute_output_shape(query.shape, value.shape, key_shape)
         out = keras.KerasTensor(shape, dtype=self.compute_dtype)

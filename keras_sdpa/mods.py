@@ -65,16 +65,10 @@ from keras_sdpa._mods_core import variables_of, as_function, tensors_of, split, 
 from keras_sdpa._mods_builtin import check_heads, uses_segment_ids
 # isort: on
 
-# The private names that other modules of the library use (`mods._static_key`, `mods._bind`),
-# and the rest of what this module held before the split, stay reachable here too.
-from keras_sdpa._mods_builtin import _PACKAGE as _PACKAGE
+# The private names that other modules of the library read as `mods._bind` and
+# `mods._static_key`.
 from keras_sdpa._mods_builtin import _bind as _bind
-from keras_sdpa._mods_builtin import _check_ids as _check_ids
-from keras_sdpa._mods_builtin import _check_positive_int as _check_positive_int
-from keras_sdpa._mods_builtin import _Combined as _Combined
-from keras_sdpa._mods_builtin import _gather_rows as _gather_rows
-from keras_sdpa._mods_core import _SLOT as _SLOT
-from keras_sdpa._mods_core import _held as _held
+from keras_sdpa._mods_builtin import _Combined
 from keras_sdpa._mods_core import _static_key as _static_key
 
 # What `from keras_sdpa.mods import *` gives and what the API reference renders
@@ -119,9 +113,20 @@ __all__ = [
 # `keras_sdpa.mods.<class>`. (Loading finds a class by its registered name, `keras_sdpa>Causal`,
 # which the split does not change.)
 for _class in (
-    Mod, Causal, SlidingWindow, ChunkedLocal, PrefixLM, Document, _Combined, AndMasks, OrMasks,
-    SoftCap, Alibi, RelativePositionBias, WithTensors,
-):  # fmt: skip
+    Mod,
+    Causal,
+    SlidingWindow,
+    ChunkedLocal,
+    PrefixLM,
+    Document,
+    _Combined,
+    AndMasks,
+    OrMasks,
+    SoftCap,
+    Alibi,
+    RelativePositionBias,
+    WithTensors,
+):
     _class.__module__ = __name__
 del _class
 

@@ -30,15 +30,9 @@ import typing
 
 from keras import ops as kops
 
-from keras_sdpa import _backend, _chunked, _decode, _dense, _plan, mods
+from keras_sdpa import _backend, _chunked, _decode, _dense, _plan, _request, mods
 from keras_sdpa import _masking as M
 from keras_sdpa._block_mask import BlockMask, create_block_mask  # noqa: F401 (the public names)
-from keras_sdpa._checks import (  # noqa: F401 (the layer's checks too)
-    _check_mod,
-    _check_scale,
-    check_sliding_window,
-    check_soft_cap,
-)
 
 __all__ = ["BlockMask", "create_block_mask", "scaled_dot_product_attention"]
 # (`attend`, the layer's entry, and the program's `Tensors` are the package's own.)
@@ -166,39 +160,22 @@ def scaled_dot_product_attention(
     >>> tuple(out.shape), tuple(weights.shape)
     ((2, 3, 4, 8), (2, 4, 3, 5))
     """
-    return attend(
-        query,
-        key,
-        value,
-        mask,
-        bias=bias,
-        is_causal=is_causal,
-        sliding_window=sliding_window,
-        attn_logits_soft_cap=attn_logits_soft_cap,
-        scale=scale,
-        dropout_rate=dropout_rate,
-        training=training,
-        seed=seed,
-        return_weights=return_weights,
-        implementation=implementation,
-        chunk_size=chunk_size,
-        score_mod=score_mod,
-        mask_mod=mask_mod,
-        block_mask=block_mask,
-    )
+    arguments = locals()  # by name: each option is written once, in the signature above
+    options = {name: arguments[name] for name in _request.CORE_OPTIONS}
+    return attend(query, key, value, mask, bias, _request.Request(**options))
 
 
 @_backend.do_not_convert
-def attend(query, key, value, mask=None, **options):
-    """`scaled_dot_product_attention` with the layer's two choices besides its `options`.
-
-    `flash_attention` (`True` chunked, `False` dense, `None` leaves it to `implementation`)
-    and `cached` (a call against a key/value cache: one query row runs the decode path) are
-    decided with the rest of the call, in `_plan.make`.
+def attend(query, key, value, mask=None, bias=None, request=_request.DEFAULT):
+    """`scaled_dot_product_attention` with its options in one `_request.Request`, which
+    may also hold the layer's two choices besides them: `flash_attention` (`True` chunked,
+    `False` dense, `None` leaves it to `implementation`) and `cached` (a call against a
+    key/value cache: one query row runs the decode path), decided with the rest of the call
+    in `_plan.make`.
     """
     _backend.check()
     query, key, value = (kops.convert_to_tensor(x) for x in (query, key, value))
-    plan, call = _plan.make(query, key, value, mask, **options)
+    plan, call = _plan.make(query, key, value, mask, bias, request)
     empty = _empty_result(query, key, value, plan.return_weights)
     if empty is not None:
         return empty if plan.return_weights else empty[0]
@@ -273,8 +250,9 @@ def _attention(
     `score_tensors` and `mask_tensors` are the mods' tensors of this call (`mods.split`), and
     `variable_values` (JAX) the values of the variables the mods hold.
     """
-    tensors = _tensors(plan, mask, bias, seed, score_tensors, mask_tensors, block_kinds,
-                       variable_values)  # fmt: skip
+    tensors = _tensors(
+        plan, mask, bias, seed, score_tensors, mask_tensors, block_kinds, variable_values
+    )
     if plan.operand:
         # The products take the half-precision operands and accumulate in float32; the
         # scale multiplies their float32 result, so it never rounds to the input's precision.

@@ -319,8 +319,12 @@ def replace_attention(model, flash_attention=None, **layer_options):
     # Where else they are held (another model built on the same layers): `(holder, old,
     # path)`. Every place is checked, and every new layer made, before anything changes.
     held = _references.holders([old for old, _ in olds.values()], set(visited)) if olds else []
-    shared = [(holder, old, path) for holder in held for old, path in olds.values()
-              if _references.holds(holder, old)]  # fmt: skip
+    shared = [
+        (holder, old, path)
+        for holder in held
+        for old, path in olds.values()
+        if _references.holds(holder, old)
+    ]
     for parent, old, path in found + shared:
         _references.check(parent, old, path)
     swapped = {}  # id(old): the new layer

@@ -120,9 +120,15 @@ def _seeded_by_test_name(request):
 # the other groups take under a minute each. `--no-loadscope-reorder` (pyproject.toml) keeps
 # this order; xdist's own reorder puts the groups with the most tests first, whatever they cost.
 GROUPS_SLOWEST_FIRST = (
-    "test_distribute", "test_app", "jax_library", "test_viewer", "test_serving",
-    "test_math_verified", "test_faithfulness", "test_packaging",
-)  # fmt: skip
+    "test_distribute",
+    "test_app",
+    "jax_library",
+    "test_viewer",
+    "test_serving",
+    "test_math_verified",
+    "test_faithfulness",
+    "test_packaging",
+)
 
 
 def pytest_itemcollected(item):
@@ -153,10 +159,11 @@ def pytest_itemcollected(item):
 
 # Tests that reach the tiny run by `request.getfixturevalue` (it is not in their fixturenames).
 LATE = (
-    "test_length_buckets_give_the_full_length_result", "test_saved_model_holds_each_graph_once",
+    "test_length_buckets_give_the_full_length_result",
+    "test_saved_model_holds_each_graph_once",
     "test_predict_reads_a_file_and_answers_in_input_order",
     "test_cli_writes_the_report_into_the_run_folder",
-)  # fmt: skip
+)
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m large` selects on the marks set here
@@ -236,14 +243,41 @@ def pytest_collection_modifyitems(config, items):
 # "a trained model and its SavedModel" (the app, serving, the predictor, the faithfulness
 # CLI) read this one run.
 TINY_RUN = [
-    "--epochs", "2", "--max_steps", "6", "--batch_size", "32", "--sequence_length", "96",
-    "--vocab_size", "3000", "--embed_dim", "16", "--key_dim", "8", "--ff_dim", "32",
-    "--bigram_vocab_size", "20000", "--trigram_vocab_size", "5000",
-    "--vocabulary_source", "train",  # with the unlabelled reviews: a large test of test_app
-    "--save_every", "2", "--inspect_examples", "6", "--faithfulness_examples", "24",
-    "--pretrain_steps", "6", "--predicted_words", "1000",  # pretrains on train's reviews
-    "--verbose", "0",
-]  # fmt: skip
+    "--epochs",
+    "2",
+    "--max_steps",
+    "6",
+    "--batch_size",
+    "32",
+    "--sequence_length",
+    "96",
+    "--vocab_size",
+    "3000",
+    "--embed_dim",
+    "16",
+    "--key_dim",
+    "8",
+    "--ff_dim",
+    "32",
+    "--bigram_vocab_size",
+    "20000",
+    "--trigram_vocab_size",
+    "5000",
+    "--vocabulary_source",
+    "train",  # with the unlabelled reviews: a large test of test_app
+    "--save_every",
+    "2",
+    "--inspect_examples",
+    "6",
+    "--faithfulness_examples",
+    "24",
+    "--pretrain_steps",
+    "6",
+    "--predicted_words",
+    "1000",  # pretrains on train's reviews
+    "--verbose",
+    "0",
+]
 
 
 @pytest.fixture(scope="session")

@@ -31,9 +31,13 @@ VOCAB, B, T, PROMPT = 64, 2, 12, 4
 # Every sharded size divisible by its mesh axis (JAX's sharding needs it): 8 query heads over
 # 4 key/value heads, which the layout maps split over `model` (4) or `batch` (2).
 SHAPE = dict(
-    vocabulary_size=VOCAB, num_layers=2, hidden_dim=32, intermediate_dim=64, num_query_heads=8,
+    vocabulary_size=VOCAB,
+    num_layers=2,
+    hidden_dim=32,
+    intermediate_dim=64,
+    num_query_heads=8,
     num_key_value_heads=4,
-)  # fmt: skip
+)
 
 
 def family(name):
@@ -44,9 +48,12 @@ def family(name):
 
         # Gemma 2's soft cap and window on, so that the kernel's options run sharded too.
         options = dict(
-            SHAPE, head_dim=8, attention_logit_soft_cap=2.0, use_sliding_window_attention=True,
+            SHAPE,
+            head_dim=8,
+            attention_logit_soft_cap=2.0,
+            use_sliding_window_attention=True,
             sliding_window_size=3,
-        )  # fmt: skip
+        )
         return GemmaBackbone, options, GemmaCausalLM
     from keras_hub.src.models.llama.llama_backbone import LlamaBackbone
     from keras_hub.src.models.llama.llama_causal_lm import LlamaCausalLM
@@ -78,8 +85,9 @@ def run(model):
     """Greedy tokens, then the losses of two `fit` steps on one batch."""
     prompts, x, y, weights = data()
     tokens = np.asarray(model.generate(prompts, stop_token_ids=None)["token_ids"])
-    history = model.fit(x, y, sample_weight=weights, batch_size=B, epochs=2, shuffle=False,
-                        verbose=0)  # fmt: skip
+    history = model.fit(
+        x, y, sample_weight=weights, batch_size=B, epochs=2, shuffle=False, verbose=0
+    )
     return tokens.tolist(), history.history["loss"]
 
 

@@ -70,9 +70,10 @@ def gradient_to_variables(fn, variables, nonzero=True):
         grads = [None if g is None else np.asarray(tf.convert_to_tensor(g)) for g in grads]
     if nonzero:
         unreached = [
-            v.path for v, g in zip(variables, grads)
+            v.path
+            for v, g in zip(variables, grads)
             if v.name != "bias" and (g is None or not np.any(g))
-        ]  # fmt: skip
+        ]
         assert not unreached, f"no gradient reaches {unreached}"
     return grads
 

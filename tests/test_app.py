@@ -63,11 +63,26 @@ def trained(tiny_run):
 
 # What a run must leave, named here rather than read from the app's own list.
 EXPECTED_ARTIFACTS = {
-    "attention_heatmaps.png", "attention.html", "attention.jsonl", "bigrams.txt", "trigrams.txt",
-    "history.csv", "model.keras", "metrics.json", "README.md", "saved_model", "logs",
-    "training_curves.png", "vocabulary.txt", "faithfulness.json", "faithfulness.md",
-    "faithfulness.png", "serving.json", "calibration.png", "pretrained/encoder.npz",
-}  # fmt: skip
+    "attention_heatmaps.png",
+    "attention.html",
+    "attention.jsonl",
+    "bigrams.txt",
+    "trigrams.txt",
+    "history.csv",
+    "model.keras",
+    "metrics.json",
+    "README.md",
+    "saved_model",
+    "logs",
+    "training_curves.png",
+    "vocabulary.txt",
+    "faithfulness.json",
+    "faithfulness.md",
+    "faithfulness.png",
+    "serving.json",
+    "calibration.png",
+    "pretrained/encoder.npz",
+}
 
 
 def test_run_writes_every_artifact(run):
@@ -308,9 +323,14 @@ def test_trigram_embedding_keeps_the_most_frequent_triples_through_save_and_load
         [[3, 4, 5, 0, 0], [3, 4, 5, 0, 0], [3, 4, 5, 6, 0], [2, 3, 4, 0, 0], [2, 3, 4, 8, 9]]
     )
     model, _ = model_lib.build_classifier(
-        vocab_size=10, sequence_length=5, embed_dim=8, key_dim=4, ff_dim=8,
-        bigram_vocab_size=2, trigram_vocab_size=2,
-    )  # fmt: skip
+        vocab_size=10,
+        sequence_length=5,
+        embed_dim=8,
+        key_dim=4,
+        ff_dim=8,
+        bigram_vocab_size=2,
+        trigram_vocab_size=2,
+    )
     embedding = model.get_layer("embedding")
     embedding.adapt_bigrams(ids)
     embedding.adapt_trigrams(ids)
@@ -471,12 +491,19 @@ def test_attention_export_matches_the_model(run, trained):
 
 def _predict(args, stdin=None, env=None):
     return subprocess.run(
-        [sys.executable, "-c",
-         "import sys; from apps import predict; code = predict.main(sys.argv[1:]); "
-         "assert 'keras_sdpa' not in sys.modules, 'predict imported keras_sdpa'; sys.exit(code)",
-         *args],
-        input=stdin, capture_output=True, timeout=300, env=env or _env(), cwd=ROOT,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-c",
+            "import sys; from apps import predict; code = predict.main(sys.argv[1:]); "
+            "assert 'keras_sdpa' not in sys.modules, 'predict imported keras_sdpa'; sys.exit(code)",
+            *args,
+        ],
+        input=stdin,
+        capture_output=True,
+        timeout=300,
+        env=env or _env(),
+        cwd=ROOT,
+    )
 
 
 def test_predict_cli_answers_every_input(run):
@@ -755,9 +782,16 @@ def test_prediction_does_not_depend_on_the_batch_length():
     """A review's probability at its bucket's length == at the full sequence length, to 1e-5,
     and the bucketed evaluation sees every example once."""
     model, _ = model_lib.build_classifier(
-        vocab_size=300, sequence_length=256, embed_dim=16, num_heads=2, key_dim=8, ff_dim=16,
-        dropout=0.0, seed=4, bigram_vocab_size=50,
-    )  # fmt: skip
+        vocab_size=300,
+        sequence_length=256,
+        embed_dim=16,
+        num_heads=2,
+        key_dim=8,
+        ff_dim=16,
+        dropout=0.0,
+        seed=4,
+        bigram_vocab_size=50,
+    )
     rng = np.random.default_rng(2)
     lengths = rng.integers(1, 256, size=96)
     ids = np.zeros((96, 256), "int32")
@@ -811,8 +845,10 @@ def test_early_stopping_replays_the_logged_epochs_on_its_monitor(monitor, tmp_pa
     """Epoch 1 is best on `monitor` (loss falls then rises; accuracy peaks a different way);
     after it, one epoch without improvement stops a patience-1 run, on resume as without it."""
     rows = [  # epoch, val_loss, val_accuracy
-        (0, 0.30, 0.86), (1, 0.29, 0.88), (2, 0.31, 0.87),
-    ]  # fmt: skip
+        (0, 0.30, 0.86),
+        (1, 0.29, 0.88),
+        (2, 0.31, 0.87),
+    ]
     if monitor == "val_accuracy":  # best accuracy at epoch 2, where the loss is worst
         rows = [(0, 0.30, 0.86), (1, 0.29, 0.87), (2, 0.31, 0.89)]
     path = tmp_path / "history.csv"
@@ -877,11 +913,19 @@ def test_training_state_restores_weights_optimizer_and_dropout_draws(tmp_path):
     again.set_model(restored)
     again.restore()
     assert train_fit.optimizer_step(restored) == 4
-    for name, a, b in (("weights", model.get_weights(), restored.get_weights()),
-                       ("optimizer", [v.numpy() for v in model.optimizer.variables],
-                        [v.numpy() for v in restored.optimizer.variables]),
-                       ("seeds", [v.numpy() for v in train_fit._seed_states(model)],
-                        [v.numpy() for v in train_fit._seed_states(restored)])):  # fmt: skip
+    for name, a, b in (
+        ("weights", model.get_weights(), restored.get_weights()),
+        (
+            "optimizer",
+            [v.numpy() for v in model.optimizer.variables],
+            [v.numpy() for v in restored.optimizer.variables],
+        ),
+        (
+            "seeds",
+            [v.numpy() for v in train_fit._seed_states(model)],
+            [v.numpy() for v in train_fit._seed_states(restored)],
+        ),
+    ):
         assert len(a) == len(b) and len(a) > 0, name
         for u, v in zip(a, b):
             np.testing.assert_array_equal(u, v, err_msg=name)
@@ -933,9 +977,19 @@ def test_vocabularies_counted_on_train_and_the_unlabelled_reviews(tmp_path, caps
     """`--vocabulary_source train+unsupervised` counts the words on train and TFDS's 50,000
     unlabelled reviews, and hands the pair and triple counts both: train's ids, then theirs."""
     config = train_sentiment.parse_args(
-        ["--vocab_size", "2000", "--predicted_words", "1000", "--sequence_length", "32",
-         "--output", str(tmp_path / "a"), "--vocabulary_source", "train+unsupervised"]
-    )  # fmt: skip
+        [
+            "--vocab_size",
+            "2000",
+            "--predicted_words",
+            "1000",
+            "--sequence_length",
+            "32",
+            "--output",
+            str(tmp_path / "a"),
+            "--vocabulary_source",
+            "train+unsupervised",
+        ]
+    )
     run = train_sentiment.Run(None, {}, 32, config.output, str(tmp_path / "a" / "c"), False)
     os.makedirs(config.output)
     splits, vectorizer, train_ids, _, counted_ids = train_prepare.prepare_data(config, run)
@@ -1007,9 +1061,14 @@ def test_pooling_scale_multiplies_the_pooling_logits():
     for scale in (None, 2.0):
         keras.utils.set_random_seed(0)
         model, inspector = model_lib.build_classifier(
-            vocab_size=50, sequence_length=16, embed_dim=8, num_heads=2, key_dim=4, ff_dim=8,
+            vocab_size=50,
+            sequence_length=16,
+            embed_dim=8,
+            num_heads=2,
+            key_dim=4,
+            ff_dim=8,
             pooling_scale=scale,
-        )  # fmt: skip
+        )
         if weights is None:
             weights = model.get_weights()
         model.set_weights(weights)
@@ -1030,8 +1089,10 @@ def test_pooling_sharpness_reads_uniform_as_1_and_one_token_as_0():
     uniform = {"pooling": np.full((2, 8), 1 / 8).tolist()}
     one_token = {"pooling": np.eye(1, 8).repeat(2, 0).tolist()}
     assert records.pooling_sharpness([uniform]) == {
-        "normalized_entropy": 1.0, "top_weight_times_uniform": 1.0, "reviews": 1,
-    }  # fmt: skip
+        "normalized_entropy": 1.0,
+        "top_weight_times_uniform": 1.0,
+        "reviews": 1,
+    }
     both = records.pooling_sharpness([uniform, one_token])
     assert both == {"normalized_entropy": 0.5, "top_weight_times_uniform": 4.5, "reviews": 2}
 
@@ -1043,9 +1104,15 @@ def test_pooling_values_embedding_sums_each_tokens_own_embedding(tmp_path):
     the block's output. It survives save and load, and the gradient path agrees."""
     keras.utils.set_random_seed(0)
     model, inspector = model_lib.build_classifier(
-        vocab_size=50, sequence_length=16, embed_dim=8, num_heads=2, key_dim=4, ff_dim=8,
-        dropout=0.0, pooling_values="embedding",
-    )  # fmt: skip
+        vocab_size=50,
+        sequence_length=16,
+        embed_dim=8,
+        num_heads=2,
+        key_dim=4,
+        ff_dim=8,
+        dropout=0.0,
+        pooling_values="embedding",
+    )
     ids = np.random.default_rng(0).integers(1, 50, (3, 16))
     ids[1, 9:] = 0  # padding
     embedded = np.asarray(model.get_layer("embedding")(ids), "float64")  # (B, L, E)

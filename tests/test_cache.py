@@ -49,9 +49,7 @@ def distance_penalty(score, b, h, q_idx, kv_idx, slope):
     return score - slope * ops.cast(ops.abs(q_idx - kv_idx), score.dtype)
 
 
-@pytest.mark.default_cases(
-    "gqa", "window", "mask_mod", "with_tensors", "bias", "chunked"
-)  # fmt: skip
+@pytest.mark.default_cases("gqa", "window", "mask_mod", "with_tensors", "bias", "chunked")
 @pytest.mark.parametrize(
     "kind, kwargs, biased",
     [
@@ -61,8 +59,7 @@ def distance_penalty(score, b, h, q_idx, kv_idx, slope):
         ("gqa", dict(sliding_window=3), False),
         ("mha", dict(score_mod=mods.alibi(4)), False),
         ("gqa", dict(mask_mod=even_keys_and_the_diagonal), False),
-        ("mha", dict(score_mod=mods.with_tensors(distance_penalty, tensor(0.3, "float32"))),
-         False),
+        ("mha", dict(score_mod=mods.with_tensors(distance_penalty, tensor(0.3, "float32"))), False),
         ("gqa", {}, True),
         ("mha", dict(implementation="chunked", chunk_size=16), False),
     ],
@@ -77,22 +74,31 @@ def test_prefill_then_one_token_a_step_equals_full_recomputation(kind, kwargs, b
     x = sequences(length=length)
     bias = None
     if biased:
-        bias = tensor(np.random.default_rng(9).normal(size=(B, 4, length, length)),
-                      "float32")  # fmt: skip
+        bias = tensor(np.random.default_rng(9).normal(size=(B, 4, length, length)), "float32")
 
     def rows(start, stop):  # the bias of queries start..stop-1, over the whole cache
         return None if bias is None else bias[:, :, start:stop]
 
     full = layer(x, x, use_causal_mask=True, attention_bias=bias)  # (B, length, E)
-    out, cache = layer(x[:, :PROMPT], x[:, :PROMPT], use_causal_mask=True,
-                       attention_bias=rows(0, PROMPT), cache=empty_cache(layer, length),
-                       cache_update_index=0)  # fmt: skip
+    out, cache = layer(
+        x[:, :PROMPT],
+        x[:, :PROMPT],
+        use_causal_mask=True,
+        attention_bias=rows(0, PROMPT),
+        cache=empty_cache(layer, length),
+        cache_update_index=0,
+    )
     np.testing.assert_allclose(numpy(out), numpy(full)[:, :PROMPT], atol=1e-5)
     for position in range(PROMPT, length):
         token = x[:, position : position + 1]
-        out, cache = layer(token, token, use_causal_mask=True,
-                           attention_bias=rows(position, position + 1), cache=cache,
-                           cache_update_index=position)  # fmt: skip
+        out, cache = layer(
+            token,
+            token,
+            use_causal_mask=True,
+            attention_bias=rows(position, position + 1),
+            cache=cache,
+            cache_update_index=position,
+        )
         np.testing.assert_allclose(
             numpy(out)[:, 0], numpy(full)[:, position], atol=1e-5, err_msg=str(position)
         )
@@ -105,13 +111,15 @@ def test_per_row_positions_decode_ragged_prompts():
     x = sequences(1)
     full = layer(x, x, use_causal_mask=True)
     prompts = np.array([2, 5, 7])
-    _, cache = layer(x[:, :7], x[:, :7], use_causal_mask=True, cache=empty_cache(layer),
-                     cache_update_index=0)  # fmt: skip
+    _, cache = layer(
+        x[:, :7], x[:, :7], use_causal_mask=True, cache=empty_cache(layer), cache_update_index=0
+    )
     for step in range(L - 7):
         positions = prompts + step
         token = ops.take_along_axis(x, positions[:, None, None], axis=1)  # (B, 1, E)
-        out, cache = layer(token, token, use_causal_mask=True, cache=cache,
-                           cache_update_index=tensor(positions))  # fmt: skip
+        out, cache = layer(
+            token, token, use_causal_mask=True, cache=cache, cache_update_index=tensor(positions)
+        )
         want = ops.take_along_axis(full, positions[:, None, None], axis=1)
         np.testing.assert_allclose(numpy(out), numpy(want), atol=1e-5, err_msg=str(step))
 
@@ -151,9 +159,14 @@ def test_a_static_cache_is_cross_attention_to_what_it_holds():
 def test_scores_come_back_with_the_cache():
     layer = layer_for("mha")
     x = sequences()
-    out, scores, cache = layer(x[:, :3], x[:, :3], use_causal_mask=True,
-                               cache=empty_cache(layer), cache_update_index=0,
-                               return_attention_scores=True)  # fmt: skip
+    out, scores, cache = layer(
+        x[:, :3],
+        x[:, :3],
+        use_causal_mask=True,
+        cache=empty_cache(layer),
+        cache_update_index=0,
+        return_attention_scores=True,
+    )
     assert scores.shape == (B, 4, 3, L) and cache.shape == (B, 2, L, 4, H)
     np.testing.assert_array_equal(numpy(scores)[:, :, :, 3:], 0.0)  # past each row's position
     np.testing.assert_allclose(numpy(ops.sum(scores, -1)), 1.0, atol=1e-6)
@@ -197,10 +210,12 @@ def test_a_score_mods_tensors_are_those_of_its_own_layer_in_decode():
             "mha", score_mod=mods.with_tensors(distance_penalty, tensor(slope, "float32"))
         )
         full = layer(x, x, use_causal_mask=True)
-        _, cache = layer(x[:, :6], x[:, :6], use_causal_mask=True, cache=empty_cache(layer),
-                         cache_update_index=0)  # fmt: skip
-        out, _ = layer(x[:, 6:7], x[:, 6:7], use_causal_mask=True, cache=cache,
-                       cache_update_index=6)  # fmt: skip
+        _, cache = layer(
+            x[:, :6], x[:, :6], use_causal_mask=True, cache=empty_cache(layer), cache_update_index=0
+        )
+        out, _ = layer(
+            x[:, 6:7], x[:, 6:7], use_causal_mask=True, cache=cache, cache_update_index=6
+        )
         np.testing.assert_allclose(
             numpy(out)[:, 0], numpy(full)[:, 6], atol=1e-5, err_msg=str(slope)
         )
@@ -210,13 +225,19 @@ def decoding_error(layer, x, prompt=4):
     """The largest gap between cached decoding (a prompt, then one token a step) and the
     layer's own full causal recomputation."""
     full = layer(x, x, use_causal_mask=True)
-    out, cache = layer(x[:, :prompt], x[:, :prompt], use_causal_mask=True,
-                       cache=empty_cache(layer, x.shape[1]), cache_update_index=0)  # fmt: skip
+    out, cache = layer(
+        x[:, :prompt],
+        x[:, :prompt],
+        use_causal_mask=True,
+        cache=empty_cache(layer, x.shape[1]),
+        cache_update_index=0,
+    )
     gaps = [np.max(np.abs(out - full[:, :prompt]))]
     for position in range(prompt, x.shape[1]):
         token = x[:, position : position + 1]
-        out, cache = layer(token, token, use_causal_mask=True, cache=cache,
-                           cache_update_index=position)  # fmt: skip
+        out, cache = layer(
+            token, token, use_causal_mask=True, cache=cache, cache_update_index=position
+        )
         gaps.append(np.max(np.abs(out[:, 0] - full[:, position])))
     return max(gaps)
 
@@ -290,12 +311,15 @@ def test_a_tensor_cache_index_past_the_end_is_refused():
     "index, match",
     [
         (2**32 + 3, r"Received: cache_update_index=4294967299\b"),  # int32 would wrap it to 3
-        (tensor([1, 2], "int32"), r"one position per row of the batch \(3\). Received: "
-                                  r"cache_update_index with shape \(2,\)"),
+        (
+            tensor([1, 2], "int32"),
+            r"one position per row of the batch \(3\). Received: "
+            r"cache_update_index with shape \(2,\)",
+        ),
         (tensor([1], "int32"), r"Received: cache_update_index with shape \(1,\)"),
     ],
     ids=["past_int32", "two_rows_of_three", "one_row_of_three"],
-)  # fmt: skip
+)
 def test_cache_indexes_that_would_write_elsewhere_are_refused(index, match):
     layer = layer_for("mha")
     x = sequences()[:, :2]
@@ -312,12 +336,14 @@ def test_a_static_cache_index_is_checked_when_the_query_length_is_unknown():
     layer = layer_for("mha")
     cache = empty_cache(layer)
     spec = tf.TensorSpec((B, None, E), tf.float32)
-    for index, match in ((-1, r"a position in \[0, 12\]. Received: cache_update_index=-1\b"),
-                         (13, r"a position in \[0, 12\]. Received: cache_update_index=13\b")):
+    for index, match in (
+        (-1, r"a position in \[0, 12\]. Received: cache_update_index=-1\b"),
+        (13, r"a position in \[0, 12\]. Received: cache_update_index=13\b"),
+    ):
         step = tf.function(
             lambda x, index=index: layer(x, x, cache=cache, cache_update_index=index),
             input_signature=[spec],
-        )  # fmt: skip
+        )
         with pytest.raises(ValueError, match=match):
             step.get_concrete_function()
     step = tf.function(

@@ -51,9 +51,15 @@ def run(implementation, q, k, v, mask, is_causal, scale=None):
 
     def loss(q, k, v):
         out = scaled_dot_product_attention(
-            q, k, v, mask, is_causal=is_causal, scale=scale,
-            implementation=implementation, chunk_size=CHUNK,
-        )  # fmt: skip
+            q,
+            k,
+            v,
+            mask,
+            is_causal=is_causal,
+            scale=scale,
+            implementation=implementation,
+            chunk_size=CHUNK,
+        )
         return ops.sum(out * weights), out
 
     out, grads = outputs_and_gradients(loss, q, k, v)
@@ -61,9 +67,12 @@ def run(implementation, q, k, v, mask, is_causal, scale=None):
 
 
 @pytest.mark.default_cases(
-    "T7_S13-none-causal", "T7_S13-padding-full", "T7_S13-2d-causal",
-    "T13_S6-full-causal", "T13_S6-fully_masked_rows-full",
-)  # fmt: skip
+    "T7_S13-none-causal",
+    "T7_S13-padding-full",
+    "T7_S13-2d-causal",
+    "T13_S6-full-causal",
+    "T13_S6-fully_masked_rows-full",
+)
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("mask_kind", MASKS)
 @pytest.mark.parametrize("t, s", LENGTHS, ids=[f"T{t}_S{s}" for t, s in LENGTHS])
@@ -193,7 +202,7 @@ def test_dropout_and_weights_fall_back_to_dense():
     "kwargs, match",
     [
         (dict(implementation="flash"), r"`implementation` must be.*implementation='flash'"),
-        (dict(chunk_size=0), r"`chunk_size` must be a positive int.*chunk_size=0"),
+        (dict(chunk_size=0), r"`chunk_size` must be None or a positive int.*chunk_size=0"),
         (dict(chunk_size=2.5), r"chunk_size=2.5"),
     ],
     ids=["implementation", "chunk_zero", "chunk_float"],
@@ -292,9 +301,11 @@ def test_evened_default_blocks_give_the_dense_result_and_gradients(case):
     t, s, heads, kv_heads = (520, 700, 2, 1) if case == "gqa_cross" else (520, 520, 2, 2)
     q = tensor(rng.standard_normal((1, t, heads, 8)), "float32")
     k, v = (tensor(rng.standard_normal((1, s, kv_heads, 8)), "float32") for _ in range(2))
-    kwargs = {"causal": dict(is_causal=True),
-              "mask": dict(mask=tensor(rng.random((1, 1, t, s)) > 0.3)),
-              "gqa_cross": {}}[case]  # fmt: skip
+    kwargs = {
+        "causal": dict(is_causal=True),
+        "mask": dict(mask=tensor(rng.random((1, 1, t, s)) > 0.3)),
+        "gqa_cross": {},
+    }[case]
 
     def run(implementation):
         def loss(q, k, v):
@@ -328,9 +339,14 @@ def _visits_with_mask(mask, c):
     q = tensor(rng.normal(size=(1, 1, 1, t, 4)), "float32")  # (B, K, G, T, H)
     k = tensor(rng.normal(size=(1, 1, s, 4)), "float32")
     plan = _plan.Plan(
-        path="chunked", num_heads=1, num_kv_heads=1, dtype="float32", scale=1.0,
-        chunk_size=c, mask_pattern=(False, False, True, True),
-    )  # fmt: skip
+        path="chunked",
+        num_heads=1,
+        num_kv_heads=1,
+        dtype="float32",
+        scale=1.0,
+        chunk_size=c,
+        mask_pattern=(False, False, True, True),
+    )
     tensors = ops_module.Tensors(mask=tensor(mask[:, :, None]))  # (1, 1, 1, T, S)
     from keras_sdpa import _chunked
 

@@ -29,9 +29,11 @@ GROUPS = {
     "main": ["fit_dense", "fit_chunked", "custom_step", "core_dense", "cached"],
     "more": [
         *(f"fit_{name}" for name in ("causal", "mask", "bias", "dropout", "scores", "mods")),
-        "fit_captured", "core_chunked", "keras_hub_block",
+        "fit_captured",
+        "core_chunked",
+        "keras_hub_block",
     ],
-}  # fmt: skip
+}
 
 
 def _counts(backend, scenarios):

@@ -41,11 +41,26 @@ def test_tests_sharing_a_module_fixture_build_it_once_on_two_workers(tmp_path):
     (tmp_path / "test_grouping.py").write_text(MODULE)
     log = tmp_path / "built.log"
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-n", "2", "--dist", "loadgroup",
-         "--no-loadscope-reorder", "-p", "no:cacheprovider", "-v", "test_grouping.py"],
-        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-n",
+            "2",
+            "--dist",
+            "loadgroup",
+            "--no-loadscope-reorder",
+            "-p",
+            "no:cacheprovider",
+            "-v",
+            "test_grouping.py",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
         env=dict(os.environ, BUILT_LOG=str(log)),
-    )  # fmt: skip
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
     assert len(log.read_text().split()) == 1, "the module fixture was built more than once"
     passed = [line.rstrip() for line in result.stdout.splitlines() if " PASSED " in line]
@@ -77,10 +92,26 @@ def test_plain():
 
 def _session(folder, *args):
     return subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:xdist",
-         "-p", "no:hypothesispytest", "-o", "addopts=", "-rs", *args],
-        capture_output=True, text=True, timeout=300, cwd=folder,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "no:xdist",
+            "-p",
+            "no:hypothesispytest",
+            "-o",
+            "addopts=",
+            "-rs",
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=folder,
+    )
 
 
 def test_two_tiers_split_a_grid_and_skip_large_tests_unless_asked(tmp_path):
@@ -93,9 +124,10 @@ def test_two_tiers_split_a_grid_and_skip_large_tests_unless_asked(tmp_path):
     assert default.returncode == 0, default.stdout[-3000:]
     ran = {line.split()[0] for line in default.stdout.splitlines() if " PASSED" in line}
     assert ran == {
-        "test_tiers.py::test_grid[dense]", "test_tiers.py::test_grid[decode]",
+        "test_tiers.py::test_grid[dense]",
+        "test_tiers.py::test_grid[decode]",
         "test_tiers.py::test_plain",
-    }  # fmt: skip
+    }
     assert "3 passed, 2 skipped" in default.stdout
     assert default.stdout.count("run the large tier with `python -m pytest --run-large -m large`")
     large = _session(tmp_path, "-v", "--run-large", "-m", "large", "test_tiers.py")
@@ -124,16 +156,34 @@ def test_the_core_is_right_under_xlas_default_flags(tmp_path):
     features built on these paths (`test_core_features`, `test_mods`, `test_cache`; the mods'
     and the cache's took 105 s and 43 s more of one worker here) run at the tiers' flags
     only."""
-    env = {name: value for name, value in os.environ.items()
-           if name not in ("PYTEST_ADDOPTS", "KERAS_SDPA_DESELECT")}  # fmt: skip
+    env = {
+        name: value
+        for name, value in os.environ.items()
+        if name not in ("PYTEST_ADDOPTS", "KERAS_SDPA_DESELECT")
+    }
     env.update(XLA_FLAGS="", TF_XLA_FLAGS="", KERAS_SDPA_TEST_XLA_CACHE=str(tmp_path / "xla"))
     (tmp_path / "xla").mkdir()
     files = ["tests/test_ops.py", "tests/test_chunked.py", "tests/test_decode.py"]
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:xdist", "-o",
-         "addopts=", "-q", *files],
-        capture_output=True, text=True, timeout=1800, cwd=ROOT, env=env,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "no:xdist",
+            "-o",
+            "addopts=",
+            "-q",
+            *files,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        cwd=ROOT,
+        env=env,
+    )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     passed = re.search(r"(\d+) passed", result.stdout)
     assert passed and int(passed.group(1)) >= 130, result.stdout[-2000:]

@@ -125,10 +125,14 @@ def core_call(q, k, v, path, spec):
 
 
 @pytest.mark.default_cases(
-    "mha-dense-everything", "gqa-chunked-everything", "mqa-chunked-everything",
-    "mha-chunked-bias_per_head_scalar", "gqa-dense-window", "mqa-chunked-bias_per_key",
+    "mha-dense-everything",
+    "gqa-chunked-everything",
+    "mqa-chunked-everything",
+    "mha-chunked-bias_per_head_scalar",
+    "gqa-dense-window",
+    "mqa-chunked-bias_per_key",
     "gqa-dense-bias_2d",
-)  # fmt: skip
+)
 @pytest.mark.parametrize("feature", list(FEATURES), ids=list(FEATURES))
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("kv_heads", [N, K, 1], ids=["mha", "gqa", "mqa"])
@@ -142,7 +146,7 @@ def test_forward_matches_numpy_reference(feature, path, kv_heads):
 
 @pytest.mark.default_cases(
     "dense-everything", "chunked-everything", "chunked-bias_2d", "dense-bias_per_key"
-)  # fmt: skip
+)
 @pytest.mark.parametrize("feature", list(FEATURES), ids=list(FEATURES))
 @pytest.mark.parametrize("path", PATHS)
 def test_gradients_match_autodiff_of_the_formula(feature, path):
@@ -179,9 +183,17 @@ def test_bias_gradient_matches_finite_differences(path, shape):
 
     def loss(bias):
         out = scaled_dot_product_attention(
-            q, k, v, mask, bias=bias, is_causal=True, sliding_window=5,
-            attn_logits_soft_cap=3.0, implementation=path, chunk_size=CHUNK,
-        )  # fmt: skip
+            q,
+            k,
+            v,
+            mask,
+            bias=bias,
+            is_causal=True,
+            sliding_window=5,
+            attn_logits_soft_cap=3.0,
+            implementation=path,
+            chunk_size=CHUNK,
+        )
         return ops.sum(out * c)
 
     assert_gradients_match_finite_differences(loss, [bias])
@@ -265,9 +277,16 @@ def test_chunked_dropout_gradient_redraws_the_same_mask():
 
     def loss(q, k, v):
         out = scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_rate=0.4, training=True, seed=11,
-            implementation="chunked", chunk_size=CHUNK,
-        )  # fmt: skip
+            q,
+            k,
+            v,
+            is_causal=True,
+            dropout_rate=0.4,
+            training=True,
+            seed=11,
+            implementation="chunked",
+            chunk_size=CHUNK,
+        )
         return ops.sum(out * c)
 
     assert_gradients_match_finite_differences(loss, [q, k, v])
@@ -344,12 +363,25 @@ def test_property_every_combination_matches_the_reference(sizes, options, seed):
     if bias is not None:
         bias = rng.normal(size=bias) * 2.0
     out = scaled_dot_product_attention(
-        q, k, v, mask, bias=bias, is_causal=options["is_causal"],
-        sliding_window=options["window"], attn_logits_soft_cap=options["cap"],
-        implementation=options["path"], chunk_size=options["chunk_size"],
-    )  # fmt: skip
+        q,
+        k,
+        v,
+        mask,
+        bias=bias,
+        is_causal=options["is_causal"],
+        sliding_window=options["window"],
+        attn_logits_soft_cap=options["cap"],
+        implementation=options["path"],
+        chunk_size=options["chunk_size"],
+    )
     want, _ = reference(
-        q, k, v, mask=mask, bias=bias, is_causal=options["is_causal"],
-        window=options["window"], cap=options["cap"],
-    )  # fmt: skip
+        q,
+        k,
+        v,
+        mask=mask,
+        bias=bias,
+        is_causal=options["is_causal"],
+        window=options["window"],
+        cap=options["cap"],
+    )
     np.testing.assert_allclose(numpy(out), want, atol=1e-10)

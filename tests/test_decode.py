@@ -50,10 +50,16 @@ def rows(spec):
 
 def decode_call(q, k, v, spec):
     return scaled_dot_product_attention(
-        q, k, v, spec.get("mask"), bias=spec.get("bias"), is_causal=spec.get("is_causal", False),
-        sliding_window=spec.get("window"), attn_logits_soft_cap=spec.get("cap"),
+        q,
+        k,
+        v,
+        spec.get("mask"),
+        bias=spec.get("bias"),
+        is_causal=spec.get("is_causal", False),
+        sliding_window=spec.get("window"),
+        attn_logits_soft_cap=spec.get("cap"),
         implementation="decode",
-    )  # fmt: skip
+    )
 
 
 @pytest.fixture
@@ -116,8 +122,9 @@ def test_a_cached_token_takes_the_path_flash_attention_names(monkeypatch, decode
         assert paths == [{None: "decode", False: "dense", True: "chunked"}[flash]], flash
         np.testing.assert_allclose(outputs[flash], outputs[None], atol=1e-6)
     paths.clear()
-    _, scores, _ = layer(x[:, :1], x[:, :1], cache=cache, cache_update_index=5,
-                         return_attention_scores=True)  # fmt: skip
+    _, scores, _ = layer(
+        x[:, :1], x[:, :1], cache=cache, cache_update_index=5, return_attention_scores=True
+    )
     assert paths == ["dense"] and tuple(scores.shape) == (2, 4, 1, 13)
     assert len(decode_spy) == 1
     with pytest.raises(ValueError, match="`flash_attention=True` never forms"):

@@ -27,19 +27,51 @@ LARGE = pytest.mark.large
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # 2 epochs of 6 steps of 2 x 16 reviews, at a learning rate that moves the loss visibly.
 RUN = [
-    "--epochs", "2", "--max_steps", "6", "--batch_size", "16", "--sequence_length", "48",
-    "--vocab_size", "3000", "--embed_dim", "16", "--key_dim", "8", "--ff_dim", "32",
-    "--bigram_vocab_size", "20000", "--trigram_vocab_size", "5000", "--vocabulary_source", "train",
-    "--monitor", "val_loss",  # a loss picks the epoch the same way on close runs; accuracy ties
+    "--epochs",
+    "2",
+    "--max_steps",
+    "6",
+    "--batch_size",
+    "16",
+    "--sequence_length",
+    "48",
+    "--vocab_size",
+    "3000",
+    "--embed_dim",
+    "16",
+    "--key_dim",
+    "8",
+    "--ff_dim",
+    "32",
+    "--bigram_vocab_size",
+    "20000",
+    "--trigram_vocab_size",
+    "5000",
+    "--vocabulary_source",
+    "train",
+    "--monitor",
+    "val_loss",  # a loss picks the epoch the same way on close runs; accuracy ties
     # The block's output pooled: in 12 steps of 32 reviews its training loss falls visibly
     # (0.714 -> 0.695); pooling the embeddings, the default, has not moved yet (0.690 -> 0.696).
-    "--pooling_values", "block",
-    "--learning_rate", "3e-3", "--inspect_examples", "4", "--verbose", "2",
-    "--patience", "2",  # both epochs always run: a 12-step validation loss is noise
-    "--faithfulness_examples", "16",
-    "--dropout", "0",  # replicas draw their own dropout masks: without it, 2 x 16 == 1 x 32
-    "--pretrain_batch_size", "32", "--predicted_words", "1000",  # 6 steps of the same reviews
-]  # fmt: skip
+    "--pooling_values",
+    "block",
+    "--learning_rate",
+    "3e-3",
+    "--inspect_examples",
+    "4",
+    "--verbose",
+    "2",
+    "--patience",
+    "2",  # both epochs always run: a 12-step validation loss is noise
+    "--faithfulness_examples",
+    "16",
+    "--dropout",
+    "0",  # replicas draw their own dropout masks: without it, 2 x 16 == 1 x 32
+    "--pretrain_batch_size",
+    "32",
+    "--predicted_words",
+    "1000",  # 6 steps of the same reviews
+]
 TIMEOUT = 600
 # For the runs of which only the training is compared: no attention export, no deletion tests.
 TRAINING_ONLY = ["--inspect_examples", "0", "--faithfulness_examples", "0"]
@@ -81,8 +113,12 @@ def mirrored(tmp_path_factory):
     output = str(tmp_path_factory.mktemp("mirrored") / "run")
     result = subprocess.run(
         _app("--strategy", "mirrored", "--logical_cpus", "2", "--output", output),
-        capture_output=True, text=True, timeout=TIMEOUT, env=_env(), cwd=ROOT,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        env=_env(),
+        cwd=ROOT,
+    )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     return output, result.stdout
 
@@ -121,8 +157,9 @@ def test_mirrored_trains_on_both_replicas(mirrored):
     assert distribution["strategy"] == "MirroredStrategy" and distribution["replicas"] == 2
     # Both logical CPUs ran a step of their own.
     assert [d.rsplit("/", 1)[-1] for d in distribution["replica_devices"]] == [
-        "device:CPU:0", "device:CPU:1",
-    ]  # fmt: skip
+        "device:CPU:0",
+        "device:CPU:1",
+    ]
     assert distribution["global_batch_size"] == 32 and "global batch 32 (16 per replica)" in stdout
     # 6 steps per epoch of the global batch: the data was split, not repeated per replica.
     # (train_steps is the optimizer's count in the best epoch's restored state.)
@@ -148,12 +185,23 @@ def test_mirrored_model_exports_and_serves_raw_text(mirrored):
     model = keras.saving.load_model(os.path.join(output, "model.keras"))
     expected = model.predict(vectorizer(tf.constant(texts)), verbose=0)[:, 0]
     result = subprocess.run(
-        [sys.executable, "-c",
-         "import sys; from apps import predict; code = predict.main(sys.argv[1:]); "
-         "assert 'keras_sdpa' not in sys.modules; sys.exit(code)",
-         "--model", output, "--json", "A wonderful film.", "Dull and far too long."],
-        capture_output=True, text=True, timeout=300, env=_env(), cwd=ROOT,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-c",
+            "import sys; from apps import predict; code = predict.main(sys.argv[1:]); "
+            "assert 'keras_sdpa' not in sys.modules; sys.exit(code)",
+            "--model",
+            output,
+            "--json",
+            "A wonderful film.",
+            "Dull and far too long.",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=_env(),
+        cwd=ROOT,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     answers = [json.loads(line) for line in result.stdout.splitlines()]
     assert len(answers) == 2
@@ -178,7 +226,7 @@ def test_multi_worker_on_loopback_ends_with_identical_weights(mirrored, tmp_path
                     env=_env(TF_CONFIG=tf_config),
                     cwd=ROOT,
                     start_new_session=True,
-                )  # fmt: skip
+                )
             )
         logs = [worker.communicate(timeout=TIMEOUT) for worker in workers]
     finally:

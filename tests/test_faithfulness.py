@@ -137,9 +137,15 @@ def tiny_float64_model():
     try:
         keras.utils.set_random_seed(3)
         model, inspector = model_lib.build_classifier(
-            vocab_size=20, sequence_length=7, embed_dim=6, num_heads=2, key_dim=3, ff_dim=5,
-            dropout=0.0, bigram_vocab_size=4,
-        )  # fmt: skip
+            vocab_size=20,
+            sequence_length=7,
+            embed_dim=6,
+            num_heads=2,
+            key_dim=3,
+            ff_dim=5,
+            dropout=0.0,
+            bigram_vocab_size=4,
+        )
         model.get_layer("embedding").set_bigrams([(2, 3), (3, 4), (5, 6), (4, 2)])
         yield model, inspector
     finally:
@@ -241,9 +247,15 @@ def test_attention_beats_random_on_real_reviews(shipped, test_split):
 
 def test_hostile_reviews_flow_through(shipped, tmp_path):
     texts = np.array(
-        [b"", b"great", b"<!--<script>alert(1)</script>", b"\xff\xfe bad bytes", "🎬🍿".encode(),
-         b"the " * 2000],
-    )  # fmt: skip
+        [
+            b"",
+            b"great",
+            b"<!--<script>alert(1)</script>",
+            b"\xff\xfe bad bytes",
+            "🎬🍿".encode(),
+            b"the " * 2000,
+        ],
+    )
     payload = faithfulness.evaluate(
         shipped.model, shipped.inspector, shipped.vectorizer, texts, np.zeros(len(texts))
     )

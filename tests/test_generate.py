@@ -61,10 +61,18 @@ def test_the_generate_signature_serves_without_this_package(trained, tmp_path):
         "np.save(sys.argv[3], tokens.numpy())\n"
     )
     result = subprocess.run(
-        [sys.executable, "-c", script, path, str(tmp_path / "prompt.npy"),
-         str(tmp_path / "out.npy")],
-        capture_output=True, timeout=300, cwd=str(tmp_path),
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-c",
+            script,
+            path,
+            str(tmp_path / "prompt.npy"),
+            str(tmp_path / "out.npy"),
+        ],
+        capture_output=True,
+        timeout=300,
+        cwd=str(tmp_path),
+    )
     assert result.returncode == 0, result.stderr.decode()[-3000:]
     np.testing.assert_array_equal(np.load(tmp_path / "out.npy"), recomputed(model, prompt, 12))
 
@@ -72,20 +80,36 @@ def test_the_generate_signature_serves_without_this_package(trained, tmp_path):
 @pytest.mark.large  # a training run of its own
 def test_cli_trains_generates_and_says_where_it_wrote(tmp_path, capsys):
     output = tmp_path / "tiny_lm"
-    assert app.main(["--steps", "2", "--num_new", "5", "--output", str(output),
-                     "--text", f"{ROOT}/README.md"]) == 0  # fmt: skip
+    assert (
+        app.main(
+            [
+                "--steps",
+                "2",
+                "--num_new",
+                "5",
+                "--output",
+                str(output),
+                "--text",
+                f"{ROOT}/README.md",
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert f"SavedModel with a `generate` signature: {output}" in printed
     assert (output / "saved_model.pb").exists()
 
 
-@pytest.mark.parametrize("argv, match", [
-    (["--steps", "0"], "--steps must be at least 1. Received: 0"),
-    (["--text", "no/such/file"], "--text must be a file. Received: no/such/file"),
-    (["--num_new", "0"], "--num_new must be at least 1. Received: 0"),
-    (["--prompt", ""], "--prompt must hold at least one byte. Received: ''"),
-    (["--num_new", "119"], "--prompt's 10 bytes plus --num_new must be at most 128"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["--steps", "0"], "--steps must be at least 1. Received: 0"),
+        (["--text", "no/such/file"], "--text must be a file. Received: no/such/file"),
+        (["--num_new", "0"], "--num_new must be at least 1. Received: 0"),
+        (["--prompt", ""], "--prompt must hold at least one byte. Received: ''"),
+        (["--num_new", "119"], "--prompt's 10 bytes plus --num_new must be at most 128"),
+    ],
+)
 def test_cli_rejects_bad_arguments(argv, match, capsys):
     with pytest.raises(SystemExit):
         app.main(argv)

@@ -20,10 +20,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # greedy tokens) (large tier: on two cores the default tier cannot hold them twice).
 ON_BOTH = ["tests/test_on_both_backends.py"]
 KERAS_AND_SWAP = [
-    "tests/test_keras_suites.py", "tests/test_swap.py", "tests/test_swap_exact.py",
-    "tests/test_swap_families.py", "tests/test_swap_adapted.py",
+    "tests/test_keras_suites.py",
+    "tests/test_swap.py",
+    "tests/test_swap_exact.py",
+    "tests/test_swap_families.py",
+    "tests/test_swap_adapted.py",
     "tests/test_swap_kernels.py",
-]  # fmt: skip
+]
 BOTH_BACKENDS = ON_BOTH + KERAS_AND_SWAP
 # What does not run on JAX, and why.
 NOT_ON_JAX = {
@@ -61,12 +64,27 @@ def _run(args, timeout):
 def _pytest_on_jax(files, at_least, *options, env=None, timeout=1200):
     """Runs pytest on `files` in a JAX process (their default cases); all must pass, none be
     skipped, and at least `at_least` run."""
-    args = [sys.executable, "-m", "pytest", *files, "-q", "-n", "0", "-p", "no:cacheprovider",
-            "-o", "addopts=", "-W", "ignore::DeprecationWarning", "-m", "not large",
-            *options]  # fmt: skip
+    args = [
+        sys.executable,
+        "-m",
+        "pytest",
+        *files,
+        "-q",
+        "-n",
+        "0",
+        "-p",
+        "no:cacheprovider",
+        "-o",
+        "addopts=",
+        "-W",
+        "ignore::DeprecationWarning",
+        "-m",
+        "not large",
+        *options,
+    ]
     result = subprocess.run(
         args, cwd=ROOT, env=env or _jax_env(), capture_output=True, text=True, timeout=timeout
-    )  # fmt: skip
+    )
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-6000:]
     passed = re.search(r"(\d+) passed", output)
@@ -89,8 +107,10 @@ def test_the_swap_harness_passes_whole_on_jax():
     """The large checks of `tests/test_swap_families.py`, `tests/test_swap_kernels.py` and
     `tests/test_swap_adapted.py` (their default cases run above)."""
     files = [
-        "tests/test_swap_families.py", "tests/test_swap_kernels.py", "tests/test_swap_adapted.py",
-    ]  # fmt: skip
+        "tests/test_swap_families.py",
+        "tests/test_swap_kernels.py",
+        "tests/test_swap_adapted.py",
+    ]
     _pytest_on_jax(files, 85, "--run-large", "-m", "large")
 
 
@@ -98,10 +118,16 @@ def test_the_swap_harness_passes_whole_on_jax():
 # default cases run again on JAX in the large tier (the default tier cannot hold a second run
 # of them on two cores). Their tests of what only TensorFlow has carry `tensorflow_only`.
 LIBRARY = [
-    "tests/test_ops.py", "tests/test_chunked.py", "tests/test_mods.py",
-    "tests/test_core_features.py", "tests/test_decode.py", "tests/test_cache.py",
-    "tests/test_layer.py", "tests/test_layer_features.py", "tests/test_precision.py",
-]  # fmt: skip
+    "tests/test_ops.py",
+    "tests/test_chunked.py",
+    "tests/test_mods.py",
+    "tests/test_core_features.py",
+    "tests/test_decode.py",
+    "tests/test_cache.py",
+    "tests/test_layer.py",
+    "tests/test_layer_features.py",
+    "tests/test_precision.py",
+]
 
 
 @pytest.mark.large  # a second run of the library's default cases, on JAX
@@ -236,9 +262,13 @@ def test_data_parallel_on_two_devices_trains_as_one():
     """`keras.distribution.DataParallel` over two host devices: the same losses as one."""
     env = _jax_env(devices=2)
     result = subprocess.run(
-        [sys.executable, "-c", DATA_PARALLEL], cwd=ROOT, env=env, capture_output=True,
-        text=True, timeout=600,
-    )  # fmt: skip
+        [sys.executable, "-c", DATA_PARALLEL],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     output = result.stdout + result.stderr
     assert result.returncode == 0 and "data parallel: ok" in output, output[-4000:]
 
@@ -253,9 +283,13 @@ def test_the_backends_page_data_parallel_example_runs_on_jax():
     env = _jax_env(devices=2)
     script = example + "\nassert len(jax.devices()) == 2\nprint('example: ok')\n"
     result = subprocess.run(
-        [sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
+        [sys.executable, "-c", script],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
         timeout=600,
-    )  # fmt: skip
+    )
     output = result.stdout + result.stderr
     assert result.returncode == 0 and "example: ok" in output, output[-4000:]
 

@@ -32,9 +32,13 @@ VOCAB, LAYERS, HEADS, WIDTH = 97, 2, 4, 32
 def gpt2(attention=None):
     """A small random GPT-2 causal LM; `attention` replaces `CachedMultiHeadAttention`."""
     config = dict(
-        vocabulary_size=VOCAB, num_layers=LAYERS, num_heads=HEADS, hidden_dim=WIDTH,
-        intermediate_dim=2 * WIDTH, max_sequence_length=64,
-    )  # fmt: skip
+        vocabulary_size=VOCAB,
+        num_layers=LAYERS,
+        num_heads=HEADS,
+        hidden_dim=WIDTH,
+        intermediate_dim=2 * WIDTH,
+        max_sequence_length=64,
+    )
     with mock.patch.object(
         transformer_decoder, "CachedMultiHeadAttention", attention or CachedMultiHeadAttention
     ):
@@ -134,14 +138,16 @@ class TestKerasHubCachedAttentionChecks(TestCase):
         cache, with keras-hub's (T, S) causal mask."""
         x, layer = self.inputs(), self.layer()
         mask = keras.ops.tril(keras.ops.ones((self.seq_len, self.seq_len)))
-        whole, whole_cache = layer(x, x, cache=self.empty_cache(), cache_update_index=0,
-                                   attention_mask=mask)  # fmt: skip
+        whole, whole_cache = layer(
+            x, x, cache=self.empty_cache(), cache_update_index=0, attention_mask=mask
+        )
 
         def step(i, outputs, cache):
             token = keras.ops.slice(x, (0, i, 0), (self.batch_size, 1, self.hidden_dim))
             row = keras.ops.slice(mask, (i, 0), (1, self.seq_len))
-            out, cache = layer(query=token, value=token, cache=cache, cache_update_index=i,
-                               attention_mask=row)  # fmt: skip
+            out, cache = layer(
+                query=token, value=token, cache=cache, cache_update_index=i, attention_mask=row
+            )
             return i + 1, keras.ops.slice_update(outputs, [0, i, 0], out), cache
 
         _, looped, looped_cache = keras.ops.while_loop(
@@ -165,9 +171,13 @@ class TestKerasHubCachedAttentionChecks(TestCase):
         x = self.inputs()
         mask = keras.ops.tril(keras.ops.ones((self.seq_len, self.seq_len)))
         out, scores, cache = self.layer()(
-            x, x, cache=self.empty_cache(), cache_update_index=0, attention_mask=mask,
+            x,
+            x,
+            cache=self.empty_cache(),
+            cache_update_index=0,
+            attention_mask=mask,
             return_attention_scores=True,
-        )  # fmt: skip
+        )
         self.assertAllEqual(out.shape, [self.batch_size, self.seq_len, self.hidden_dim])
         self.assertAllEqual(
             scores.shape, [self.batch_size, self.num_heads, self.seq_len, self.seq_len]

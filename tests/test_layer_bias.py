@@ -93,9 +93,13 @@ def test_a_cached_call_adds_its_bias_in_float32():
     for position in range(S):
         row = x[:, position : position + 1]
         out, cache = layer(
-            row, row, attention_bias=tensor(bias[:, :, position : position + 1]),
-            cache=cache, cache_update_index=position, use_causal_mask=True,
-        )  # fmt: skip
+            row,
+            row,
+            attention_bias=tensor(bias[:, :, position : position + 1]),
+            cache=cache,
+            cache_update_index=position,
+            use_causal_mask=True,
+        )
     # The last row attends to every key: the uncached reference over the whole sequence.
     want = layer_numpy(layer, x, x, bias)[:, -1]
     np.testing.assert_allclose(numpy(out, "float32")[:, 0], want, atol=2e-2 * np.abs(want).max())

@@ -284,9 +284,15 @@ def test_auto_decides_at_run_time_for_unknown_lengths(monkeypatch):
     def call(implementation, chunk_size=16):
         def f(q, k, v):
             return ops.scaled_dot_product_attention(
-                q, k, v, dropout_rate=0.5, training=True, seed=3,
-                implementation=implementation, chunk_size=chunk_size,
-            )  # fmt: skip
+                q,
+                k,
+                v,
+                dropout_rate=0.5,
+                training=True,
+                seed=3,
+                implementation=implementation,
+                chunk_size=chunk_size,
+            )
 
         return tf.function(f, input_signature=spec)
 
@@ -485,10 +491,8 @@ def test_pooling_query_with_lengths_unknown_until_run_time(kv_heads):
 
         unknown = tf.function(
             gradient,
-            input_signature=[
-                tf.TensorSpec((None, None, 64)), tf.TensorSpec((None, None), tf.bool)
-            ],
-        )  # fmt: skip
+            input_signature=[tf.TensorSpec((None, None, 64)), tf.TensorSpec((None, None), tf.bool)],
+        )
         got = unknown(value, mask)
     else:
         import jax

@@ -15,6 +15,9 @@ at or below the importer's own:
 import ast
 import glob
 import os
+import re
+import subprocess
+import sys
 
 import pytest
 
@@ -136,24 +139,6 @@ def test_the_predictor_imports_neither_keras_nor_keras_sdpa():
     assert "apps.classifier.buckets" in seen
 
 
-@pytest.mark.parametrize("module", list(MODULES))
-def test_module_is_at_most_500_lines(module):
-    with open(MODULES[module], encoding="utf-8") as f:
-        lines = sum(1 for _ in f)
-    assert lines <= MAX_MODULE_LINES, f"{MODULES[module]}: {lines} lines"
-
-
-def test_no_function_is_longer_than_a_screen():
-    long = []
-    for path in MODULES.values():
-        for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                lines = node.end_lineno - node.lineno + 1
-                if lines > MAX_FUNCTION_LINES:
-                    long.append(f"{os.path.relpath(path, ROOT)}:{node.lineno} {node.name} {lines}")
-    assert long == []
-
-
 # The library on two backends (issue #41): every module is written on `keras.ops`; what
 # differs per backend is in `_backend/tensorflow.py` and `_backend/jax.py`, with the same names.
 PACKAGE = os.path.join(ROOT, "keras_sdpa")
@@ -190,9 +175,10 @@ def test_the_shims_of_both_backends_have_the_same_names_in_the_same_order():
         path = os.path.join(PACKAGE, "_backend", f"{name}.py")
         tree = ast.parse(open(path, encoding="utf-8").read())
         return [
-            node.name for node in tree.body
+            node.name
+            for node in tree.body
             if isinstance(node, ast.FunctionDef) and not node.name.startswith("_")
-        ]  # fmt: skip
+        ]
 
     assert functions("tensorflow") == functions("jax")
     assert len(functions("jax")) >= 15
@@ -232,11 +218,12 @@ def test_the_library_test_files_import_no_tensorflow_at_the_top():
     assert len(files) >= 13
 
 
-# The library's house (issue #55): `keras_sdpa/` and `benchmarks/` are held to `apps/`'s 500
-# lines a module and 80 a function; the docstring of a public function is counted apart.
+# The house (issues #55 and #62): `keras_sdpa/`, `apps/` and `benchmarks/` hold to 500 lines a
+# module and 80 a function, measured on the code as `ruff format` lays it out (checked below);
+# the docstring of a public function is counted apart.
 HOUSE = {
     os.path.relpath(path, ROOT): path
-    for folder in ("keras_sdpa", "benchmarks")
+    for folder in ("keras_sdpa", "apps", "benchmarks")
     for path in sorted(glob.glob(os.path.join(ROOT, folder, "**", "*.py"), recursive=True))
 }
 
@@ -275,14 +262,56 @@ def long_functions(files):
 
 
 @pytest.mark.parametrize("name", list(HOUSE))
-def test_library_and_benchmark_modules_are_at_most_500_lines(name):
+def test_module_is_at_most_500_lines(name):
     with open(HOUSE[name], encoding="utf-8") as f:
         lines = sum(1 for _ in f)
     assert lines <= MAX_MODULE_LINES, f"{name}: {lines} lines"
 
 
-def test_no_library_or_benchmark_function_is_longer_than_a_screen():
+def test_no_function_is_longer_than_a_screen():
     assert long_functions(HOUSE) == []
+
+
+def _ruff(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "ruff", *args], cwd=ROOT, capture_output=True, text=True
+    )
+
+
+def test_the_formatter_lays_the_code_out():
+    """`ruff format --check` and `ruff check` pass over the repository (pyproject.toml's
+    settings): the layout is the formatter's, not packed by hand to meet the limits above."""
+    formatted = _ruff("format", "--check", ".")
+    assert formatted.returncode == 0, formatted.stdout + formatted.stderr
+    checked = _ruff("check", ".")
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+SKIP = re.compile(r"#\s*(fmt:\s*(skip|off)|yapf:\s*disable)")
+
+
+def formatter_skips(paths):
+    """`path:line` of each line that tells the formatter to leave it alone."""
+    found = []
+    for path in paths:
+        with open(path, encoding="utf-8") as f:
+            found += [f"{path}:{n}" for n, line in enumerate(f, 1) if SKIP.search(line)]
+    return found
+
+
+def test_the_formatter_is_not_told_to_skip(tmp_path):
+    """No line of the repository's Python files keeps the formatter off (fmt skip or off,
+    yapf disable): such a line would need its reason beside it, and none does."""
+    folders = ("keras_sdpa", "apps", "benchmarks", "tests")
+    paths = [
+        path
+        for folder in folders
+        for path in sorted(glob.glob(os.path.join(ROOT, folder, "**", "*.py"), recursive=True))
+    ]
+    assert formatter_skips(paths) == []
+    packed = tmp_path / "packed.py"
+    packed.write_text("x = 1\ny = [1,\n     2]  # " + "fmt: skip\n")
+    assert formatter_skips([str(packed)]) == [f"{packed}:3"]
 
 
 def test_the_check_counts_nested_functions_and_only_a_public_docstring_apart(tmp_path):
@@ -297,8 +326,10 @@ def test_the_check_counts_nested_functions_and_only_a_public_docstring_apart(tmp
         f"def outer():\n    def inner():\n{nested * 90}\n    return inner\n"
     )
     assert [name.split(" ")[1] for name in long_functions({"m.py": str(path)})] == [
-        "_private", "outer", "outer.inner",
-    ]  # fmt: skip
+        "_private",
+        "outer",
+        "outer.inner",
+    ]
 
 
 def _library_trees():
@@ -334,13 +365,22 @@ def _decides(node, parent):
 def path_choices_outside_the_plan(trees):
     """Every place outside `_plan.py` that reads `flash_attention` or `implementation` to
     decide something. Passing the value on (an argument, an attribute, a config entry) or
-    asking whether it was given (`is None`) is not deciding."""
+    asking whether it was given (`is None`) is not deciding, and neither is a `check_*`
+    function refusing a value that is none of the allowed ones (`_request.py`)."""
     found = []
     for name, tree in trees:
         if name.endswith("_plan.py"):
             continue
         parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+        checks = {
+            inner
+            for node in ast.walk(tree)
+            if isinstance(node, ast.FunctionDef) and node.name.startswith("check_")
+            for inner in ast.walk(node)
+        }
         for node in ast.walk(tree):
+            if node in checks:
+                continue
             if _named(node) in ("flash_attention", "implementation") and isinstance(
                 getattr(node, "ctx", None), ast.Load
             ):
@@ -366,11 +406,17 @@ def test_the_plan_check_sees_a_choice_made_elsewhere():
         "    return 'decode' if self.implementation == 'auto' and t == 1 else 'x'\n"
         "def given(flash_attention):\n"
         "    return f(flash_attention=flash_attention) if flash_attention is not None else 0\n"
+        "def check_implementation(implementation):\n"
+        "    if implementation not in ('auto', 'dense'):\n"
+        "        raise ValueError(implementation)\n"
+        "def checked_then_chosen(implementation):\n"
+        "    return 'dense' if implementation == 'auto' else implementation\n"
     )
     found = path_choices_outside_the_plan([("keras_sdpa/layer.py", ast.parse(source))])
-    assert found == [
+    assert sorted(found, key=lambda place: int(place.split(":")[1].split()[0])) == [
         "keras_sdpa/layer.py:4 flash_attention",
         "keras_sdpa/layer.py:6 implementation",
+        "keras_sdpa/layer.py:13 implementation",
     ]
 
 
@@ -407,9 +453,15 @@ def module_state(trees):
             if not isinstance(node, (ast.Assign, ast.AnnAssign)) or value is None:
                 continue
             made = isinstance(value, ast.Call) and _named(value.func) in (
-                "dict", "list", "set", "defaultdict", "OrderedDict", "WeakValueDictionary",
-                "WeakKeyDictionary", "Counter",
-            )  # fmt: skip
+                "dict",
+                "list",
+                "set",
+                "defaultdict",
+                "OrderedDict",
+                "WeakValueDictionary",
+                "WeakKeyDictionary",
+                "Counter",
+            )
             target = _named(node.targets[0] if isinstance(node, ast.Assign) else node.target)
             if (isinstance(value, MUTABLE) or made) and target != "__all__":
                 found.append(f"{name}:{node.lineno} {target}")
@@ -424,8 +476,10 @@ def test_the_core_keeps_no_module_state():
     assert module_state(trees) == []
     old = "_TEMPLATES = {}\n_COMPILED: dict = dict()\ndef get(name):\n    globals()[name] = 1\n"
     assert module_state([("ops.py", ast.parse(old))]) == [
-        "ops.py:4", "ops.py:1 _TEMPLATES", "ops.py:2 _COMPILED",
-    ]  # fmt: skip
+        "ops.py:4",
+        "ops.py:1 _TEMPLATES",
+        "ops.py:2 _COMPILED",
+    ]
 
 
 def benchmark_imports():
@@ -466,18 +520,21 @@ def calls_back_into_the_layer(trees):
         for cls in layer.body
         if isinstance(cls, ast.ClassDef)
         for node in cls.body
-        if isinstance(node, ast.FunctionDef) and node.name.startswith("_")
+        if isinstance(node, ast.FunctionDef)
+        and node.name.startswith("_")
         and not node.name.startswith("__")
-    }  # fmt: skip
-    above = ("layer.py", "swap.py", "_scope.py", "_references.py", "__init__.py")
+    }
+    above = ("layer.py", "_layer_call.py", "swap.py", "_scope.py", "_references.py", "__init__.py")
     return [
         f"{name}:{node.lineno} {ast.unparse(node.func)}"
         for name, tree in trees
         if not name.endswith(above)
         for node in ast.walk(tree)
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-        and node.func.attr in methods and ast.unparse(node.func.value) != "self"
-    ]  # fmt: skip
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr in methods
+        and ast.unparse(node.func.value) != "self"
+    ]
 
 
 def test_nothing_below_the_layer_calls_back_up_into_it():

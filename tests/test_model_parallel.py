@@ -25,8 +25,11 @@ def model_parallel(name):
     )
     result = subprocess.run(
         [sys.executable, os.path.join(HERE, "model_parallel.py"), name],
-        capture_output=True, text=True, env=env, timeout=900,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
 

@@ -123,8 +123,17 @@ def make_score(name):
     return table
 
 
-MASKS = ["causal", "causal_function", "sliding_window", "prefix_lm_int", "prefix_lm_rows",
-         "document", "chunked_local", "and_masks", "or_masks"]  # fmt: skip
+MASKS = [
+    "causal",
+    "causal_function",
+    "sliding_window",
+    "prefix_lm_int",
+    "prefix_lm_rows",
+    "document",
+    "chunked_local",
+    "and_masks",
+    "or_masks",
+]
 SCORES = ["alibi", "soft_cap", "t5", "t5_causal"]
 
 
@@ -169,9 +178,13 @@ def inputs(seed=0, kv_heads=K, dtype="float32"):
 
 
 @pytest.mark.default_cases(
-    "dense-and_masks", "chunked-or_masks", "chunked-document", "dense-prefix_lm_rows",
-    "chunked-causal_function", "dense-prefix_lm_int",
-)  # fmt: skip
+    "dense-and_masks",
+    "chunked-or_masks",
+    "chunked-document",
+    "dense-prefix_lm_rows",
+    "chunked-causal_function",
+    "dense-prefix_lm_int",
+)
 @pytest.mark.parametrize("name", MASKS)
 @pytest.mark.parametrize("path", PATHS)
 def test_mask_mods_match_numpy_reference(name, path):
@@ -185,7 +198,7 @@ def test_mask_mods_match_numpy_reference(name, path):
 
 @pytest.mark.default_cases(
     "gqa-chunked-t5_causal", "mqa-dense-alibi", "mha-chunked-soft_cap", "mha-dense-t5"
-)  # fmt: skip
+)
 @pytest.mark.parametrize("name", SCORES)
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("kv_heads", [N, K, 1], ids=["mha", "gqa", "mqa"])
@@ -235,9 +248,14 @@ def test_gradients_reach_the_inputs_and_the_t5_table(path, name):
 
     def loss(q, k, v):
         out = scaled_dot_product_attention(
-            q, k, v, score_mod=mod, mask_mod=make_mask("and_masks"), implementation=path,
+            q,
+            k,
+            v,
+            score_mod=mod,
+            mask_mod=make_mask("and_masks"),
+            implementation=path,
             chunk_size=CHUNK,
-        )  # fmt: skip
+        )
         return ops.sum(out * weights)
 
     # The inputs' gradients by `gradients`, the table's (a Keras variable) by
@@ -345,8 +363,9 @@ def test_gradients_reach_the_tensors_of_with_tensors(path):
         return ops.sum(out * out)
 
     def ours(mod):
-        return scaled_dot_product_attention(q, k, v, score_mod=mod, implementation=path,
-                                             chunk_size=CHUNK)  # fmt: skip
+        return scaled_dot_product_attention(
+            q, k, v, score_mod=mod, implementation=path, chunk_size=CHUNK
+        )
 
     def formula(mod):
         logits = ops.einsum("btnh,bsnh->bnts", q, k) / np.sqrt(H)
@@ -372,9 +391,14 @@ def test_captured_table_gradient_is_deterministic():
     def table_gradient():
         def loss():
             out = scaled_dot_product_attention(
-                q, k, v, score_mod=mod, mask_mod=mods.causal(), implementation="chunked",
+                q,
+                k,
+                v,
+                score_mod=mod,
+                mask_mod=mods.causal(),
+                implementation="chunked",
                 chunk_size=CHUNK,
-            )  # fmt: skip
+            )
             return ops.sum(out * out)
 
         return gradient_to_variable(loss, mod.table)
@@ -391,10 +415,18 @@ def test_mods_combine_with_the_built_in_arguments_in_the_documented_order(path):
     bias = rng.normal(size=(1, N, T, S))
     mask = rng.random((B, 1, T, S)) > 0.2
     out = scaled_dot_product_attention(
-        q, k, v, mask, bias=tensor(bias, "float32"), is_causal=True,
-        attn_logits_soft_cap=1.5, score_mod=make_score("alibi"),
-        mask_mod=make_mask("document"), implementation=path, chunk_size=CHUNK,
-    )  # fmt: skip
+        q,
+        k,
+        v,
+        mask,
+        bias=tensor(bias, "float32"),
+        is_causal=True,
+        attn_logits_soft_cap=1.5,
+        score_mod=make_score("alibi"),
+        mask_mod=make_mask("document"),
+        implementation=path,
+        chunk_size=CHUNK,
+    )
 
     def score(logits, b, h, qi, ki):
         logits = np_score("alibi", logits, b, h, qi, ki) + bias
@@ -460,9 +492,13 @@ def visits(mask_mod, t, s, c, block_kinds=None):
     @jit
     def run(q, k):
         plan = _plan.Plan(
-            path="chunked", num_heads=1, num_kv_heads=1, dtype="float32", scale=1.0,
+            path="chunked",
+            num_heads=1,
+            num_kv_heads=1,
+            dtype="float32",
+            scale=1.0,
             chunk_size=c,
-        )  # fmt: skip
+        )
         tensors = sdpa_ops.Tensors(mask_mod=mask_mod, block_kinds=block_kinds)
         return _chunked.attend(q, k, k, plan, tensors, count_visits=True)
 
@@ -540,8 +576,10 @@ def test_a_shared_block_mask_gives_the_same_result_and_must_match_its_mod():
     with pytest.raises(ValueError, match="same `mask_mod`"):
         scaled_dot_product_attention(q, k, v, mask_mod=mods.causal(), block_mask=block_mask)
     # Made for other sizes, its map would skip blocks of another batch or length.
-    for sizes, match in (((B + 1, N, T, S), "made for B=3 and this call has B=2"),
-                         ((B, N, T, S + 3), "made for S=12 and this call has S=9")):  # fmt: skip
+    for sizes, match in (
+        ((B + 1, N, T, S), "made for B=3 and this call has B=2"),
+        ((B, N, T, S + 3), "made for S=12 and this call has S=9"),
+    ):
         other = keras_sdpa.create_block_mask(mod, *sizes, block_size=CHUNK)
         with pytest.raises(ValueError, match=match):
             scaled_dot_product_attention(q, k, v, mask_mod=mod, block_mask=other)
@@ -549,11 +587,17 @@ def test_a_shared_block_mask_gives_the_same_result_and_must_match_its_mod():
     upper = make_mask("causal_function")
     shared = keras_sdpa.create_block_mask(upper, 1, 1, T, S, block_size=CHUNK)
     np.testing.assert_array_equal(
-        numpy(scaled_dot_product_attention(q, k, v, mask_mod=upper, block_mask=shared,
-                                           implementation="chunked")),
-        numpy(scaled_dot_product_attention(q, k, v, mask_mod=upper, implementation="chunked",
-                                           chunk_size=CHUNK)),
-    )  # fmt: skip
+        numpy(
+            scaled_dot_product_attention(
+                q, k, v, mask_mod=upper, block_mask=shared, implementation="chunked"
+            )
+        ),
+        numpy(
+            scaled_dot_product_attention(
+                q, k, v, mask_mod=upper, implementation="chunked", chunk_size=CHUNK
+            )
+        ),
+    )
     with pytest.raises(ValueError, match="chunk_size=4, block_mask.block_size=3"):
         scaled_dot_product_attention(q, k, v, mask_mod=mod, block_mask=block_mask, chunk_size=4)
 
@@ -579,8 +623,9 @@ def test_random_band_and_segment_masks_match_on_both_paths(bands, cuts, combine,
         return lambda b, h, q, kv: ops.logical_and(q - kv >= lo, q - kv < lo + width)
 
     parts = [band(lo, width) for lo, width in bands]
-    np_parts = [lambda b, h, q, kv, lo=lo, w=w: (q - kv >= lo) & (q - kv < lo + w)
-                for lo, w in bands]  # fmt: skip
+    np_parts = [
+        lambda b, h, q, kv, lo=lo, w=w: (q - kv >= lo) & (q - kv < lo + w) for lo, w in bands
+    ]
     if cuts:
         parts.append(mods.document(tensor(segments[:, :t]), tensor(segments[:, :S])))
         np_parts.append(lambda b, h, q, kv: segments[b, q] == segments[b, kv])
@@ -686,10 +731,11 @@ def every_other_key(b, h, q_idx, kv_idx):
 
 def test_layer_config_round_trips_built_ins_and_registered_functions():
     layer = keras_sdpa.ScaledDotProductAttention(
-        num_heads=N, key_dim=H,
+        num_heads=N,
+        key_dim=H,
         score_mod=mods.relative_position_bias(N, 8, 20),
         mask_mod=mods.and_masks(mods.causal(), mods.document(), every_other_key),
-    )  # fmt: skip
+    )
     clone = keras_sdpa.ScaledDotProductAttention.from_config(layer.get_config())
     assert isinstance(clone.score_mod, mods.RelativePositionBias)
     assert clone.score_mod.get_config()["num_buckets"] == 8
@@ -782,10 +828,13 @@ def t5_document_model(tmp_path_factory):
     segments = keras.Input((length,), dtype="int32", name="segments")
     x = keras.layers.Embedding(40, width)(tokens)
     attention = keras_sdpa.ScaledDotProductAttention(
-        num_heads=4, key_dim=4, score_mod=mods.relative_position_bias(4, 8, 16),
-        mask_mod=mods.and_masks(mods.causal(), mods.document()), chunk_size=8,
+        num_heads=4,
+        key_dim=4,
+        score_mod=mods.relative_position_bias(4, 8, 16),
+        mask_mod=mods.and_masks(mods.causal(), mods.document()),
+        chunk_size=8,
         implementation="chunked",
-    )  # fmt: skip
+    )
     x = attention(x, x, segment_ids=segments)
     out = keras.layers.Dense(1)(keras.layers.GlobalAveragePooling1D()(x))
     model = keras.Model([tokens, segments], out)
@@ -841,9 +890,11 @@ def test_a_t5_document_model_serves_without_this_package(t5_document_model):
         "np.save(folder + '/served.npy', out.numpy())\n"
     )
     result = subprocess.run(
-        [sys.executable, "-c", script, str(folder)], capture_output=True, timeout=300,
+        [sys.executable, "-c", script, str(folder)],
+        capture_output=True,
+        timeout=300,
         cwd=str(folder),
-    )  # fmt: skip
+    )
     assert result.returncode == 0, result.stderr.decode()[-3000:]
     served = np.load(folder / "served.npy")
     np.testing.assert_allclose(served, model.predict([d[:8] for d in data], verbose=0), atol=1e-5)
@@ -880,9 +931,17 @@ def test_dropout_with_a_score_mod_and_a_mask_mod_matches_finite_differences(path
 
     def loss(q, k, v):
         out = scaled_dot_product_attention(
-            q, k, v, dropout_rate=0.4, training=True, seed=11, score_mod=mods.alibi(N),
-            mask_mod=mods.document(ids[:, :5], ids), implementation=path, chunk_size=CHUNK,
-        )  # fmt: skip
+            q,
+            k,
+            v,
+            dropout_rate=0.4,
+            training=True,
+            seed=11,
+            score_mod=mods.alibi(N),
+            mask_mod=mods.document(ids[:, :5], ids),
+            implementation=path,
+            chunk_size=CHUNK,
+        )
         return ops.sum(out * c)
 
     assert_gradients_match_finite_differences(loss, [q, k, v])
@@ -916,9 +975,14 @@ def test_every_built_in_has_the_gradient_autodiff_gives(score, mask, path):
 
     def loss(q, k, v):
         out = scaled_dot_product_attention(
-            q, k, v, score_mod=make_score(score) if score else None,
-            mask_mod=make_mask(mask) if mask else None, implementation=path, chunk_size=CHUNK,
-        )  # fmt: skip
+            q,
+            k,
+            v,
+            score_mod=make_score(score) if score else None,
+            mask_mod=make_mask(mask) if mask else None,
+            implementation=path,
+            chunk_size=CHUNK,
+        )
         return ops.sum(out * c)
 
     got = gradients(loss, q, k, v)

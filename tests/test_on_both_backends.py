@@ -102,13 +102,27 @@ def test_matches_numpy(case, kv_heads):
         mask[0, 0, 2] = False  # a fully masked row: zeros
     bias = random((1, N, T, S), 5) if options.get("bias") else None
     out, weights = scaled_dot_product_attention(
-        q, k, v, mask, bias=bias, is_causal=options.get("causal", False),
-        sliding_window=options.get("window"), attn_logits_soft_cap=options.get("cap"),
-        scale=options.get("scale"), return_weights=True,
+        q,
+        k,
+        v,
+        mask,
+        bias=bias,
+        is_causal=options.get("causal", False),
+        sliding_window=options.get("window"),
+        attn_logits_soft_cap=options.get("cap"),
+        scale=options.get("scale"),
+        return_weights=True,
     )
     want, want_weights = reference(
-        q, k, v, mask, bias, options.get("causal", False), options.get("window"),
-        options.get("cap"), options.get("scale"),
+        q,
+        k,
+        v,
+        mask,
+        bias,
+        options.get("causal", False),
+        options.get("window"),
+        options.get("cap"),
+        options.get("scale"),
     )
     np.testing.assert_allclose(ops.convert_to_numpy(out), want, atol=1e-5)
     np.testing.assert_allclose(ops.convert_to_numpy(weights), want_weights, atol=1e-5)
@@ -200,9 +214,15 @@ def test_dropout_keeps_the_seeds_mask_and_scales_the_rest(path):
 
     def run(seed, training=True):
         out = scaled_dot_product_attention(
-            q, k, v, dropout_rate=rate, training=training, seed=seed, implementation=path,
+            q,
+            k,
+            v,
+            dropout_rate=rate,
+            training=training,
+            seed=seed,
+            implementation=path,
             chunk_size=16,
-        )  # fmt: skip
+        )
         return ops.convert_to_numpy(out)[0, :, 0]  # (T, S)
 
     weights = reference(q, k, v)[1][0, 0]  # (T, S)
@@ -244,7 +264,7 @@ class _Wrapper(keras.layers.Layer):
 
 
 def test_a_custom_layer_around_the_attention_builds_in_a_functional_model():
-    """"auto" once compared a symbolic batch size with its threshold on JAX and raised
+    """ "auto" once compared a symbolic batch size with its threshold on JAX and raised
     `InconclusiveDimensionOperation` while the model was built."""
     wrapper = _Wrapper()
     inputs = keras.Input((T, 8))
@@ -253,9 +273,12 @@ def test_a_custom_layer_around_the_attention_builds_in_a_functional_model():
     out = np.asarray(model(x))
     q, k, v = (
         np.einsum("bte,enh->btnh", x, np.asarray(dense.kernel)) + np.asarray(dense.bias)
-        for dense in (wrapper.attention.query_dense, wrapper.attention.key_dense,
-                      wrapper.attention.value_dense)
-    )  # fmt: skip
+        for dense in (
+            wrapper.attention.query_dense,
+            wrapper.attention.key_dense,
+            wrapper.attention.value_dense,
+        )
+    )
     heads, _ = reference(q, k, v)
     output = wrapper.attention.output_dense
     want = np.einsum("btnh,nhe->bte", heads, np.asarray(output.kernel)) + np.asarray(output.bias)
@@ -334,9 +357,14 @@ def test_chunked_path_matches_dense_outputs_and_gradients(case, monkeypatch):
     def run(implementation):
         def loss(q, k, v, bias):
             out = scaled_dot_product_attention(
-                q, k, v, bias=bias, implementation=implementation,
-                chunk_size=None if "block_mask" in options else chunk, **options,
-            )  # fmt: skip
+                q,
+                k,
+                v,
+                bias=bias,
+                implementation=implementation,
+                chunk_size=None if "block_mask" in options else chunk,
+                **options,
+            )
             return ops.sum(out * probe), out
 
         args = [x for x in (q, k, v, bias) if x is not None]
@@ -408,8 +436,9 @@ def test_a_with_tensors_mod_gets_its_tensors_gradient(path):
 
     def ours(slopes):
         mod = mods.with_tensors(alibi, slopes)
-        out = scaled_dot_product_attention(q, k, v, score_mod=mod, implementation=path,
-                                           chunk_size=4)  # fmt: skip
+        out = scaled_dot_product_attention(
+            q, k, v, score_mod=mod, implementation=path, chunk_size=4
+        )
         return ops.sum(out * probe)
 
     def theirs(slopes):
@@ -445,6 +474,7 @@ def test_dropout_without_a_seed_differs_per_call_and_is_refused_inside_a_transfo
     )
     assert (first != second).any()
     if BACKEND == "jax":  # a seed drawn in Python would be one constant of the trace
+
         def dropped(q):
             return scaled_dot_product_attention(q, q, q, dropout_rate=0.5, training=True).sum()
 
@@ -454,8 +484,9 @@ def test_dropout_without_a_seed_differs_per_call_and_is_refused_inside_a_transfo
     else:  # TensorFlow draws the seed in the program
         import tensorflow as tf
 
-        step = tf.function(lambda q: scaled_dot_product_attention(
-            q, q, q, dropout_rate=0.5, training=True))  # fmt: skip
+        step = tf.function(
+            lambda q: scaled_dot_product_attention(q, q, q, dropout_rate=0.5, training=True)
+        )
         assert (ops.convert_to_numpy(step(q)) != ops.convert_to_numpy(step(q))).any()
 
 
@@ -474,8 +505,9 @@ def test_a_cached_step_at_per_row_positions_matches_the_full_causal_call(kv_head
     cache = ops.convert_to_numpy(cache).copy()
     cache[np.arange(B), :, positions] = 0.0  # the step itself must write its key and value
     token = x[np.arange(B), positions][:, None]  # (B, 1, E)
-    out, cache = layer(token, token, cache=cache, cache_update_index=positions,
-                       use_causal_mask=True)  # fmt: skip
+    out, cache = layer(
+        token, token, cache=cache, cache_update_index=positions, use_causal_mask=True
+    )
     np.testing.assert_allclose(
         ops.convert_to_numpy(out)[:, 0], full[np.arange(B), positions], atol=1e-5
     )
@@ -502,8 +534,9 @@ def test_a_learned_table_frozen_at_the_first_trace_gets_its_gradient_once_traina
 
     def theirs(values):
         bias = ops.transpose(ops.take(values, buckets, axis=0), (2, 0, 1))[None]
-        out = plain_attention(*(x.astype("float64") for x in (q, k, v)),
-                              np.ones((1, 1, t, t), bool), bias)  # fmt: skip
+        out = plain_attention(
+            *(x.astype("float64") for x in (q, k, v)), np.ones((1, 1, t, t), bool), bias
+        )
         return ops.sum(out**2)
 
     (want,) = gradients(theirs, ops.convert_to_numpy(table.table).astype("float64"), x64=True)
@@ -523,10 +556,12 @@ def test_a_cached_step_reads_a_learned_tables_new_weights():
     for seed in (58, 59):
         table.table.assign(random((8, N), seed))
         full = ops.convert_to_numpy(layer(x, x, use_causal_mask=True))
-        _, filled = layer(x[:, :5], x[:, :5], cache=cache, cache_update_index=0,
-                          use_causal_mask=True)  # fmt: skip
-        out, _ = layer(x[:, 5:6], x[:, 5:6], cache=filled, cache_update_index=positions,
-                       use_causal_mask=True)  # fmt: skip
+        _, filled = layer(
+            x[:, :5], x[:, :5], cache=cache, cache_update_index=0, use_causal_mask=True
+        )
+        out, _ = layer(
+            x[:, 5:6], x[:, 5:6], cache=filled, cache_update_index=positions, use_causal_mask=True
+        )
         np.testing.assert_allclose(ops.convert_to_numpy(out)[:, 0], full[:, 5], atol=1e-5)
 
 

@@ -4,13 +4,15 @@ Written on `keras.ops`, NumPy and `on_backend`, so it runs on TensorFlow and on 
 checks of what only TensorFlow has (AutoGraph) are `tensorflow_only`.
 """
 
+import inspect
+
 import keras
 import numpy as np
 import pytest
 from keras import ops
 from on_backend import BACKEND, gradients, numpy, optimized_hlo, tensor
 
-from keras_sdpa import _plan
+from keras_sdpa import _plan, _request
 from keras_sdpa import ops as ops_module
 from keras_sdpa.ops import scaled_dot_product_attention
 
@@ -493,14 +495,20 @@ def test_a_callers_tf_function_runs_this_package_as_written():
     def attend(q, k, v):
         block_mask = ops_module.create_block_mask(causal, B, N, T, S, block_size=2)
         return scaled_dot_product_attention(
-            q, k, v, score_mod=score, mask_mod=causal, block_mask=block_mask,
+            q,
+            k,
+            v,
+            score_mod=score,
+            mask_mod=causal,
+            block_mask=block_mask,
             implementation="chunked",
-        )  # fmt: skip
+        )
 
     q, k, v = random_inputs()
     got = attend(q, k, v)
-    np.testing.assert_allclose(numpy(got), reference(q, k, v, is_causal=True,
-                               scale=2 / H**0.5)[0], atol=1e-5)  # fmt: skip
+    np.testing.assert_allclose(
+        numpy(got), reference(q, k, v, is_causal=True, scale=2 / H**0.5)[0], atol=1e-5
+    )
     assert len(stacks) >= 2
     for stack in stacks:
         assert stack and set(stack) == {"tf__attend"}, stack
@@ -545,3 +553,18 @@ def test_chunked_blocks_are_never_longer_than_the_sequences(monkeypatch):
     scaled_dot_product_attention(q, k, v, implementation="chunked", chunk_size=2)
     assert sizes == [2048, max(T, S), 2]
     np.testing.assert_allclose(numpy(got), numpy(expected), atol=1e-5)
+
+
+def test_the_request_holds_every_keyword_of_the_public_function_with_its_default():
+    """`scaled_dot_product_attention` passes its keyword arguments on by name, as one
+    `_request.Request`: an option missing from the request would be dropped, and a default
+    written twice could drift."""
+    parameters = inspect.signature(scaled_dot_product_attention).parameters
+    keywords = {
+        name: parameter.default
+        for name, parameter in parameters.items()
+        if parameter.kind is parameter.KEYWORD_ONLY and name != "bias"
+    }
+    assert list(_request.CORE_OPTIONS) == list(keywords)
+    request = _request.Request()
+    assert {name: getattr(request, name) for name in _request.CORE_OPTIONS} == keywords

@@ -18,8 +18,10 @@ def wheel(tmp_path_factory):
     folder = tmp_path_factory.mktemp("wheel")
     result = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", ROOT, "--no-deps", "-q", "-w", str(folder)],
-        capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     (path,) = glob.glob(str(folder / "*.whl"))
     return path
@@ -44,10 +46,11 @@ def test_installed_apps_import_each_other_under_their_new_name(wheel, tmp_path):
     """Installed from the wheel alone (no checkout on the path), the predictor runs."""
     target = tmp_path / "site"
     result = subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target),
-         wheel],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        [sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target), wheel],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     script = (
         "import sys\n"
@@ -59,9 +62,13 @@ def test_installed_apps_import_each_other_under_their_new_name(wheel, tmp_path):
     )
     env = {**os.environ, "PYTHONPATH": str(target)}
     result = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
-        cwd=str(tmp_path), env=env,
-    )  # fmt: skip
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=str(tmp_path),
+        env=env,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.startswith("positive")
 

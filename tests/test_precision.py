@@ -153,9 +153,13 @@ def test_float16_logits_beyond_its_range_stay_finite(path):
     q = np.full((1, 4, 1, 8), 112.0)  # q . q = 8 * 112^2 = 100,352
     v = np.random.default_rng(0).normal(size=(1, 4, 1, 8))
     out = scaled_dot_product_attention(
-        tensor(q, "float16"), tensor(q, "float16"), tensor(v, "float16"),
-        scale=1.0, implementation=path, chunk_size=2,
-    )  # fmt: skip
+        tensor(q, "float16"),
+        tensor(q, "float16"),
+        tensor(v, "float16"),
+        scale=1.0,
+        implementation=path,
+        chunk_size=2,
+    )
     assert np.all(np.isfinite(numpy(out)))
     # Equal logits: each query averages the values.
     want = np.broadcast_to(numpy(tensor(v, "float16"), "float64").mean(1), (1, 4, 1, 8))

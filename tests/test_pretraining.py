@@ -24,8 +24,9 @@ from apps.training import pretrain as pretrain_lib
 from apps.training import train as train_sentiment
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DATA_DIR = os.environ.get("TFDS_DATA_DIR", os.path.join(ROOT, "..", "shared", "data",
-                                                        "tensorflow_datasets"))  # fmt: skip
+DATA_DIR = os.environ.get(
+    "TFDS_DATA_DIR", os.path.join(ROOT, "..", "shared", "data", "tensorflow_datasets")
+)
 
 
 def _env():
@@ -74,9 +75,18 @@ def test_hide_words_hides_a_share_of_each_review_as_bert_does():
 
 def _tiny_classifier(seed=0):
     model, _ = model_lib.build_classifier(
-        vocab_size=50, sequence_length=12, embed_dim=8, num_heads=2, key_dim=4, ff_dim=16,
-        num_layers=2, dropout=0.3, seed=seed, bigram_vocab_size=40, ngram_dim=4,
-    )  # fmt: skip
+        vocab_size=50,
+        sequence_length=12,
+        embed_dim=8,
+        num_heads=2,
+        key_dim=4,
+        ff_dim=16,
+        num_layers=2,
+        dropout=0.3,
+        seed=seed,
+        bigram_vocab_size=40,
+        ngram_dim=4,
+    )
     # The pair vocabulary is the run's (its file's), not the weights': the same for every seed.
     ids = np.random.default_rng(0).integers(1, 50, size=(64, 12))
     model.get_layer("embedding").adapt_bigrams(ids)
@@ -151,9 +161,23 @@ def test_pretraining_reads_train_and_unlabelled_never_validation_or_test(tmp_pat
     import tensorflow_datasets as tfds
 
     received = _recording(monkeypatch)
-    flags = [*TINY_RUN, "--vocabulary_source", "train+unsupervised", "--epochs", "1",
-             "--max_steps", "2", "--inspect_examples", "0", "--faithfulness_examples", "0",
-             "--data_dir", DATA_DIR, "--output", str(tmp_path / "run")]  # fmt: skip
+    flags = [
+        *TINY_RUN,
+        "--vocabulary_source",
+        "train+unsupervised",
+        "--epochs",
+        "1",
+        "--max_steps",
+        "2",
+        "--inspect_examples",
+        "0",
+        "--faithfulness_examples",
+        "0",
+        "--data_dir",
+        DATA_DIR,
+        "--output",
+        str(tmp_path / "run"),
+    ]
     assert train_sentiment.main(flags) == 0
     (texts_ids,) = received
     # Independently of the app: TFDS's splits, the run's vocabulary, the same 10% carve-out.
@@ -167,7 +191,7 @@ def test_pretraining_reads_train_and_unlabelled_never_validation_or_test(tmp_pat
     split = {
         name: tfds.as_numpy(
             tfds.load("imdb_reviews", split=name, data_dir=DATA_DIR, batch_size=-1)
-        )["text"]  # fmt: skip
+        )["text"]
         for name in ("train", "test", "unsupervised")
     }
     order = np.random.default_rng(0).permutation(len(split["train"]))
@@ -196,8 +220,15 @@ def test_a_second_run_reuses_the_encoder_and_a_changed_one_pretrains(
         raise AssertionError("pretrained again")
 
     monkeypatch.setattr(pretrain_lib, "_train_encoder", no_pretraining)
-    flags = [*TINY_RUN, "--data_dir", DATA_DIR, "--inspect_examples", "0",
-             "--faithfulness_examples", "0"]  # fmt: skip
+    flags = [
+        *TINY_RUN,
+        "--data_dir",
+        DATA_DIR,
+        "--inspect_examples",
+        "0",
+        "--faithfulness_examples",
+        "0",
+    ]
     assert train_sentiment.main([*flags, "--output", str(output)]) == 0
     with open(output / "metrics.json") as f:
         metrics = json.load(f)
@@ -267,12 +298,15 @@ def _archive(path, sets):
 
 def test_out_of_domain_sets_binarize_by_sign_and_never_read_the_movie_snippets(tmp_path):
     archive = tmp_path / "vader.tar.gz"
-    _archive(archive, {
-        "tweets_GroundTruth.txt": "1\t2.5\tSo lucky.\r\n2\t-1.2\tWorst day.\r\n3\t0\tMeh.\r\n",
-        "amazonReviewSnippets_GroundTruth.txt": "1_1\t-0.15\tno picture.\r\n",
-        "nytEditorialSnippets_GroundTruth.txt": "1_1\t0.4\tA holiday.\r\n1_2\t0.0\tEvents.\r\n",
-        "movieReviewSnippets_GroundTruth.txt": "1\t3.0\tA movie sentence.\r\n",
-    })  # fmt: skip
+    _archive(
+        archive,
+        {
+            "tweets_GroundTruth.txt": "1\t2.5\tSo lucky.\r\n2\t-1.2\tWorst day.\r\n3\t0\tMeh.\r\n",
+            "amazonReviewSnippets_GroundTruth.txt": "1_1\t-0.15\tno picture.\r\n",
+            "nytEditorialSnippets_GroundTruth.txt": "1_1\t0.4\tA holiday.\r\n1_2\t0.0\tEvents.\r\n",
+            "movieReviewSnippets_GroundTruth.txt": "1\t3.0\tA movie sentence.\r\n",
+        },
+    )
     sets = out_of_domain.read_sets(archive)
     assert list(sets) == ["tweets", "product reviews", "news editorials"]
     texts, labels, neutral = sets["tweets"]
@@ -314,20 +348,29 @@ def test_out_of_domain_checks_the_models_before_it_downloads(tmp_path, capsys):
         ["--cache", str(tmp_path), "--model", shipped, "--baseline", str(tmp_path / "gone")]
     )
     assert code == 2 and "`--baseline` is not a SavedModel" in capsys.readouterr().err
-    code = out_of_domain.main(["--cache", str(tmp_path), "--model", shipped,
-                               "--baseline_label", "earlier"])  # fmt: skip
+    code = out_of_domain.main(
+        ["--cache", str(tmp_path), "--model", shipped, "--baseline_label", "earlier"]
+    )
     assert code == 2 and "baseline_label='earlier', baseline=None" in capsys.readouterr().err
     assert not os.listdir(tmp_path)
 
 
 def test_model_card_quotes_the_out_of_domain_file(tmp_path):
     report = {
-        "source": "s", "rule": "r", "model": "m", "pretrain_steps": 1500,
+        "source": "s",
+        "rule": "r",
+        "model": "m",
+        "pretrain_steps": 1500,
         "sets": {"tweets": {"texts": 4196, "positive": 2897, "accuracy": 0.7311, "ece": 0.0512}},
-        "baseline": {"model": "b", "seed": 0, "pretrain_steps": 0,
-                     "sets": {"tweets": {"texts": 4196, "positive": 2897, "accuracy": 0.6311,
-                                         "ece": 0.1971}}},
-    }  # fmt: skip
+        "baseline": {
+            "model": "b",
+            "seed": 0,
+            "pretrain_steps": 0,
+            "sets": {
+                "tweets": {"texts": 4196, "positive": 2897, "accuracy": 0.6311, "ece": 0.1971}
+            },
+        },
+    }
     (tmp_path / "out_of_domain.json").write_text(json.dumps(report))
     section = model_card._out_of_domain_section(str(tmp_path))
     row = next(line for line in section.splitlines() if line.startswith("| tweets"))
@@ -375,14 +418,22 @@ def test_the_encoder_key_changes_with_what_shapes_the_encoder(tmp_path):
     the fine-tuning alone do not."""
     for name in ("vocabulary", "bigrams", "trigrams"):
         (tmp_path / f"{name}.txt").write_text(f"{name}\n")
-    run = type("Run", (), {name: str(tmp_path / f"{name}.txt")
-                           for name in ("vocabulary", "bigrams", "trigrams")})  # fmt: skip
+    run = type(
+        "Run",
+        (),
+        {name: str(tmp_path / f"{name}.txt") for name in ("vocabulary", "bigrams", "trigrams")},
+    )
     texts = np.arange(12).reshape(3, 4)
     key = pretrain_lib.encoder_key(train_sentiment.parse_args([]), run, texts)
     for flags in (["--learning_rate", "3e-3"], ["--dropout", "0.1"], ["--epochs", "3"]):
         assert pretrain_lib.encoder_key(train_sentiment.parse_args(flags), run, texts) == key
-    for flags in (["--naive_bayes_alpha", "1"], ["--mask_rate", "0.2"], ["--seed", "1"],
-                  ["--pretrain_steps", "10"], ["--num_layers", "2"]):  # fmt: skip
+    for flags in (
+        ["--naive_bayes_alpha", "1"],
+        ["--mask_rate", "0.2"],
+        ["--seed", "1"],
+        ["--pretrain_steps", "10"],
+        ["--num_layers", "2"],
+    ):
         assert pretrain_lib.encoder_key(train_sentiment.parse_args(flags), run, texts) != key
     assert pretrain_lib.encoder_key(train_sentiment.parse_args([]), run, texts[:2]) != key
     (tmp_path / "bigrams.txt").write_text("other\n")

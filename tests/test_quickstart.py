@@ -30,20 +30,34 @@ def _digests(folder):
 def test_quickstart_then_the_checks_of_the_docs(tmp_path):
     checkout = tmp_path / "checkout"  # the README's commands run in a checkout of their own
     shutil.copytree(
-        ROOT, checkout,
+        ROOT,
+        checkout,
         ignore=shutil.ignore_patterns(
-            ".git", ".venv", "runs", "site", "build", "dist", "*.egg-info", "__pycache__",
-            ".pytest_cache", ".ruff_cache", ".hypothesis", ".benchmarks", ".coverage*",
-            "checkpoints", "logs",
+            ".git",
+            ".venv",
+            "runs",
+            "site",
+            "build",
+            "dist",
+            "*.egg-info",
+            "__pycache__",
+            ".pytest_cache",
+            ".ruff_cache",
+            ".hypothesis",
+            ".benchmarks",
+            ".coverage*",
+            "checkpoints",
+            "logs",
         ),
-    )  # fmt: skip
+    )
     shipped = _digests(checkout / "saved_models" / "imdb_sdpa")
     readme = (ROOT / "README.md").read_text()
     train, predict = re.search(
         r'^    pip install -e "\.\[dev\]" && (python -m apps\.train_sentiment.*)\n'
         r"    (python -m apps\.predict.*)$",
-        readme, flags=re.M,
-    ).groups()  # fmt: skip
+        readme,
+        flags=re.M,
+    ).groups()
     train = shlex.split(train)
     # The data where this machine has it; the run cut short, as a newcomer would to try it.
     where = train.index("--data_dir") + 1
@@ -51,25 +65,48 @@ def test_quickstart_then_the_checks_of_the_docs(tmp_path):
     train += ["--epochs", "1", "--max_steps", "2", "--faithfulness_examples", "0"]
     env = {**os.environ, "PYTHONPATH": str(checkout)}
     result = subprocess.run(
-        [sys.executable, *train[1:]], cwd=checkout, env=env, capture_output=True, text=True,
+        [sys.executable, *train[1:]],
+        cwd=checkout,
+        env=env,
+        capture_output=True,
+        text=True,
         timeout=1500,
-    )  # fmt: skip
+    )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     assert (checkout / "runs" / "imdb_sdpa" / "metrics.json").is_file()
     assert str(checkout / "runs" / "imdb_sdpa" / "metrics.json") in result.stdout  # said where
     answered = subprocess.run(
-        [sys.executable, *shlex.split(predict)[1:]], cwd=checkout, env=env, capture_output=True,
-        text=True, timeout=600,
-    )  # fmt: skip
+        [sys.executable, *shlex.split(predict)[1:]],
+        cwd=checkout,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert answered.returncode == 0, answered.stderr[-3000:]
     assert len(answered.stdout.splitlines()) == 2
     assert _digests(checkout / "saved_models" / "imdb_sdpa") == shipped  # the committed model
 
     # Then the tests: every check of the documentation against the committed files.
     checks = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-o", "addopts=", "-q",
-         "tests/test_readme.py", "-k", "not example_runs and not builds_strictly"],
-        cwd=checkout, env=env, capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-p",
+            "no:cacheprovider",
+            "-o",
+            "addopts=",
+            "-q",
+            "tests/test_readme.py",
+            "-k",
+            "not example_runs and not builds_strictly",
+        ],
+        cwd=checkout,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert checks.returncode == 0, checks.stdout[-4000:]
     assert " passed" in checks.stdout and "failed" not in checks.stdout

@@ -32,9 +32,13 @@ def test_readme_has_examples():
 
 
 @pytest.mark.default_cases(
-    "README.md block *", "docs/core.md block 0", "docs/layer.md block 1", "docs/app.md block 0",
-    "docs/long-sequences.md block 0", "docs/serving.md block 0",
-)  # fmt: skip
+    "README.md block *",
+    "docs/core.md block 0",
+    "docs/layer.md block 1",
+    "docs/app.md block 0",
+    "docs/long-sequences.md block 0",
+    "docs/serving.md block 0",
+)
 @pytest.mark.parametrize("name", list(BLOCKS))
 def test_readme_example_runs(name):
     exec(compile(BLOCKS[name], name, "exec"), {})
@@ -46,9 +50,12 @@ def test_readme_is_a_five_minute_read():
     assert len(text.splitlines()) <= 150
     headings = re.findall(r"^## (.+)$", text, flags=re.M)
     assert headings == [
-        "Why use it instead of `keras.layers.MultiHeadAttention`", "Install", "The two commands",
-        "Three examples", "Documentation",
-    ]  # fmt: skip
+        "Why use it instead of `keras.layers.MultiHeadAttention`",
+        "Install",
+        "The two commands",
+        "Three examples",
+        "Documentation",
+    ]
     assert sum(name.startswith("README.md") for name in BLOCKS) == 3
     for page in sorted(DOCS.glob("*.md")):
         if page.name != "benchmarks.md":  # BENCHMARKS.md itself, linked as such
@@ -61,12 +68,20 @@ def test_documentation_builds_strictly(tmp_path):
     a docstring that no longer parses fails it; the API reference comes from the docstrings."""
     result = subprocess.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path)],
-        cwd=ROOT, capture_output=True, text=True, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
-    )  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     api = (tmp_path / "api" / "index.html").read_text()
-    for name in ("ScaledDotProductAttention", "scaled_dot_product_attention", "sliding_window",
-                 "create_block_mask", "relative_position_bias"):  # fmt: skip
+    for name in (
+        "ScaledDotProductAttention",
+        "scaled_dot_product_attention",
+        "sliding_window",
+        "create_block_mask",
+        "relative_position_bias",
+    ):
         assert name in api, name
     assert (tmp_path / "saved_models" / "imdb_sdpa" / "viewer.png").exists()
     benchmarks = (tmp_path / "benchmarks" / "index.html").read_text()
@@ -93,8 +108,9 @@ def test_readme_table_figures_are_measured():
     benchmarks = (ROOT / "BENCHMARKS.md").read_text()
 
     def section(name):
-        return benchmarks[benchmarks.index(f"<!-- {name}:start -->") :
-                          benchmarks.index(f"<!-- {name}:end -->")]  # fmt: skip
+        return benchmarks[
+            benchmarks.index(f"<!-- {name}:start -->") : benchmarks.index(f"<!-- {name}:end -->")
+        ]
 
     long_row = re.search(r"^\| 8192 \|(.*)$", section("long-sequences"), flags=re.M)[1].split("|")
     chunked_mib, keras_mib = long_row[5].strip(), long_row[7].strip()
@@ -178,8 +194,9 @@ def test_shipped_run_is_the_quickstart_command_on_the_apps_defaults():
     metrics = json.loads((ROOT / "saved_models/imdb_sdpa/metrics.json").read_text())
     quickstart = re.search(
         r'^    pip install -e "\.\[dev\]" && (python -m apps\.train_sentiment.*)$',
-        README.read_text(), flags=re.M,  # the README's own command
-    ).group(1)  # fmt: skip
+        README.read_text(),
+        flags=re.M,  # the README's own command
+    ).group(1)
     # Shipped with `--output saved_models/imdb_sdpa`, or (this model) trained when that was the
     # default output.
     assert metrics["command"] in (quickstart, quickstart + " --output saved_models/imdb_sdpa")
@@ -555,9 +572,11 @@ def test_benchmark_notes_quote_the_table_above_them():
         (pair, int(length), kind): (ratio, rate, share)
         for pair, length, kind, ratio, rate, share in re.findall(
             r"^\| (sdpa_\w+) vs \w+ \| (\d+) \| (fwd|fwd_bwd) \|.*?\*\*([\d.]+)\*\* \([^)]*\) \| "
-            r"([\d.]+) \| (\d+)% \|", table.split("<!--")[0], re.M,
+            r"([\d.]+) \| (\d+)% \|",
+            table.split("<!--")[0],
+            re.M,
         )
-    }  # fmt: skip
+    }
     assert len(rows) == 8, rows
     text = " ".join(notes.split("What was tried")[0].split())
     layer, core = "sdpa_layer", "sdpa_core"
@@ -599,9 +618,10 @@ def _attention_ratios(section):
         (pair, int(length), kind): f"{ratio} {spread}"
         for pair, length, kind, ratio, spread in re.findall(
             r"^\| (sdpa_\w+) vs \w+ \| (\d+) \| (fwd|fwd_bwd) \|.*?\*\*([\d.]+)\*\* (\([^)]*\))",
-            section, re.M,
+            section,
+            re.M,
         )
-    }  # fmt: skip
+    }
 
 
 def test_speed_page_quotes_the_benchmarks():
@@ -613,16 +633,22 @@ def test_speed_page_quotes_the_benchmarks():
     text = " ".join(page.split())
 
     def section(name):
-        return benchmarks[benchmarks.index(f"<!-- {name}:start -->") :
-                          benchmarks.index(f"<!-- {name}:end -->")]  # fmt: skip
+        return benchmarks[
+            benchmarks.index(f"<!-- {name}:start -->") : benchmarks.index(f"<!-- {name}:end -->")
+        ]
 
-    tables = {"float32": benchmarks.split("<!--")[0],
-              "mixed_bfloat16": section("attention-mixed_bfloat16")}  # fmt: skip
+    tables = {
+        "float32": benchmarks.split("<!--")[0],
+        "mixed_bfloat16": section("attention-mixed_bfloat16"),
+    }
     for policy, table in tables.items():
         ratios = _attention_ratios(table)
         for length in (512, 2048):
-            cells = [ratios[pair, length, kind] for pair in ("sdpa_core", "sdpa_layer")
-                     for kind in ("fwd", "fwd_bwd")]  # fmt: skip
+            cells = [
+                ratios[pair, length, kind]
+                for pair in ("sdpa_core", "sdpa_layer")
+                for kind in ("fwd", "fwd_bwd")
+            ]
             assert f"| {policy}, {length} | " + " | ".join(cells) + " |" in page, (policy, length)
     assert "AMD EPYC" in tables["float32"][:600] and "AMD EPYC" in tables["mixed_bfloat16"]
     jit = section("attention-float32-jit")
@@ -647,9 +673,10 @@ def test_speed_page_quotes_the_benchmarks():
         label: (ratio, low, high)
         for label, ratio, low, high in re.findall(
             r"^\| (chunked, sliding|GQA).*?\*\*([\d.]+)\*\* \(([\d.]+)-([\d.]+)\)",
-            section("features"), re.M,
+            section("features"),
+            re.M,
         )
-    }  # fmt: skip
+    }
     assert "AMD EPYC" in section("features")
     window, gqa = features["chunked, sliding"], features["GQA"]
     assert f"takes **{window[0]}x** the time of full chunked" in text
@@ -657,11 +684,17 @@ def test_speed_page_quotes_the_benchmarks():
     assert f"is the table above: **{step[1]}** ({step[2]}-{step[3]}), on the same AMD EPYC" in (
         " ".join(benchmarks.split())
     )
-    layer = [float(r.split()[0]) for (pair, _, _), r in _attention_ratios(tables["float32"]).items()
-             if pair == "sdpa_layer"]  # fmt: skip
+    layer = [
+        float(r.split()[0])
+        for (pair, _, _), r in _attention_ratios(tables["float32"]).items()
+        if pair == "sdpa_layer"
+    ]
     assert f"the layer takes {min(layer):.2f}x to {max(layer):.2f}x `MultiHeadAttention`'s" in text
-    share = re.search(r"^\| sdpa_core vs keras_ops \| 2048 \| fwd_bwd \|(?:[^|]*\|){4} (\d+)% \|",
-                      tables["float32"], re.M)[1]  # fmt: skip
+    share = re.search(
+        r"^\| sdpa_core vs keras_ops \| 2048 \| fwd_bwd \|(?:[^|]*\|){4} (\d+)% \|",
+        tables["float32"],
+        re.M,
+    )[1]
     assert f"at T=2048 it runs forward plus backward at {share}% of this machine's" in text
 
 
@@ -687,10 +720,16 @@ def test_long_sequences_page_quotes_the_benchmarks():
     """docs/long-sequences.md's memory and time figures are BENCHMARKS.md's long-sequence
     table's, with its machine."""
     benchmarks = (ROOT / "BENCHMARKS.md").read_text()
-    section = benchmarks[benchmarks.index("<!-- long-sequences:start -->") :
-                         benchmarks.index("<!-- long-sequences:end -->")]  # fmt: skip
-    rows = {int(line.split("|")[1]): [cell.strip() for cell in line.split("|")[2:-1]]
-            for line in section.splitlines() if re.match(r"\| \d+ \|", line)}  # fmt: skip
+    section = benchmarks[
+        benchmarks.index("<!-- long-sequences:start -->") : benchmarks.index(
+            "<!-- long-sequences:end -->"
+        )
+    ]
+    rows = {
+        int(line.split("|")[1]): [cell.strip() for cell in line.split("|")[2:-1]]
+        for line in section.splitlines()
+        if re.match(r"\| \d+ \|", line)
+    }
     text = " ".join((DOCS / "long-sequences.md").read_text().split())
     assert "AMD EPYC" in section and "On the AMD EPYC of that table" in text
     most = max(int(row[5]) for row in rows.values())
@@ -704,8 +743,11 @@ def test_long_sequences_page_quotes_the_benchmarks():
 def test_app_page_quotes_the_mixed_precision_step():
     """docs/app.md's mixed-precision step ratio is `benchmarks/app_step.py`'s mixed table's."""
     benchmarks = (ROOT / "BENCHMARKS.md").read_text()
-    section = benchmarks[benchmarks.index("<!-- app-step-mixed:start -->") :
-                         benchmarks.index("<!-- app-step-mixed:end -->")]  # fmt: skip
+    section = benchmarks[
+        benchmarks.index("<!-- app-step-mixed:start -->") : benchmarks.index(
+            "<!-- app-step-mixed:end -->"
+        )
+    ]
     ratio = re.search(r"^\| \*\*ratio\*\* \| \*\*([\d.]+)\*\*", section, flags=re.M)[1]
     text = " ".join((DOCS / "app.md").read_text().split())
     assert "AMD EPYC" in section
@@ -736,14 +778,16 @@ def test_serving_figures_are_the_measured_ones():
     )
     assert f"**{ratios['256']}x** as many reviews per second" in text
     assert f"{ratios['32']}x at batch 32 and {ratios['1']}x at batch 1" in text
-    rates = re.findall(r"^\| (?:empty XLA cache|XLA cache kept[^|]*) \| [\d.]+ \| (\d+) \|",
-                       benchmarks, flags=re.M)  # fmt: skip
+    rates = re.findall(
+        r"^\| (?:empty XLA cache|XLA cache kept[^|]*) \| [\d.]+ \| (\d+) \|", benchmarks, flags=re.M
+    )
     assert f"at {rates[0]} reviews/s with an empty XLA cache and {rates[1]} reviews/s" in text
     rate = re.search(r"^\| 256 \| (\d+) \|", benchmarks, flags=re.M)[1]
     p50 = re.search(r"^\| serving_default \| ([\d.]+) \|", benchmarks, flags=re.M)[1]
     assert f"({int(rate):,} reviews/s at batch 256 and {p50} ms p50 for one review in" in text
-    seconds = re.findall(r"^\| (?:empty XLA cache|XLA cache kept[^|]*) \| ([\d.]+) \|",
-                         benchmarks, flags=re.M)  # fmt: skip
+    seconds = re.findall(
+        r"^\| (?:empty XLA cache|XLA cache kept[^|]*) \| ([\d.]+) \|", benchmarks, flags=re.M
+    )
     assert (
         f"re-run on 2026-12-03 with the predictor's changes since, reads {seconds[0]} and "
         f"{seconds[1]} s" in text
@@ -809,16 +853,19 @@ def test_decode_figures_are_the_benchmarks():
 def test_swap_figures_are_the_benchmarks():
     """The README's and docs/keras-hub.md's swap figures are `benchmarks/swap.py`'s table."""
     benchmarks = (ROOT / "BENCHMARKS.md").read_text()
-    section = benchmarks[benchmarks.index("<!-- swap:start -->") :
-                         benchmarks.index("<!-- swap:end -->")]  # fmt: skip
+    section = benchmarks[
+        benchmarks.index("<!-- swap:start -->") : benchmarks.index("<!-- swap:end -->")
+    ]
     assert re.search(r"On (AMD EPYC|Intel\(R\) Xeon)", section.split("\n|")[0])
     rows = {
         (model, size): (ratio, stock, swapped)
         for model, size, ratio, stock, swapped in re.findall(
             r"^\| (BERT|ViT|GPT-2)[^|]* \| ([^|]+) \|[^|]*\|[^|]*\| \*\*([\d.]+)\*\* [^|]* \| "
-            r"(\d+) \| (\d+) \|", section, re.M,
+            r"(\d+) \| (\d+) \|",
+            section,
+            re.M,
         )
-    }  # fmt: skip
+    }
     bert = rows["BERT", "T=8,192"]
     vit = rows["ViT", "1024x1024 (4,097 tokens)"]
     gpt2 = rows["GPT-2", "S=256"]
@@ -909,8 +956,9 @@ def test_app_page_quotes_the_short_spans_experiment():
 
 def _section(name):
     benchmarks = (ROOT / "BENCHMARKS.md").read_text()
-    return benchmarks[benchmarks.index(f"<!-- {name}:start -->") :
-                      benchmarks.index(f"<!-- {name}:end -->")]  # fmt: skip
+    return benchmarks[
+        benchmarks.index(f"<!-- {name}:start -->") : benchmarks.index(f"<!-- {name}:end -->")
+    ]
 
 
 def test_backends_page_and_readme_quote_the_jax_benchmarks():
@@ -922,9 +970,11 @@ def test_backends_page_and_readme_quote_the_jax_benchmarks():
         (kind, int(length)): (ratio, ours, peer)
         for kind, length, ratio, ours, peer in re.findall(
             r"^\| (layer|chunked|decode)[^|]* \| (\d+) \| [\d.]+ \| [\d.]+ \| \*\*([\d.]+)\*\* "
-            r"\([^)]*\) \| (\d+) \| (\d+) \|", section, re.M,
+            r"\([^)]*\) \| (\d+) \| (\d+) \|",
+            section,
+            re.M,
         )
-    }  # fmt: skip
+    }
     page = " ".join((DOCS / "backends.md").read_text().split())
     short, long = rows["layer", 512], rows["layer", 2048]
     chunked, decode = rows["chunked", 8192], rows["decode", 8192]
@@ -938,8 +988,11 @@ def test_backends_page_and_readme_quote_the_jax_benchmarks():
     readme = " ".join(README.read_text().split())
     assert f"**{long[0]}x** Keras's layer on JAX at T=2,048" in readme
     assert f"peak **{chunked[1]} MiB** against {chunked[2]} at T=8,192" in readme
-    ratios = re.findall(r"^\| (layer|core), fwd\+bwd \| (\d+) \|[^|]*\|[^|]*\| \*\*([\d.]+)\*\*",
-                        _section("against-commit"), re.M)  # fmt: skip
+    ratios = re.findall(
+        r"^\| (layer|core), fwd\+bwd \| (\d+) \|[^|]*\|[^|]*\| \*\*([\d.]+)\*\*",
+        _section("against-commit"),
+        re.M,
+    )
     assert len(ratios) == 4
     quoted = ", ".join(f"{ratio}x" for _, _, ratio in ratios)
     assert f"({quoted}: the layer and the core, T=512 and 2,048)" in page
@@ -1055,10 +1108,14 @@ def test_app_page_quotes_the_shipped_runs_stages_and_out_of_domain_table():
     ) in text
     assert after["tweets"]["ece"] < before["tweets"]["ece"]
     seeds = [
-        json.loads((ROOT / f"saved_models/experiments/pretraining/"
-                    f"out_of_domain_pretrain1500_seed{seed}.json").read_text())
+        json.loads(
+            (
+                ROOT / f"saved_models/experiments/pretraining/"
+                f"out_of_domain_pretrain1500_seed{seed}.json"
+            ).read_text()
+        )
         for seed in (1, 2)
-    ]  # fmt: skip
+    ]
     assert [seed["seed"] for seed in seeds] == [1, 2]
     tweets = [_percent(seed["sets"]["tweets"]["accuracy"]) for seed in seeds]
     products = [_percent(seed["sets"]["product reviews"]["accuracy"]) for seed in seeds]
@@ -1102,16 +1159,18 @@ def test_decoder_figures_are_the_benchmarks():
     """The README's, docs/keras-hub.md's and the notes' figures on the decoder LLMs are
     `benchmarks/decoders.py`'s table."""
     benchmarks = (ROOT / "BENCHMARKS.md").read_text()
-    section = benchmarks[benchmarks.index("<!-- decoders:start -->") :
-                         benchmarks.index("<!-- decoders:end -->")]  # fmt: skip
+    section = benchmarks[
+        benchmarks.index("<!-- decoders:start -->") : benchmarks.index("<!-- decoders:end -->")
+    ]
     assert re.search(r"On (AMD EPYC|Intel\(R\) Xeon)", section.split("\n|")[0])
     rows = {
         (model.split(",")[0].split(" (")[0], variant): (ratio, peak)
         for model, variant, ratio, peak in re.findall(
             r"^\| ([^|]+) \| [^|]+ \| ([^|]+) \| [^|]+ \| \*\*([\d.]+)\*\* [^|]* \| (\d+) \|",
-            section, re.M,
+            section,
+            re.M,
         )
-    }  # fmt: skip
+    }
     llama, llama_stock = rows["Llama", "swapped"], rows["Llama", "stock"]
     gemma, gemma_stock = rows["Gemma", "swapped"], rows["Gemma", "stock"]
     window = rows["Mistral", "swapped, window 512"]
@@ -1135,8 +1194,9 @@ def test_decoder_figures_are_the_benchmarks():
     low, high = re.search(
         r"^\| Llama `generate`[^|]*\|[^|]*\| swapped \|[^|]*\| "
         r"\*\*[\d.]+\*\* \(([\d.]+)-([\d.]+)\)",
-        section, re.M,
-    ).groups()  # fmt: skip
+        section,
+        re.M,
+    ).groups()
     assert f"({low}-{high} over 15 rounds)" in page
     assert f"takes **{loop[0]}x** the stock time per token from a cache of 8,192" in page
     notes = " ".join(benchmarks.split("<!-- decoders:end -->")[1].split("<!--")[0].split())

@@ -23,8 +23,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SAVED_MODEL = os.path.join(ROOT, "saved_models", "imdb_sdpa", "saved_model")
 SERVING_OUTPUTS = {"probability": "float32", "label": "int32", "length": "int32"}
 INSPECT_OUTPUTS = {
-    **SERVING_OUTPUTS, "tokens": "string", "attention": "float32", "pooling": "float32"
-}  # fmt: skip
+    **SERVING_OUTPUTS,
+    "tokens": "string",
+    "attention": "float32",
+    "pooling": "float32",
+}
 
 
 def _python(script, stdin=None, timeout=600):
@@ -32,8 +35,11 @@ def _python(script, stdin=None, timeout=600):
     check = "\nimport sys\nassert 'keras_sdpa' not in sys.modules and 'apps' not in sys.modules\n"
     result = subprocess.run(
         [sys.executable, "-c", script + check],
-        input=stdin, capture_output=True, timeout=timeout, cwd="/",
-    )  # fmt: skip
+        input=stdin,
+        capture_output=True,
+        timeout=timeout,
+        cwd="/",
+    )
     assert result.returncode == 0, result.stderr.decode()[-3000:]
     return result.stdout.decode()
 
@@ -214,10 +220,16 @@ def test_count_tokens_is_the_vectorizers_count():
     count what the app's vectorizer reads, on real reviews and on awkward text."""
     texts, _, _ = data.load_test_split("imdb_reviews")
     awkward = [
-        b"", b"'' ' '''", b"don't 'quoted' words'' ''edge", b"snake_case and-dashes--here",
-        b"line<br />break<BR>again<br/>x", "café naïve — dash".encode(),
-        b"\xff\xfe bad bytes \xc3", "12,000 1/2 ½ 3.14".encode(), "emoji 😀ok".encode(),
-    ]  # fmt: skip
+        b"",
+        b"'' ' '''",
+        b"don't 'quoted' words'' ''edge",
+        b"snake_case and-dashes--here",
+        b"line<br />break<BR>again<br/>x",
+        "café naïve — dash".encode(),
+        b"\xff\xfe bad bytes \xc3",
+        "12,000 1/2 ½ 3.14".encode(),
+        "emoji 😀ok".encode(),
+    ]
     sample = list(texts[:3000]) + awkward
     vectorizer = data.make_vectorizer(10000, 4096)  # every word, known or not
     vectorizer.adapt(tf.constant([b"a b"]))
@@ -286,8 +298,10 @@ def test_serving_benchmark_rejects_a_count_below_one(flag):
     anything."""
     result = subprocess.run(
         [sys.executable, "benchmarks/serving.py", flag, "0"],
-        capture_output=True, timeout=120, cwd=ROOT,
-    )  # fmt: skip
+        capture_output=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert result.returncode == 2
     assert f"{flag} must be at least 1. Received: 0" in result.stderr.decode()
 
@@ -316,10 +330,25 @@ def test_predict_reads_a_file_and_answers_in_input_order(
         "sys.exit(code)\n"
     )
     result = subprocess.run(
-        [sys.executable, "-c", script, "--model", saved_model, "--input", str(path), "--json",
-         "--batch_size", str(batch_size), "--xla_cache", str(tmp_path / "xla")],
-        capture_output=True, timeout=900, cwd=ROOT, env=_without_session_xla_cache(),
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-c",
+            script,
+            "--model",
+            saved_model,
+            "--input",
+            str(path),
+            "--json",
+            "--batch_size",
+            str(batch_size),
+            "--xla_cache",
+            str(tmp_path / "xla"),
+        ],
+        capture_output=True,
+        timeout=900,
+        cwd=ROOT,
+        env=_without_session_xla_cache(),
+    )
     assert result.returncode == 0, result.stderr.decode()[-3000:]
     answers = [json.loads(line) for line in result.stdout.decode().splitlines()]
     assert len(answers) == len(chosen)

@@ -51,8 +51,11 @@ def replace(model, **options):
     """`keras_sdpa.replace_attention`, checking that every weight keeps its path. The layers
     it replaced then get other weights: a model that still called one of them would give
     other outputs than the stock model's (the twins start with equal weights)."""
-    swappable = (keras.layers.MultiHeadAttention, keras.layers.GroupQueryAttention,
-                 CachedMultiHeadAttention)  # fmt: skip
+    swappable = (
+        keras.layers.MultiHeadAttention,
+        keras.layers.GroupQueryAttention,
+        CachedMultiHeadAttention,
+    )
     replaced = [x for x in model._flatten_layers() if type(x) in swappable]
     paths = [w.path for w in model.weights]
     report = keras_sdpa.replace_attention(model, **options)
@@ -85,9 +88,14 @@ def token_inputs(padded):
 
 def bert():
     return BertBackbone(
-        vocabulary_size=VOCAB, num_layers=2, num_heads=2, hidden_dim=16, intermediate_dim=32,
-        max_sequence_length=16, dropout=0.0,
-    )  # fmt: skip
+        vocabulary_size=VOCAB,
+        num_layers=2,
+        num_heads=2,
+        hidden_dim=16,
+        intermediate_dim=32,
+        max_sequence_length=16,
+        dropout=0.0,
+    )
 
 
 @pytest.mark.parametrize("padded", [False, True], ids=["full", "padded"])
@@ -98,8 +106,10 @@ def test_bert_swapped_after_building_gives_the_same_outputs(padded):
     assert report.left == []
     assert attention_kinds(ours) == ["ScaledDotProductAttention"] * 2
     assert attention_kinds(stock) == ["MultiHeadAttention"] * 2
-    assert all(type(block._self_attention_layer) is ScaledDotProductAttention
-               for block in ours.transformer_layers)  # fmt: skip
+    assert all(
+        type(block._self_attention_layer) is ScaledDotProductAttention
+        for block in ours.transformer_layers
+    )
     same_weights(stock, ours)
     ids, mask = token_inputs(padded)
     inputs = {"token_ids": ids, "segment_ids": np.zeros_like(ids), "padding_mask": mask}
@@ -115,8 +125,10 @@ def test_bert_built_in_the_scope_has_this_layer_and_keras_names_come_back():
         scoped = bert()
     assert keras.layers.MultiHeadAttention is before
     assert attention_kinds(scoped) == ["ScaledDotProductAttention"] * 2
-    assert all(type(b._self_attention_layer) is ScaledDotProductAttention
-               for b in scoped.transformer_layers)  # fmt: skip
+    assert all(
+        type(b._self_attention_layer) is ScaledDotProductAttention
+        for b in scoped.transformer_layers
+    )
     stock = bert()
     stock.set_weights(scoped.get_weights())
     ids, mask = token_inputs(padded=True)
@@ -127,8 +139,11 @@ def test_bert_built_in_the_scope_has_this_layer_and_keras_names_come_back():
 
 
 def test_the_scope_restores_every_name_on_an_error():
-    names = (keras.layers.MultiHeadAttention, keras.layers.GroupQueryAttention,
-             transformer_decoder.CachedMultiHeadAttention)  # fmt: skip
+    names = (
+        keras.layers.MultiHeadAttention,
+        keras.layers.GroupQueryAttention,
+        transformer_decoder.CachedMultiHeadAttention,
+    )
     with pytest.raises(RuntimeError, match="inside"):
         with keras_sdpa.sdpa_scope(flash_attention=True):
             assert keras.layers.MultiHeadAttention is not names[0]
@@ -138,16 +153,24 @@ def test_the_scope_restores_every_name_on_an_error():
             assert (layer.num_heads, layer.key_dim, layer.num_key_value_heads) == (4, 8, 2)
             assert layer.flash_attention is True
             raise RuntimeError("inside")
-    assert (keras.layers.MultiHeadAttention, keras.layers.GroupQueryAttention,
-            transformer_decoder.CachedMultiHeadAttention) == names  # fmt: skip
+    assert (
+        keras.layers.MultiHeadAttention,
+        keras.layers.GroupQueryAttention,
+        transformer_decoder.CachedMultiHeadAttention,
+    ) == names
     assert transformer_encoder.keras.layers.MultiHeadAttention is names[0]
 
 
 def gpt2_lm():
     backbone = GPT2Backbone(
-        vocabulary_size=VOCAB, num_layers=2, num_heads=2, hidden_dim=16, intermediate_dim=32,
-        max_sequence_length=32, dropout=0.0,
-    )  # fmt: skip
+        vocabulary_size=VOCAB,
+        num_layers=2,
+        num_heads=2,
+        hidden_dim=16,
+        intermediate_dim=32,
+        max_sequence_length=32,
+        dropout=0.0,
+    )
     lm = GPT2CausalLM(backbone=backbone, preprocessor=None)
     lm.compile(sampler="greedy")
     return lm
@@ -159,8 +182,10 @@ def test_gpt2_swapped_after_building_generates_the_same_greedy_tokens():
     assert [name for _, name in report.swapped] == ["CachedMultiHeadAttention"] * 2
     same_weights(stock, ours)
     ids, mask = token_inputs(padded=False)
-    prompts = {"token_ids": np.pad(ids, [[0, 0], [0, 9]]),
-               "padding_mask": np.pad(mask, [[0, 0], [0, 9]])}  # fmt: skip
+    prompts = {
+        "token_ids": np.pad(ids, [[0, 0], [0, 9]]),
+        "padding_mask": np.pad(mask, [[0, 0], [0, 9]]),
+    }
     prompts["padding_mask"][1, 3:] = False
     prompts["token_ids"][1, 3:] = 0
     want = stock.generate(prompts, stop_token_ids=None)["token_ids"]
@@ -173,9 +198,13 @@ def test_gpt2_swapped_after_building_generates_the_same_greedy_tokens():
 def test_vit_swapped_after_building_gives_the_same_outputs():
     def vit():
         return ViTBackbone(
-            image_shape=(16, 16, 3), patch_size=4, num_layers=2, num_heads=2, hidden_dim=16,
+            image_shape=(16, 16, 3),
+            patch_size=4,
+            num_layers=2,
+            num_heads=2,
+            hidden_dim=16,
             mlp_dim=32,
-        )  # fmt: skip
+        )
 
     stock, ours = twins(vit)
     report = replace(ours, flash_attention=True)
@@ -189,9 +218,14 @@ def test_vit_swapped_after_building_gives_the_same_outputs():
 def test_clip_text_encoder_swapped_after_building_gives_the_same_outputs():
     def clip():
         return CLIPTextEncoder(
-            vocabulary_size=VOCAB, embedding_dim=16, hidden_dim=16, num_layers=2, num_heads=2,
-            intermediate_dim=32, max_sequence_length=T,
-        )  # fmt: skip
+            vocabulary_size=VOCAB,
+            embedding_dim=16,
+            hidden_dim=16,
+            num_layers=2,
+            num_heads=2,
+            intermediate_dim=32,
+            max_sequence_length=T,
+        )
 
     stock, ours = twins(clip)
     report = replace(ours)
@@ -224,17 +258,28 @@ def _sdpa_layers(model):
 
 def test_whisper_and_gemma_keep_their_classes_with_the_kernel_swapped():
     whisper = WhisperBackbone(
-        vocabulary_size=VOCAB, num_layers=1, num_heads=2, hidden_dim=16, intermediate_dim=32,
-        num_mels=8, max_encoder_sequence_length=16, max_decoder_sequence_length=8,
-    )  # fmt: skip
+        vocabulary_size=VOCAB,
+        num_layers=1,
+        num_heads=2,
+        hidden_dim=16,
+        intermediate_dim=32,
+        num_mels=8,
+        max_encoder_sequence_length=16,
+        max_decoder_sequence_length=8,
+    )
     report = keras_sdpa.replace_attention(whisper)
     # The encoder's self-attention, the decoder's self- and cross-attention.
     assert [name for _, name in report.kernels] == ["WhisperCachedMultiHeadAttention"] * 3
     assert report.left == [] and report.swapped == [], report
     gemma = GemmaBackbone(
-        vocabulary_size=VOCAB, num_layers=1, num_query_heads=2, num_key_value_heads=1,
-        hidden_dim=16, intermediate_dim=32, head_dim=8,
-    )  # fmt: skip
+        vocabulary_size=VOCAB,
+        num_layers=1,
+        num_query_heads=2,
+        num_key_value_heads=1,
+        hidden_dim=16,
+        intermediate_dim=32,
+        head_dim=8,
+    )
     report = keras_sdpa.replace_attention(gemma)
     assert [name for _, name in report.kernels] == ["CachedGemmaAttention"], report
     assert report.left == [] and report.swapped == []
@@ -255,8 +300,9 @@ def functional(layer, value_width):
     "make",
     [
         lambda: keras.layers.MultiHeadAttention(num_heads=2, key_dim=4, value_dim=3),
-        lambda: keras.layers.GroupQueryAttention(head_dim=4, num_query_heads=4,
-                                                 num_key_value_heads=2),  # fmt: skip
+        lambda: keras.layers.GroupQueryAttention(
+            head_dim=4, num_query_heads=4, num_key_value_heads=2
+        ),
     ],
     ids=["mha", "gqa"],
 )
@@ -267,8 +313,10 @@ def test_a_functional_graph_node_is_swapped_and_saves_as_this_layer(make, tmp_pa
     assert len(report.swapped) == 1
     same_weights(stock, ours)
     rng = np.random.default_rng(0)
-    inputs = [rng.random((B, T, 12)).astype("float32"),
-              rng.random((B, 5, 12 if gqa else 10)).astype("float32")]  # fmt: skip
+    inputs = [
+        rng.random((B, T, 12)).astype("float32"),
+        rng.random((B, 5, 12 if gqa else 10)).astype("float32"),
+    ]
     want = stock.predict(inputs, verbose=0)
     np.testing.assert_allclose(ours.predict(inputs, verbose=0), want, atol=1e-5)
     path = str(tmp_path / "swapped.keras")
@@ -325,8 +373,9 @@ def test_a_model_fits_after_the_swap():
     before = [keras.ops.convert_to_numpy(w).copy() for w in backbone.weights]
     history = model.fit(inputs, np.array([0.0, 1.0]), epochs=2, verbose=0)
     assert np.isfinite(history.history["loss"]).all()
-    moved = [not np.allclose(a, keras.ops.convert_to_numpy(w))
-             for a, w in zip(before, backbone.weights)]  # fmt: skip
+    moved = [
+        not np.allclose(a, keras.ops.convert_to_numpy(w)) for a, w in zip(before, backbone.weights)
+    ]
     assert sum(moved) > len(moved) // 2
     assert pooled.shape == (B, 16)
 

@@ -19,13 +19,22 @@ from keras_sdpa import ScaledDotProductAttention, _kernels
 
 B, T, VOCAB = 2, 7, 53
 TEXT = dict(
-    num_layers=2, num_heads=2, hidden_dim=16, intermediate_dim=32, vocabulary_size=VOCAB,
-    dropout=0.0, max_sequence_length=16,
-)  # fmt: skip
-DECODER = dict(
-    num_layers=2, num_query_heads=4, num_key_value_heads=2, hidden_dim=16, intermediate_dim=32,
+    num_layers=2,
+    num_heads=2,
+    hidden_dim=16,
+    intermediate_dim=32,
     vocabulary_size=VOCAB,
-)  # fmt: skip
+    dropout=0.0,
+    max_sequence_length=16,
+)
+DECODER = dict(
+    num_layers=2,
+    num_query_heads=4,
+    num_key_value_heads=2,
+    hidden_dim=16,
+    intermediate_dim=32,
+    vocabulary_size=VOCAB,
+)
 BACKBONES = {
     "bert": lambda: BertBackbone(**TEXT),
     "gpt2": lambda: GPT2Backbone(**TEXT),

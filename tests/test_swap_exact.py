@@ -83,8 +83,11 @@ def test_a_cached_attention_gets_no_implicit_mask_after_the_swap():
 def test_the_call_arguments_kept_are_the_replaced_classes():
     import inspect
 
-    for cls in (keras.layers.MultiHeadAttention, keras.layers.GroupQueryAttention,
-                CachedMultiHeadAttention):  # fmt: skip
+    for cls in (
+        keras.layers.MultiHeadAttention,
+        keras.layers.GroupQueryAttention,
+        CachedMultiHeadAttention,
+    ):
         names = [n for n in inspect.signature(cls.call).parameters if n != "self"]
         assert tuple(names) == _stand_in.CALL_ARGUMENTS[cls.__name__], cls
 
@@ -147,8 +150,10 @@ def test_nested_scopes_merge_their_options_for_every_class_and_take_positional_a
         assert (layer.attn_logits_soft_cap, layer.flash_attention) == (0.5, True)
     assert (mha.num_heads, mha.key_dim, gqa.num_key_value_heads) == (2, 4, 1)
     assert (mha.replaces, cached.replaces, gqa.replaces) == (
-        "MultiHeadAttention", "CachedMultiHeadAttention", "GroupedQueryAttention"
-    )  # fmt: skip
+        "MultiHeadAttention",
+        "CachedMultiHeadAttention",
+        "GroupedQueryAttention",
+    )
     assert inner.attn_logits_soft_cap == 0.25
 
 
@@ -197,8 +202,12 @@ def test_scopes_of_two_asyncio_tasks_do_not_mix():
 class Nested(keras.layers.Layer):
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
-        self.blocks = [[keras.layers.MultiHeadAttention(num_heads=2, key_dim=4, name="deep"),
-                        keras.layers.Dense(E)]]  # fmt: skip
+        self.blocks = [
+            [
+                keras.layers.MultiHeadAttention(num_heads=2, key_dim=4, name="deep"),
+                keras.layers.Dense(E),
+            ]
+        ]
         self.pair = {"inner": (keras.layers.MultiHeadAttention(2, 4, name="in_tuple"),)}
 
     def call(self, x):
@@ -333,8 +342,10 @@ def test_layers_shared_by_another_model_are_swapped_there_too(tmp_path):
 
 def test_generate_traced_before_the_backbone_is_swapped_runs_the_new_layers():
     stock, ours = twins(gpt2_lm)
-    prompt = {"token_ids": np.pad([[5, 6, 7]], [[0, 0], [0, 5]]),
-              "padding_mask": np.arange(8)[None] < 3}  # fmt: skip
+    prompt = {
+        "token_ids": np.pad([[5, 6, 7]], [[0, 0], [0, 5]]),
+        "padding_mask": np.arange(8)[None] < 3,
+    }
     want = stock.generate(prompt, stop_token_ids=None)["token_ids"]
     np.testing.assert_array_equal(ours.generate(prompt, stop_token_ids=None)["token_ids"], want)
     report = keras_sdpa.replace_attention(ours.backbone)  # not the task around it
@@ -391,8 +402,9 @@ def test_fully_masked_rows_get_what_the_replaced_class_gives(dropout):
 
     stock, ours = stand_in(
         lambda: keras.layers.MultiHeadAttention(num_heads=2, key_dim=4, dropout=dropout),
-        (B, T, 8), (B, 5, 8),
-    )  # fmt: skip
+        (B, T, 8),
+        (B, 5, 8),
+    )
     rng = np.random.default_rng(2)
     q, v = rng.normal(size=(B, T, 8)).astype("float32"), rng.normal(size=(B, 5, 8))
     v = v.astype("float32")
@@ -400,8 +412,9 @@ def test_fully_masked_rows_get_what_the_replaced_class_gives(dropout):
     mask[0, 2], mask[1, 5] = False, False  # rows with no key
     for causal in (False, True):
         for scores in (False, True):
-            kwargs = dict(attention_mask=mask, use_causal_mask=causal,
-                          return_attention_scores=scores)  # fmt: skip
+            kwargs = dict(
+                attention_mask=mask, use_causal_mask=causal, return_attention_scores=scores
+            )
             got, want = ours(q, v, **kwargs), stock(q, v, **kwargs)
             for a, b in zip(*(x if scores else (x,) for x in (got, want))):
                 np.testing.assert_allclose(numpy(a), numpy(b), atol=1e-5)
@@ -437,15 +450,18 @@ def test_fully_masked_rows_of_every_mask_form_are_the_stock_ones(case):
     q = rng.normal(size=(B, t, 8)).astype("float32")
     v = rng.normal(size=(B, 5, 8)).astype("float32")
     if case == "gqa":
-        stock, ours = stand_in(lambda: keras.layers.GroupQueryAttention(4, 4, 2), (B, T, 8),
-                               (B, 5, 8))  # fmt: skip
+        stock, ours = stand_in(
+            lambda: keras.layers.GroupQueryAttention(4, 4, 2), (B, T, 8), (B, 5, 8)
+        )
     else:
         window = {"window": 2, "window-causal": 2, "window-beyond": 1}.get(case)  # T > S + W
         stock, ours = stand_in(
-            lambda: keras.layers.MultiHeadAttention(2, 16 if case == "folded" else 4,
-                                                    sliding_window=window),
-            (B, t, 8), (B, 5, 8),
-        )  # fmt: skip
+            lambda: keras.layers.MultiHeadAttention(
+                2, 16 if case == "folded" else 4, sliding_window=window
+            ),
+            (B, t, 8),
+            (B, 5, 8),
+        )
     keys = np.ones((B, 5), bool)
     keys[0, :3], keys[1] = False, False  # row 0's first keys and all of row 1's
     mask = rng.random((B, t, 5)) < 0.6

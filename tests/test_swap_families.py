@@ -101,9 +101,13 @@ def dinov2():
 
 def edrec():
     return EdRecBackbone(
-        vocab_size=VOCAB, num_layers_enc=2, num_layers_dec=2, hidden_dim=16, intermediate_dim=32,
+        vocab_size=VOCAB,
+        num_layers_enc=2,
+        num_layers_dec=2,
+        hidden_dim=16,
+        intermediate_dim=32,
         num_heads=2,
-    )  # fmt: skip
+    )
 
 
 def electra():
@@ -114,10 +118,16 @@ def electra():
 def parseq():
     """PARSeq: a ViT image encoder, and a decoder of `CachedMultiHeadAttention`."""
     return PARSeqBackbone(
-        image_encoder=ViTBackbone(**VIT, include_rescaling=False), vocabulary_size=VOCAB,
-        max_label_length=T - 1, decoder_hidden_dim=16, num_decoder_layers=1,
-        num_decoder_heads=2, decoder_mlp_dim=32, dropout_rate=0.0, attention_dropout=0.0,
-    )  # fmt: skip
+        image_encoder=ViTBackbone(**VIT, include_rescaling=False),
+        vocabulary_size=VOCAB,
+        max_label_length=T - 1,
+        decoder_hidden_dim=16,
+        num_decoder_layers=1,
+        num_decoder_heads=2,
+        decoder_mlp_dim=32,
+        dropout_rate=0.0,
+        attention_dropout=0.0,
+    )
 
 
 def sam3_text():
@@ -286,9 +296,12 @@ def assert_fits_alike(stock, ours, changed):
     np.testing.assert_allclose(losses[1], losses[0], atol=1e-5, rtol=1e-4)
     for a, b in zip(stock.weights, ours.weights, strict=True):
         np.testing.assert_allclose(
-            keras.ops.convert_to_numpy(b), keras.ops.convert_to_numpy(a), atol=1e-5, rtol=1e-5,
+            keras.ops.convert_to_numpy(b),
+            keras.ops.convert_to_numpy(a),
+            atol=1e-5,
+            rtol=1e-5,
             err_msg=a.path,
-        )  # fmt: skip
+        )
 
 
 @pytest.mark.large
@@ -380,10 +393,15 @@ def qwen3_5():
 
     linear = dict(linear_num_key_heads=2, linear_num_value_heads=2)
     return Qwen3_5Backbone(
-        **{**DECODER, "num_layers": 2}, num_query_heads=2, num_key_value_heads=1, head_dim=8,
-        layer_types=["linear_attention", "full_attention"], **linear,
-        linear_key_head_dim=8, linear_value_head_dim=8,
-    )  # fmt: skip
+        **{**DECODER, "num_layers": 2},
+        num_query_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        layer_types=["linear_attention", "full_attention"],
+        **linear,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+    )
 
 
 # (Llama, Mistral, Gemma, GPT-NeoX and the other decoders whose class computes its kernel in

@@ -65,25 +65,45 @@ DECODER = dict(vocabulary_size=VOCAB, num_layers=2, hidden_dim=16, intermediate_
 GQA = dict(DECODER, num_query_heads=4, num_key_value_heads=2)
 # Windows of 3 keys and a soft cap of 2: smaller than the inputs and the logits, so they count.
 GEMMA2 = dict(
-    GQA, head_dim=8, attention_logit_soft_cap=2.0, use_sliding_window_attention=True,
-    sliding_window_size=3, query_head_dim_normalize=False,
-)  # fmt: skip
+    GQA,
+    head_dim=8,
+    attention_logit_soft_cap=2.0,
+    use_sliding_window_attention=True,
+    sliding_window_size=3,
+    query_head_dim_normalize=False,
+)
 MOE = dict(GQA, num_experts=2, top_k=1)
 SMOLLM3 = dict(
-    vocabulary_size=VOCAB, hidden_dim=16, intermediate_dim=32, num_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, attention_bias=False, attention_dropout=0.0,
-    rope_layer_enabled_list=[True, False], layer_types=["attention", "attention"],
-    mlp_bias=False, layer_norm_epsilon=1e-6, max_position_embeddings=32, rope_theta=1e4,
+    vocabulary_size=VOCAB,
+    hidden_dim=16,
+    intermediate_dim=32,
+    num_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    attention_bias=False,
+    attention_dropout=0.0,
+    rope_layer_enabled_list=[True, False],
+    layer_types=["attention", "attention"],
+    mlp_bias=False,
+    layer_norm_epsilon=1e-6,
+    max_position_embeddings=32,
+    rope_theta=1e4,
     partial_rotary_factor=1.0,
-)  # fmt: skip
+)
 
 FAMILIES = {
     # name: (backbone, the attention class, its causal LM or None)
     "llama": (partial(LlamaBackbone, **GQA), "LlamaAttention", LlamaCausalLM),
-    "mistral": (partial(MistralBackbone, **GQA, sliding_window=3), "CachedMistralAttention",
-                MistralCausalLM),
-    "mixtral": (partial(MixtralBackbone, **MOE, sliding_window=3), "CachedMixtralAttention",
-                MixtralCausalLM),
+    "mistral": (
+        partial(MistralBackbone, **GQA, sliding_window=3),
+        "CachedMistralAttention",
+        MistralCausalLM,
+    ),
+    "mixtral": (
+        partial(MixtralBackbone, **MOE, sliding_window=3),
+        "CachedMixtralAttention",
+        MixtralCausalLM,
+    ),
     "phi3": (partial(Phi3Backbone, **GQA), "Phi3Attention", Phi3CausalLM),
     "gemma": (partial(GemmaBackbone, **GQA, head_dim=8), "CachedGemmaAttention", GemmaCausalLM),
     "gemma2": (partial(GemmaBackbone, **GEMMA2), "CachedGemmaAttention", GemmaCausalLM),
@@ -91,33 +111,57 @@ FAMILIES = {
     "gemma3": (partial(Gemma3Backbone, **GEMMA2, image_size=16), "CachedGemma3Attention", None),
     "qwen": (partial(QwenBackbone, **GQA), "QwenAttention", QwenCausalLM),
     # The stock Qwen with its window cannot generate (`cache_update_index or 0` on a tensor).
-    "qwen_window": (partial(QwenBackbone, **GQA, use_sliding_window_attention=True,
-                            sliding_window_size=3), "QwenAttention", None),
-    "qwen_moe": (partial(QwenMoeBackbone, **MOE, moe_intermediate_dim=8,
-                         shared_expert_intermediate_dim=8), "QwenMoeAttention",
-                 QwenMoeCausalLM),
-    "qwen3": (partial(Qwen3Backbone, **GQA, head_dim=4, sliding_window_size=3), "Qwen3Attention",
-              Qwen3CausalLM),
-    "qwen3_moe": (partial(Qwen3MoeBackbone, **MOE, moe_intermediate_dim=8, head_dim=4,
-                          sliding_window_size=3), "Qwen3MoeAttention",
-                  Qwen3MoeCausalLM),
+    "qwen_window": (
+        partial(QwenBackbone, **GQA, use_sliding_window_attention=True, sliding_window_size=3),
+        "QwenAttention",
+        None,
+    ),
+    "qwen_moe": (
+        partial(QwenMoeBackbone, **MOE, moe_intermediate_dim=8, shared_expert_intermediate_dim=8),
+        "QwenMoeAttention",
+        QwenMoeCausalLM,
+    ),
+    "qwen3": (
+        partial(Qwen3Backbone, **GQA, head_dim=4, sliding_window_size=3),
+        "Qwen3Attention",
+        Qwen3CausalLM,
+    ),
+    "qwen3_moe": (
+        partial(Qwen3MoeBackbone, **MOE, moe_intermediate_dim=8, head_dim=4, sliding_window_size=3),
+        "Qwen3MoeAttention",
+        Qwen3MoeCausalLM,
+    ),
     "smollm3": (partial(SmolLM3Backbone, **SMOLLM3), "SmolLM3Attention", SmolLM3CausalLM),
-    "gpt_neo_x": (partial(GPTNeoXBackbone, **DECODER, num_heads=2, dropout=0.0),
-                  "GPTNeoXAttention", GPTNeoXCausalLM),
+    "gpt_neo_x": (
+        partial(GPTNeoXBackbone, **DECODER, num_heads=2, dropout=0.0),
+        "GPTNeoXAttention",
+        GPTNeoXCausalLM,
+    ),
     # Kernels written inside `call`, with ALiBi: `call` replaced (the class's sublayers kept).
     "bloom": (partial(BloomBackbone, **DECODER, num_heads=4), "BloomAttention", BloomCausalLM),
-    "falcon": (partial(FalconBackbone, **DECODER, num_attention_heads=4), "FalconAttention",
-               FalconCausalLM),
+    "falcon": (
+        partial(FalconBackbone, **DECODER, num_attention_heads=4),
+        "FalconAttention",
+        FalconCausalLM,
+    ),
     # T5's relative-position bias, made by the first layer and handed on (with the mask in it):
     # the encoder's self-attention, the decoder's self- and cross-attention.
-    "t5": (partial(T5Backbone, **DECODER, num_heads=2, dropout=0.0), "T5MultiHeadAttention",
-           None),
+    "t5": (partial(T5Backbone, **DECODER, num_heads=2, dropout=0.0), "T5MultiHeadAttention", None),
     # A subclass of keras-hub's cached attention whose key projection has no bias: the
     # encoder's self-attention, the decoder's causal self-attention and its cross-attention.
-    "whisper": (partial(WhisperBackbone, **DECODER, num_heads=2, num_mels=8,
-                        max_encoder_sequence_length=16, max_decoder_sequence_length=8),
-                "WhisperCachedMultiHeadAttention", None),
-}  # fmt: skip
+    "whisper": (
+        partial(
+            WhisperBackbone,
+            **DECODER,
+            num_heads=2,
+            num_mels=8,
+            max_encoder_sequence_length=16,
+            max_decoder_sequence_length=8,
+        ),
+        "WhisperCachedMultiHeadAttention",
+        None,
+    ),
+}
 # The attention layers of each family: one per layer, Whisper's three.
 ATTENTION_LAYERS = {"whisper": 3 * DECODER["num_layers"], "t5": 3 * DECODER["num_layers"]}
 WITH_LM = [name for name, (_, _, task) in FAMILIES.items() if task is not None]
@@ -206,8 +250,14 @@ def test_the_kernel_swapped_family_generates_the_stock_greedy_tokens(name, core_
 
 
 # The constructor argument that sets the dropout of a family's attention weights.
-DROPOUT = {"gemma": "dropout", "gpt_neo_x": "dropout", "whisper": "dropout", "bloom": "dropout",
-           "t5": "dropout", "falcon": "attention_dropout_rate"}  # fmt: skip
+DROPOUT = {
+    "gemma": "dropout",
+    "gpt_neo_x": "dropout",
+    "whisper": "dropout",
+    "bloom": "dropout",
+    "t5": "dropout",
+    "falcon": "attention_dropout_rate",
+}
 
 
 @pytest.mark.default_cases("gemma", "bloom")

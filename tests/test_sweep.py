@@ -85,11 +85,28 @@ def test_a_recorded_seed_is_not_run_again(tmp_path, monkeypatch):
         return 0
 
     monkeypatch.setattr(sweep.subprocess, "call", train)
-    code = sweep.main(["cfg", "--seeds", "0", "1", "--runs", str(runs), "--folder", str(folder),
-                       "--", "--dropout", "0.4"])  # fmt: skip
+    code = sweep.main(
+        [
+            "cfg",
+            "--seeds",
+            "0",
+            "1",
+            "--runs",
+            str(runs),
+            "--folder",
+            str(folder),
+            "--",
+            "--dropout",
+            "0.4",
+        ]
+    )
     assert code == 0
-    assert len(commands) == 1 and commands[0][-4:] == ["--seed", "1", "--output",
-                                                       str(runs / "cfg" / "seed1")]  # fmt: skip
+    assert len(commands) == 1 and commands[0][-4:] == [
+        "--seed",
+        "1",
+        "--output",
+        str(runs / "cfg" / "seed1"),
+    ]
     assert commands[0][3:5] == ["--dropout", "0.4"]
     assert (folder / "cfg" / "seed1.metrics.json").exists()
 

@@ -42,9 +42,16 @@ def page(tmp_path_factory):
     vectorizer = data.make_vectorizer(2000, 40)
     vectorizer.adapt(texts[:2000])
     model, inspector = model_lib.build_classifier(
-        vocab_size=vectorizer.vocabulary_size(), sequence_length=40, embed_dim=16,
-        num_heads=2, key_dim=8, ff_dim=32, num_layers=2, dropout=0.0, seed=0,
-    )  # fmt: skip
+        vocab_size=vectorizer.vocabulary_size(),
+        sequence_length=40,
+        embed_dim=16,
+        num_heads=2,
+        key_dim=8,
+        ff_dim=32,
+        num_layers=2,
+        dropout=0.0,
+        seed=0,
+    )
     chosen = inspection_records.inspection_sample(len(texts), 12, seed=0)
     records = inspection_records.inspect_records(
         inspector, vectorizer, texts[chosen], labels[chosen], chosen, model=model
@@ -166,10 +173,15 @@ def test_gradient_shading_and_the_deletion_line(opened):
 def test_no_gradient_no_shading_selector(tmp_path, browser):
     tokens = ["a", "fine", "film"]
     record = {
-        "index": 0, "text": "a fine film", "tokens": tokens, "label": 1, "prediction": 1,
-        "probability": 0.8, "pooling": [[0.2, 0.5, 0.3]],
+        "index": 0,
+        "text": "a fine film",
+        "tokens": tokens,
+        "label": 1,
+        "prediction": 1,
+        "probability": 0.8,
+        "pooling": [[0.2, 0.5, 0.3]],
         "attention": np.full((1, 1, 3, 3), 1 / 3).tolist(),
-    }  # fmt: skip
+    }
     html = inspection_records.write_attention_html([record], str(tmp_path / "attention.html"))
     browser.get("file://" + os.path.abspath(html) + "#review=0&shading=gradient")
     assert not browser.find_element(By.ID, "shading-control").is_displayed()
@@ -286,11 +298,16 @@ def test_hostile_reviews_render_as_text(tmp_path, browser):
         n = len(tokens)
         records.append(
             {
-                "index": index, "text": text, "tokens": tokens, "label": 1, "prediction": 1,
-                "probability": 0.75, "pooling": np.full((1, n), 1 / n).tolist(),
+                "index": index,
+                "text": text,
+                "tokens": tokens,
+                "label": 1,
+                "prediction": 1,
+                "probability": 0.75,
+                "pooling": np.full((1, n), 1 / n).tolist(),
                 "attention": np.full((1, 1, n, n), 1 / n).tolist(),
             }
-        )  # fmt: skip
+        )
     html = inspection_records.write_attention_html(records, str(tmp_path / "attention.html"))
     browser.set_window_size(1200, 900)
     browser.get("file://" + os.path.abspath(html))

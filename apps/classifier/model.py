@@ -39,9 +39,13 @@ class TransformerBlock(keras.layers.Layer):
         # residual needs the block's width back, as MultiHeadAttention always gives it.
         projection = {"output_projection": True} if num_heads == 1 else {}
         self.attention = ScaledDotProductAttention(
-            num_heads=num_heads, key_dim=key_dim, dropout=dropout, seed=seed, name="attention",
+            num_heads=num_heads,
+            key_dim=key_dim,
+            dropout=dropout,
+            seed=seed,
+            name="attention",
             **projection,
-        )  # fmt: skip
+        )
         self.attention_norm = keras.layers.LayerNormalization(epsilon=1e-6, name="attention_norm")
         self.ff_inner = keras.layers.Dense(ff_dim, activation="gelu", name="ff_inner")
         self.ff_norm = keras.layers.LayerNormalization(epsilon=1e-6, name="ff_norm")
@@ -123,9 +127,16 @@ def build_classifier(
     `adapt_naive_bayes(ids, labels)` with `naive_bayes=True`).
     """
     embedding = TokenAndPositionEmbedding(
-        vocab_size, sequence_length, embed_dim, bigram_vocab_size, trigram_vocab_size,
-        naive_bayes, naive_bayes_folds, ngram_dim=ngram_dim, name="embedding",
-    )  # fmt: skip
+        vocab_size,
+        sequence_length,
+        embed_dim,
+        bigram_vocab_size,
+        trigram_vocab_size,
+        naive_bayes,
+        naive_bayes_folds,
+        ngram_dim=ngram_dim,
+        name="embedding",
+    )
     embedding_dropout = keras.layers.Dropout(dropout, seed=seed, name="embedding_dropout")
     blocks = [
         TransformerBlock(

@@ -101,12 +101,23 @@ def _mean_and_error(values):
     if not len(values):
         return {"mean": None, "standard_error": None}
     error = float(values.std(ddof=1) / math.sqrt(len(values))) if len(values) > 1 else None
-    return {"mean": round(float(values.mean()), 6),
-            "standard_error": None if error is None else round(error, 6)}  # fmt: skip
+    return {
+        "mean": round(float(values.mean()), 6),
+        "standard_error": None if error is None else round(error, 6),
+    }
 
 
-def evaluate(model, inspector, vectorizer, texts, labels, seed=0, batch_size=128,
-             fractions=explain.FRACTIONS, reviews_per_step=25):  # fmt: skip
+def evaluate(
+    model,
+    inspector,
+    vectorizer,
+    texts,
+    labels,
+    seed=0,
+    batch_size=128,
+    fractions=explain.FRACTIONS,
+    reviews_per_step=25,
+):
     """Runs the tests on `texts`; returns the `faithfulness.json` payload (without `source`)."""
     ids = data.vectorize(vectorizer, np.asarray(texts))
     lengths = (ids != 0).sum(axis=1)
@@ -134,25 +145,7 @@ def evaluate(model, inspector, vectorizer, texts, labels, seed=0, batch_size=128
     full = np.concatenate(full) if full else np.zeros(0)
     predicted = np.concatenate(predicted) if predicted else np.zeros(0, dtype=np.int64)
     labels = np.asarray(labels)[usable]
-    flip_column = fractions.index(0.10) if 0.10 in fractions else None
-    results = {}
-    comprehensiveness_aopc = {}
-    for name, arrays in per_ranking.items():
-        arrays = {key: np.concatenate(value) for key, value in arrays.items()}  # (R, K)
-        comprehensiveness_aopc[name] = arrays["comprehensiveness"].mean(axis=1)  # (R,)
-        row = {
-            "comprehensiveness": [_mean_and_error(c) for c in arrays["comprehensiveness"].T],
-            "sufficiency": [_mean_and_error(s) for s in arrays["sufficiency"].T],
-            "comprehensiveness_aopc": _mean_and_error(comprehensiveness_aopc[name]),
-            "sufficiency_aopc": _mean_and_error(arrays["sufficiency"].mean(axis=1)),
-        }
-        if flip_column is not None:
-            row["label_flips_top_10_percent"] = round(
-                float(np.mean(arrays["without"][:, flip_column] < 0.5)), 6
-            )
-        results[name] = row
-    taus = np.asarray(taus, dtype=np.float64)
-    finite = taus[~np.isnan(taus)]
+    results, comprehensiveness_aopc = _per_ranking(per_ranking, fractions)
     baseline = comprehensiveness_aopc.get("random")
     versus_random = {
         name: _mean_and_error(aopc - baseline)
@@ -172,16 +165,45 @@ def evaluate(model, inspector, vectorizer, texts, labels, seed=0, batch_size=128
         "fractions": list(fractions),
         "rankings": results,
         "comprehensiveness_aopc_minus_random": versus_random,
-        "kendall_tau_attention_vs_gradient": {
-            **_mean_and_error(finite),
-            "quantiles": {
-                q: round(float(np.quantile(finite, float(q))), 6)
-                for q in ("0.1", "0.25", "0.5", "0.75", "0.9")
-            }
-            if len(finite)
-            else {},
-            "values": [round(float(t), 4) for t in finite],
-        },  # fmt: skip
+        "kendall_tau_attention_vs_gradient": _taus(taus),
+    }
+
+
+def _per_ranking(per_ranking, fractions):
+    """Each ranking's row of the payload, and its comprehensiveness AOPC per review `(R,)`."""
+    flip_column = fractions.index(0.10) if 0.10 in fractions else None
+    results, comprehensiveness_aopc = {}, {}
+    for name, arrays in per_ranking.items():
+        arrays = {key: np.concatenate(value) for key, value in arrays.items()}  # (R, K)
+        comprehensiveness_aopc[name] = arrays["comprehensiveness"].mean(axis=1)  # (R,)
+        row = {
+            "comprehensiveness": [_mean_and_error(c) for c in arrays["comprehensiveness"].T],
+            "sufficiency": [_mean_and_error(s) for s in arrays["sufficiency"].T],
+            "comprehensiveness_aopc": _mean_and_error(comprehensiveness_aopc[name]),
+            "sufficiency_aopc": _mean_and_error(arrays["sufficiency"].mean(axis=1)),
+        }
+        if flip_column is not None:
+            row["label_flips_top_10_percent"] = round(
+                float(np.mean(arrays["without"][:, flip_column] < 0.5)), 6
+            )
+        results[name] = row
+    return results, comprehensiveness_aopc
+
+
+def _taus(taus):
+    """Kendall's tau of attention against gradient x input: mean, error, quantiles, values."""
+    finite = np.asarray(taus, dtype=np.float64)
+    finite = finite[~np.isnan(finite)]
+    quantiles = {}
+    if len(finite):
+        quantiles = {
+            q: round(float(np.quantile(finite, float(q))), 6)
+            for q in ("0.1", "0.25", "0.5", "0.75", "0.9")
+        }
+    return {
+        **_mean_and_error(finite),
+        "quantiles": quantiles,
+        "values": [round(float(t), 4) for t in finite],
     }
 
 
@@ -235,9 +257,11 @@ def check_against_saved_model(run, saved_model, texts, tolerance=1e-4):
     loaded = tf.saved_model.load(saved_model)
     serve = loaded.signatures["serving_default"]
     served = np.concatenate(
-        [serve(text=tf.constant(texts[i : i + 64]))["probability"].numpy()
-         for i in range(0, len(texts), 64)]
-    )  # fmt: skip
+        [
+            serve(text=tf.constant(texts[i : i + 64]))["probability"].numpy()
+            for i in range(0, len(texts), 64)
+        ]
+    )
     ids = data.vectorize(run.vectorizer, texts)
     ours = explain.ModelProbe(run.model).probability(ids)
     difference = float(np.max(np.abs(served - ours))) if len(texts) else 0.0
@@ -270,9 +294,14 @@ def main(argv=None):
         f"Ranking and deleting tokens in {len(chosen)} {split} reviews"
     )
     payload = evaluate(
-        run.model, run.inspector, run.vectorizer, texts[chosen], labels[chosen],
-        seed=config.seed, batch_size=config.batch_size,
-    )  # fmt: skip
+        run.model,
+        run.inspector,
+        run.vectorizer,
+        texts[chosen],
+        labels[chosen],
+        seed=config.seed,
+        batch_size=config.batch_size,
+    )
     payload["source"] = {
         "run": os.path.abspath(config.run),
         "weights": os.path.abspath(run.weights_from),

@@ -74,8 +74,12 @@ def _pretraining_section(metrics):
     stages = metrics.get("stage_seconds")
     times = ""
     if stages:
-        named = {"data": "data", "pretraining": "pretraining", "fine_tuning": "fine-tuning",
-                 "report": "report and export"}  # fmt: skip
+        named = {
+            "data": "data",
+            "pretraining": "pretraining",
+            "fine_tuning": "fine-tuning",
+            "report": "report and export",
+        }
         times = (
             "Wall time per stage: "
             + ", ".join(

@@ -24,8 +24,9 @@ def inspection_sample(size, count, seed):
     return np.sort(rng.choice(size, min(count, size), replace=False))
 
 
-def make_record(index, text, tokens, label, probability, pooling, attention,
-                gradient=None, deletion=None):  # fmt: skip
+def make_record(
+    index, text, tokens, label, probability, pooling, attention, gradient=None, deletion=None
+):
     """One inspection record over the `n` real tokens of a review.
 
     `pooling` is `(N, n)` and `attention` `(layers, N, n, n)` (row: the attending
@@ -104,7 +105,7 @@ def inspect_records(inspector, vectorizer, texts, labels, indices=None, model=No
                 pooling,
                 outputs["attention"][i, :, :, :n, :n],
                 **extra,
-            )  # fmt: skip
+            )
         )
     return records
 

@@ -26,10 +26,15 @@ from .records import inspection_sample, make_record, write_attention_html, write
 # Chromium's flags for these machines: headless, no sandbox (root), and no background
 # connections (the network is closed, and Chromium would keep retrying).
 CHROMIUM_FLAGS = (
-    "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
-    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
     "--disable-quic",
-)  # fmt: skip
+)
 
 
 def records_from_saved_model(serve, texts, labels, indices=None, batch_size=8):
@@ -53,7 +58,7 @@ def records_from_saved_model(serve, texts, labels, indices=None, batch_size=8):
                     float(out["probability"][i]),
                     out["pooling"][i, :, :n].numpy(),
                     out["attention"][i, :, :, :n, :n].numpy(),
-                )  # fmt: skip
+                )
             )
     return records
 

@@ -100,8 +100,9 @@ def _print_log_tail(log):
         with open(log.name, "rb") as f:
             lines = f.read().decode("utf-8", "replace").splitlines()[-NATIVE_LOG_LINES:]
         if lines:
-            print(f"TensorFlow's log ({log.name}), its last lines:", *lines, sep="\n",
-                  file=sys.stderr)  # fmt: skip
+            print(
+                f"TensorFlow's log ({log.name}), its last lines:", *lines, sep="\n", file=sys.stderr
+            )
 
 
 def _descriptor(stream):

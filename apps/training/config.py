@@ -79,26 +79,62 @@ class Config:
 
 # Flags that shape the data, the model or the step sequence; a resumed run must match them.
 _RUN_DEFINING = (
-    "dataset", "validation_fraction", "vocab_size", "sequence_length", "bigram_vocab_size",
-    "trigram_vocab_size", "naive_bayes_alpha", "naive_bayes_folds", "vocabulary_source",
-    "embed_dim", "num_heads", "key_dim", "ff_dim", "num_layers", "dropout", "batch_size",
-    "learning_rate", "weight_decay", "seed", "max_steps", "epochs", "strategy", "logical_cpus",
-    "monitor", "mixed_precision", "pooling_scale", "pooling_values", "ngram_dim", "short_spans",
-    "pretrain_steps", "pretrain_batch_size", "pretrain_learning_rate", "mask_rate",
+    "dataset",
+    "validation_fraction",
+    "vocab_size",
+    "sequence_length",
+    "bigram_vocab_size",
+    "trigram_vocab_size",
+    "naive_bayes_alpha",
+    "naive_bayes_folds",
+    "vocabulary_source",
+    "embed_dim",
+    "num_heads",
+    "key_dim",
+    "ff_dim",
+    "num_layers",
+    "dropout",
+    "batch_size",
+    "learning_rate",
+    "weight_decay",
+    "seed",
+    "max_steps",
+    "epochs",
+    "strategy",
+    "logical_cpus",
+    "monitor",
+    "mixed_precision",
+    "pooling_scale",
+    "pooling_values",
+    "ngram_dim",
+    "short_spans",
+    "pretrain_steps",
+    "pretrain_batch_size",
+    "pretrain_learning_rate",
+    "mask_rate",
     "predicted_words",
-)  # fmt: skip
+)
 
 
 # A run recorded before one of these flags existed did what the flag's first default does:
 # each flag came in with the behaviour of its day as its default (resumed runs' configs and
 # the sweep's recorded runs are read with them).
 FIRST_DEFAULTS = {
-    "trigram_vocab_size": 0, "ngram_dim": None, "vocabulary_source": "train",
-    "naive_bayes_alpha": 0.0, "pooling_scale": None, "pooling_values": "block",
-    "mixed_precision": None, "weight_decay": 0.0, "short_spans": 0.0, "pretrain_steps": 0,
-    "pretrain_batch_size": 64, "pretrain_learning_rate": 1e-3, "mask_rate": 0.15,
+    "trigram_vocab_size": 0,
+    "ngram_dim": None,
+    "vocabulary_source": "train",
+    "naive_bayes_alpha": 0.0,
+    "pooling_scale": None,
+    "pooling_values": "block",
+    "mixed_precision": None,
+    "weight_decay": 0.0,
+    "short_spans": 0.0,
+    "pretrain_steps": 0,
+    "pretrain_batch_size": 64,
+    "pretrain_learning_rate": 1e-3,
+    "mask_rate": 0.15,
     "predicted_words": 8192,
-}  # fmt: skip
+}
 
 
 STRATEGIES = ("default", "mirrored", "multi_worker")
@@ -139,10 +175,21 @@ def check_config(config):
 
 def _check_sizes(config):
     positive = (
-        "vocab_size", "sequence_length", "embed_dim", "num_heads", "key_dim", "ff_dim",
-        "num_layers", "batch_size", "epochs", "patience", "save_every", "naive_bayes_folds",
-        "pretrain_batch_size", "pretrain_learning_rate",
-    )  # fmt: skip
+        "vocab_size",
+        "sequence_length",
+        "embed_dim",
+        "num_heads",
+        "key_dim",
+        "ff_dim",
+        "num_layers",
+        "batch_size",
+        "epochs",
+        "patience",
+        "save_every",
+        "naive_bayes_folds",
+        "pretrain_batch_size",
+        "pretrain_learning_rate",
+    )
     for name in positive:
         if getattr(config, name) <= 0:
             raise ValueError(

@@ -35,11 +35,20 @@ def write_reliability_diagram(calibrated, path):
         bins = figures["bins"]
         width = bins[0]["upper"] - bins[0]["lower"] if bins else 1.0
         ax.bar(
-            [b["lower"] for b in bins], [b["accuracy"] for b in bins], width=width,
-            align="edge", edgecolor="black", alpha=0.75, label="accuracy in the bin",
-        )  # fmt: skip
-        ax.plot([b["confidence"] for b in bins], [b["confidence"] for b in bins], "r.",
-                label="mean confidence in the bin")  # fmt: skip
+            [b["lower"] for b in bins],
+            [b["accuracy"] for b in bins],
+            width=width,
+            align="edge",
+            edgecolor="black",
+            alpha=0.75,
+            label="accuracy in the bin",
+        )
+        ax.plot(
+            [b["confidence"] for b in bins],
+            [b["confidence"] for b in bins],
+            "r.",
+            label="mean confidence in the bin",
+        )
         ax.plot([0.5, 1], [0.5, 1], "k--", linewidth=1, label="perfect calibration")
         ax.set_xlim(0.5, 1)
         ax.set_ylim(0, 1)
@@ -47,8 +56,14 @@ def write_reliability_diagram(calibrated, path):
         ax.set_title(f"{title}: ECE {figures['ece']:.4f}")
         ax.grid(alpha=0.3)
         for b in bins:
-            ax.text(b["lower"] + width / 2, 0.02, f"{b['count'] / figures['examples']:.0%}",
-                    ha="center", fontsize=6, rotation=90)  # fmt: skip
+            ax.text(
+                b["lower"] + width / 2,
+                0.02,
+                f"{b['count'] / figures['examples']:.0%}",
+                ha="center",
+                fontsize=6,
+                rotation=90,
+            )
     axes[0].set_ylabel("accuracy")
     axes[0].legend(loc="upper left", fontsize=8)
     fig.suptitle(f"Reliability on the test split ({calibrated['bins']} bins; bar labels: share)")

@@ -195,8 +195,18 @@ def fit_model(config, run, model, train_ids, train_labels, validation, steps_per
     stopped = _stopped_early(history, config.patience, config.monitor)
     try:
         with interrupts_raised():
-            _fit_segments(config, run, model, train_ids, train_labels, validation,
-                          steps_per_epoch, callbacks, early_stopping, stopped)  # fmt: skip
+            _fit_segments(
+                config,
+                run,
+                model,
+                train_ids,
+                train_labels,
+                validation,
+                steps_per_epoch,
+                callbacks,
+                early_stopping,
+                stopped,
+            )
     except KeyboardInterrupt:
         state.save()
         print(
@@ -209,8 +219,18 @@ def fit_model(config, run, model, train_ids, train_labels, validation, steps_per
     return state.seconds(), stopped
 
 
-def _fit_segments(config, run, model, train_ids, train_labels, validation, steps_per_epoch,
-                  callbacks, early_stopping, stopped):  # fmt: skip
+def _fit_segments(
+    config,
+    run,
+    model,
+    train_ids,
+    train_labels,
+    validation,
+    steps_per_epoch,
+    callbacks,
+    early_stopping,
+    stopped,
+):
     """`model.fit` over what is left of the run's epochs (`_segments`), unless stopped early."""
     # Multi-worker Keras finds its strategy in the scope (see apps/training/distribute.py);
     # evaluation and export then run on each worker alone, with the same weights.
@@ -228,7 +248,7 @@ def _fit_segments(config, run, model, train_ids, train_labels, validation, steps
                     run.global_batch,
                     config.seed,
                     start_step=optimizer_step(model),
-                ),  # fmt: skip
+                ),
                 initial_epoch=initial_epoch,
                 epochs=epochs,
                 steps_per_epoch=steps,

@@ -54,9 +54,18 @@ def fetch(cache=DEFAULT_CACHE):
         os.makedirs(cache, exist_ok=True)
         print(f"Downloading {PACKAGE}'s source archive into {cache}")
         command = [
-            sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps",
-            "--quiet", "--dest", cache, PACKAGE,
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-binary",
+            ":all:",
+            "--no-deps",
+            "--quiet",
+            "--dest",
+            cache,
+            PACKAGE,
+        ]
         done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode != 0 or not os.path.exists(path):
             raise ValueError(
@@ -192,8 +201,10 @@ def main(argv=None):
             "sets": measure(args.model, sets),
         }
         if args.baseline:
-            report["baseline"] = {**_model_record(args.baseline, args.baseline_label),
-                                  "sets": measure(args.baseline, sets)}  # fmt: skip
+            report["baseline"] = {
+                **_model_record(args.baseline, args.baseline_label),
+                "sets": measure(args.baseline, sets),
+            }
         elif kept is not None:
             report["baseline"] = kept
             print(f"Kept the baseline measured before: {kept['model']} (`--baseline` replaces it)")

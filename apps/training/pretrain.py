@@ -27,12 +27,32 @@ from .fit import TrainingState, interrupts_raised, optimizer_step
 # the texts it read and the vocabulary and n-gram files are the same. (The naive-Bayes tables
 # are weights of the embedding, so their flags count too.)
 _ENCODER_DEFINING = (
-    "dataset", "validation_fraction", "vocab_size", "sequence_length", "bigram_vocab_size",
-    "trigram_vocab_size", "ngram_dim", "vocabulary_source", "naive_bayes_alpha",
-    "naive_bayes_folds", "embed_dim", "num_heads", "key_dim", "ff_dim", "num_layers", "seed",
-    "mixed_precision", "pretrain_steps", "pretrain_batch_size", "pretrain_learning_rate",
-    "mask_rate", "predicted_words", "max_steps", "strategy", "logical_cpus",
-)  # fmt: skip
+    "dataset",
+    "validation_fraction",
+    "vocab_size",
+    "sequence_length",
+    "bigram_vocab_size",
+    "trigram_vocab_size",
+    "ngram_dim",
+    "vocabulary_source",
+    "naive_bayes_alpha",
+    "naive_bayes_folds",
+    "embed_dim",
+    "num_heads",
+    "key_dim",
+    "ff_dim",
+    "num_layers",
+    "seed",
+    "mixed_precision",
+    "pretrain_steps",
+    "pretrain_batch_size",
+    "pretrain_learning_rate",
+    "mask_rate",
+    "predicted_words",
+    "max_steps",
+    "strategy",
+    "logical_cpus",
+)
 ENCODER_FORMAT = 2  # what encoder.npz holds and how the stage makes it; raised when that changes
 
 

@@ -24,9 +24,24 @@ from .fit import optimizer_step
 SHORT_REVIEWS = 2000  # test reviews that the short spans are cut from
 
 
-def report_run(config, output, model, inspector, vectorizer, splits, history, best_epoch,
-               train_seconds, stopped, validation, distribution, argv, git_commit,
-               pretraining=None, stages=None):  # fmt: skip
+def report_run(
+    config,
+    output,
+    model,
+    inspector,
+    vectorizer,
+    splits,
+    history,
+    best_epoch,
+    train_seconds,
+    stopped,
+    validation,
+    distribution,
+    argv,
+    git_commit,
+    pretraining=None,
+    stages=None,
+):
     """Calibrates, evaluates and exports the trained `model`, writes `metrics.json` and the
     model card to `output`, and prints where every artifact went. Returns 0.
 
@@ -43,15 +58,20 @@ def report_run(config, output, model, inspector, vectorizer, splits, history, be
         config, model, classify, vectorizer, splits, validation, global_batch, limit
     )
     by_length = _short_review_accuracy(
-        classify, vectorizer, splits, min(SHORT_REVIEWS, limit or SHORT_REVIEWS), config.seed,
+        classify,
+        vectorizer,
+        splits,
+        min(SHORT_REVIEWS, limit or SHORT_REVIEWS),
+        config.seed,
         global_batch,
-    )  # fmt: skip
+    )
     paths, max_difference = _export_model(
         config, output, model, inspector, vectorizer, splits, history, scores["calibration"]
     )
     sharpness = _export_attention(config, output, model, inspector, vectorizer, splits, paths)
-    faithfulness_summary = _faithfulness(config, output, model, inspector, vectorizer, splits,
-                                         paths)  # fmt: skip
+    faithfulness_summary = _faithfulness(
+        config, output, model, inspector, vectorizer, splits, paths
+    )
     metrics = {
         "dataset": config.dataset,
         "test_split": splits.test_split,
@@ -91,8 +111,9 @@ def report_run(config, output, model, inspector, vectorizer, splits, history, be
     return 0
 
 
-def _calibrate_and_evaluate(config, model, classify, vectorizer, splits, validation,
-                            global_batch, limit):  # fmt: skip
+def _calibrate_and_evaluate(
+    config, model, classify, vectorizer, splits, validation, global_batch, limit
+):
     """Fits the temperature on `validation` and folds it into `model`, then evaluates the
     calibrated model on validation and test. Returns `metrics.json`'s accuracy, loss and
     example counts, with its `calibration` section."""
@@ -184,17 +205,22 @@ def _export_attention(config, output, model, inspector, vectorizer, splits, path
     print(f"Exporting attention for {config.inspect_examples} test reviews")
     chosen = records.inspection_sample(len(splits.test_text), config.inspect_examples, config.seed)
     exported = records.inspect_records(
-        inspector, vectorizer, splits.test_text[chosen], splits.test_label[chosen], chosen,
+        inspector,
+        vectorizer,
+        splits.test_text[chosen],
+        splits.test_label[chosen],
+        chosen,
         model=model,
-    )  # fmt: skip
+    )
     sharpness = records.pooling_sharpness(exported)
     paths["attention_jsonl"] = records.write_attention_jsonl(
         exported, os.path.join(output, "attention.jsonl")
     )
     paths["attention_html"] = records.write_attention_html(
-        exported, os.path.join(output, "attention.html"),
+        exported,
+        os.path.join(output, "attention.html"),
         title=f"keras-sdpa attention: {config.dataset} test reviews",
-    )  # fmt: skip
+    )
     heatmaps = records.write_attention_heatmaps(
         exported, os.path.join(output, "attention_heatmaps.png")
     )
@@ -215,13 +241,21 @@ def _faithfulness(config, output, model, inspector, vectorizer, splits, paths):
         len(splits.test_text), config.faithfulness_examples, config.seed
     )
     payload = faithfulness.evaluate(
-        model, inspector, vectorizer, splits.test_text[chosen], splits.test_label[chosen],
+        model,
+        inspector,
+        vectorizer,
+        splits.test_text[chosen],
+        splits.test_label[chosen],
         seed=config.seed,
-    )  # fmt: skip
+    )
     payload["source"] = {
-        "run": output, "weights": "the trained model, in memory", "dataset": config.dataset,
-        "split": splits.test_split, "examples": len(chosen), "seed": config.seed,
-    }  # fmt: skip
+        "run": output,
+        "weights": "the trained model, in memory",
+        "dataset": config.dataset,
+        "split": splits.test_split,
+        "examples": len(chosen),
+        "seed": config.seed,
+    }
     paths.update(faithfulness.write_report(payload, output))
     return explain.summary(payload)
 

@@ -64,8 +64,16 @@ def run_seeds(name, seeds, flags, runs, folder):
             continue
         output = os.path.join(runs, name, f"seed{seed}")
         shutil.rmtree(output, ignore_errors=True)
-        command = [sys.executable, "-m", "apps.train_sentiment", *flags, "--seed", str(seed),
-                   "--output", output]  # fmt: skip
+        command = [
+            sys.executable,
+            "-m",
+            "apps.train_sentiment",
+            *flags,
+            "--seed",
+            str(seed),
+            "--output",
+            output,
+        ]
         print(f"{name} seed {seed}: {' '.join(command[1:])}", flush=True)
         code = subprocess.call(command, cwd=ROOT)
         if code != 0:
@@ -118,9 +126,15 @@ def _flags(metrics):
 
 # Where a run read and wrote, and what it exported besides the model: not a configuration.
 _NOT_CONFIGURATION = (
-    "seed", "output", "data_dir", "verbose", "resume", "save_every", "inspect_examples",
+    "seed",
+    "output",
+    "data_dir",
+    "verbose",
+    "resume",
+    "save_every",
+    "inspect_examples",
     "faithfulness_examples",
-)  # fmt: skip
+)
 
 
 def against_defaults(config, defaults):

@@ -157,10 +157,23 @@ def _train(config, argv, git_commit):
         "fine_tuning": round(train_seconds, 1),
     }
     return report_run(
-        config, run.output, model, inspector, vectorizer, splits, history, best_epoch,
-        train_seconds, stopped, validation, run.distribution, argv, git_commit,
-        pretraining=pretraining, stages=stages,
-    )  # fmt: skip
+        config,
+        run.output,
+        model,
+        inspector,
+        vectorizer,
+        splits,
+        history,
+        best_epoch,
+        train_seconds,
+        stopped,
+        validation,
+        run.distribution,
+        argv,
+        git_commit,
+        pretraining=pretraining,
+        stages=stages,
+    )
 
 
 def _start_run(config):
@@ -235,8 +248,11 @@ def _git_commit(output=None):
             excluded = [".", f":(exclude){os.path.relpath(output, root)}"]
         dirty = subprocess.run(
             ["git", "status", "--porcelain", "--untracked-files=no", "--", *excluded],
-            cwd=root, capture_output=True, text=True, timeout=10,
-        )  # fmt: skip
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
     except (OSError, subprocess.TimeoutExpired):
         return None
     return commit.stdout.strip() + ("+changes" if dirty.stdout.strip() else "")

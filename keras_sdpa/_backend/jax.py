@@ -87,6 +87,7 @@ def custom_gradient(forward):
         def forward_and_residuals(*inputs):
             out, grad = forward(*inputs)
             d_out = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), out)
+
             def gradient(d_out):  # TensorFlow passes a tuple's gradients one by one
                 return grad(*d_out) if isinstance(out, tuple) else grad(d_out)
 

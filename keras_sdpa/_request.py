@@ -1,0 +1,92 @@
+"""What one attention call asks for besides its tensors, written once and checked once.
+
+`scaled_dot_product_attention` builds a `Request` from its keyword arguments, and the layer
+builds one from its settings for each call; `_plan.make` turns a request and the tensors'
+shapes into the `Plan`, and only decides. Adding an option means: the public signature and
+its docstring, a field here (with its check), the plan's decision if it has one, and the code
+that uses it.
+"""
+
+import dataclasses
+import math
+
+from keras_sdpa import _checks
+
+IMPLEMENTATIONS = ("auto", "dense", "chunked", "decode")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Request:
+    """The options of one call of the core, checked when it is made.
+
+    The fields up to `block_mask` are `scaled_dot_product_attention`'s keyword arguments
+    (but `bias`, a tensor), with its defaults; `flash_attention` and `cached` are the layer's
+    two choices besides them (`_plan.make` maps the three to one path).
+    """
+
+    is_causal: bool = False
+    sliding_window: int = None
+    attn_logits_soft_cap: float = None
+    scale: float = None
+    dropout_rate: float = 0.0
+    training: bool = False
+    seed: object = None
+    return_weights: bool = False
+    implementation: str = "auto"
+    chunk_size: int = None
+    score_mod: object = None
+    mask_mod: object = None
+    block_mask: object = None
+    flash_attention: bool = None  # the layer's: True chunked, False dense, None as given
+    cached: bool = False  # the layer's call against a key/value cache
+
+    def __post_init__(self):
+        _checks.check_sliding_window(self.sliding_window)
+        _checks.check_soft_cap(self.attn_logits_soft_cap)
+        if self.scale is not None:
+            _checks._check_scale(self.scale)
+        if not 0.0 <= self.dropout_rate < 1.0:
+            raise ValueError(
+                f"`dropout_rate` must be in [0, 1). Received: dropout_rate={self.dropout_rate}"
+            )
+        check_implementation(self.implementation)
+        _checks.positive_int("chunk_size", self.chunk_size, or_none=True)
+        _checks._check_mod("score_mod", self.score_mod)
+        _checks._check_mod("mask_mod", self.mask_mod)
+        check_flash_attention(self.flash_attention)
+
+    def replace(self, **changes):
+        return dataclasses.replace(self, **changes)
+
+    def scale_for(self, head_size):
+        """The scale as a float: the one given, else `1 / sqrt(H)`."""
+        return float(1.0 / math.sqrt(head_size) if self.scale is None else self.scale)
+
+
+# The public function's keyword arguments that a request holds (all but `bias`).
+CORE_OPTIONS = tuple(field.name for field in dataclasses.fields(Request))[:-2]
+
+
+def check_flash_attention(flash_attention):
+    """The layer's `flash_attention`: `True` chunked, `False` dense, `None` the implementation's."""
+    if flash_attention not in (None, True, False):
+        raise ValueError(
+            "`flash_attention` must be None, True or False. "
+            f"Received: flash_attention={flash_attention!r}"
+        )
+    return flash_attention
+
+
+def check_implementation(implementation, layer=False):
+    """`implementation` of the core, or of the layer (`layer`: no `"decode"`, which the layer
+    picks itself for a cached call of one query row)."""
+    allowed = IMPLEMENTATIONS[:3] if layer else IMPLEMENTATIONS
+    if implementation not in allowed:
+        names = ", ".join(f'"{name}"' for name in allowed[:-1]) + f' or "{allowed[-1]}"'
+        raise ValueError(
+            f"`implementation` must be {names}. Received: implementation={implementation!r}"
+        )
+    return implementation
+
+
+DEFAULT = Request()  # every option at the public function's default
