@@ -60,9 +60,9 @@ _SERIALIZERS = types.MappingProxyType(
 def check(
     num_heads, key_dim, value_dim, num_key_value_heads, dropout, output_shape, attention_axes, core
 ):
-    """Checks the constructor's arguments (`core` the `_request.Request` of those it passes
-    to the core, checked when it was made); returns `output_shape` and `attention_axes`,
-    each None or a tuple, as the layer keeps them."""
+    """Checks the constructor's arguments: the layer's own, then `core`, those it passes to
+    the core (as a `_request.Request` checks them). Returns `output_shape` and
+    `attention_axes`, each None or a tuple, as the layer keeps them."""
     check_positive_int("num_heads", num_heads)
     for name, size in (
         ("key_dim", key_dim),
@@ -92,8 +92,9 @@ def check(
                 f"Received: attention_axes={attention_axes!r}"
             )
         attention_axes = tuple(attention_axes)
-    _request.check_implementation(core.implementation, layer=True)
-    mods.check_heads(core.score_mod, num_heads)
+    _request.check_implementation(core["implementation"], layer=True)
+    _request.Request(**core)
+    mods.check_heads(core["score_mod"], num_heads)
     return output_shape, attention_axes
 
 

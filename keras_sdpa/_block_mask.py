@@ -1,8 +1,9 @@
 """FlexAttention's block masks: a `mask_mod`'s block kinds for the chunked path, made once and
 shared by the calls (and layers) that pass them as `block_mask=`."""
 
-from keras_sdpa import _backend, _blocks, _checks, _chunked, mods
-from keras_sdpa import _masking as M
+from keras_sdpa import _backend, _blocks, _checks, _chunk_sizes, mods
+from keras_sdpa import _layout as layout
+from keras_sdpa import _mod_calls as mod_calls
 
 
 class BlockMask:
@@ -53,7 +54,7 @@ def create_block_mask(mask_mod, B, N, T, S, block_size=None, num_kv_heads=None):
     if mask_mod is None:
         raise ValueError("`create_block_mask` needs a mask_mod. Received: mask_mod=None")
     if block_size is None:
-        block_size = _chunked.MASKED_CHUNK_SIZE
+        block_size = _chunk_sizes.MASKED_CHUNK_SIZE
     for name, value in (("B", B), ("N", N), ("T", T), ("S", S), ("block_size", block_size)):
         _checks.positive_int(name, value)
     num_kv_heads = N if num_kv_heads is None else num_kv_heads
@@ -77,8 +78,8 @@ def create_block_mask(mask_mod, B, N, T, S, block_size=None, num_kv_heads=None):
 def _block_kinds(tensors, variable_values=(), *, template, B, N, K, T, S, C):
     mask_mod = mods.as_function(mods.join(template, tensors))
     # JAX: the variables the mod holds, as this call's values (and a warning for others).
-    mask_mod = M.reading(mask_mod, tuple(zip(mods.variables_of(template), variable_values)))
-    b_index = M.batch_index(B)
+    mask_mod = mod_calls.reading(mask_mod, tuple(zip(mods.variables_of(template), variable_values)))
+    b_index = layout.batch_index(B)
     # T and S as ints: JAX sizes the array of block kinds while tracing.
     return _blocks.kinds_of_blocks(mask_mod, b_index, N, K, T, S, C)
 

@@ -8,7 +8,9 @@ mask empties.
 from keras import ops
 
 from keras_sdpa import _backend
-from keras_sdpa import _masking as M
+from keras_sdpa import _layout as layout
+from keras_sdpa import _mod_calls as mod_calls
+from keras_sdpa import _softmax as softmax
 
 
 class Blocking:
@@ -24,10 +26,7 @@ class Blocking:
         if tensors.mask is not None:
             self.mask_grid = grid_of(tensors.mask, plan.mask_pattern, self.num_q, self.num_k, c)
         self.offsets = ops.arange(c, dtype="int32")
-        self.scale_keep = None
-        if plan.dropout_rate > 0.0:
-            self.scale_keep = 1.0 / (1.0 - plan.dropout_rate)
-        self.b_index = M.batch_index(ops.shape(q)[0])
+        self.b_index = layout.batch_index(ops.shape(q)[0])
         self.kinds = tensors.block_kinds
         if tensors.mask_mod is not None and self.kinds is None:
             self.kinds = kinds_of_blocks(
@@ -53,12 +52,12 @@ class Blocking:
         plan, c = self.plan, self.plan.chunk_size
         keys = j * c + self.offsets  # (C,)
         result = (keys < self.s)[None, :]  # (1, C): padded keys never
-        band = M.band(i * c + self.offsets, keys, plan.is_causal, plan.window)  # (C|1, C)
-        result = M.combine(result, band)[None, None, None]
+        band = softmax.band(i * c + self.offsets, keys, plan.is_causal, plan.window)  # (C|1, C)
+        result = softmax.combine(result, band)[None, None, None]
         if self.mask_grid is not None:
             result = ops.logical_and(result, block(self.mask_grid, plan.mask_pattern, i, j))
         if self.tensors.mask_mod is not None and with_mod:
-            mod = M.mod_mask(
+            mod = mod_calls.mod_mask(
                 self.tensors.mask_mod,
                 self.b_index,
                 plan.num_heads,
@@ -80,7 +79,10 @@ class Blocking:
         )
 
     def keep(self, i, j, shape):
-        """Block (i, j) of the dropout keep-mask, the same in the forward and the gradient."""
+        """Block (i, j) of the dropout keep-mask, the same in the forward and the gradient;
+        None without dropout."""
+        if self.plan.dropout_rate <= 0.0:
+            return None
         shim = _backend.get()
         block_seed = shim.fold_in(self.tensors.seed, i * self.num_k + j)
         return shim.uniform(shape, block_seed, "float32") >= self.plan.dropout_rate
@@ -102,12 +104,12 @@ class Blocking:
         return lo, hi
 
     def matmul(self, a, b, transpose_b=False, transpose_a=False):
-        return M.matmul(a, b, self.plan.operand, transpose_b, transpose_a)
+        return layout.matmul(a, b, self.plan.operand, transpose_b, transpose_a)
 
     def raw_logits(self, blocks, j, q_i):
         """`q_i k_j^T`, scaled where the plan scales the products: `(B, K, G, C, C)`."""
-        raw = self.matmul(M.to_rows(q_i), take(blocks.k, j), transpose_b=True)
-        return M.scaled(M.from_rows(raw, self.groups), self.plan.logit_scale)
+        raw = self.matmul(layout.to_rows(q_i), take(blocks.k, j), transpose_b=True)
+        return layout.scaled(layout.from_rows(raw, self.groups), self.plan.logit_scale)
 
     def logits(self, blocks, i, j, q_i, raw=None):
         """Block (i, j)'s logits: the score_mod, the bias and the cap on the raw products."""
@@ -115,10 +117,10 @@ class Blocking:
         bias_ij = None if blocks.bias is None else block(blocks.bias, plan.bias_pattern, i, j)
         raw = self.raw_logits(blocks, j, q_i) if raw is None else raw
         if self.tensors.score_mod is not None:
-            raw = M.apply_score_mod(
+            raw = mod_calls.apply_score_mod(
                 self.tensors.score_mod, raw, self.b_index, plan.num_heads, *self.positions(i, j)
             )
-        return M.logits(raw, bias_ij, plan.cap)  # (B, K, G, C, C)
+        return softmax.logits(raw, bias_ij, plan.cap)  # (B, K, G, C, C)
 
 
 # A block's kind under a mask_mod: no allowed key, some, or every key allowed.
@@ -142,7 +144,7 @@ def kinds_of_blocks(mask_mod, b_index, num_heads, num_kv_heads, t, s, chunk_size
         i, j = n // num_k, n % num_k
         queries, keys = i * c + offsets, j * c + offsets
         real_q, real_k = (queries < t)[:, None], (keys < s)[None, :]  # (C, 1), (1, C)
-        allowed = M.mod_mask(
+        allowed = mod_calls.mod_mask(
             mask_mod,
             b_index,
             num_heads,
@@ -276,6 +278,6 @@ def block(grid, pattern, i, j):
 
 def add_block(d_grid, pattern, i, j, d_scores):
     """Adds the `(B, K, G, C, C)` logit gradient of block (i, j) into the bias grid."""
-    d_scores = M.sum_over_broadcast(d_scores, pattern)
+    d_scores = layout.sum_over_broadcast(d_scores, pattern)
     i, j = (i if pattern[2] else 0), (j if pattern[3] else 0)
     return _backend.get().add_to_block(d_grid, i, j, d_scores)

@@ -6,13 +6,14 @@ of a query block that starts at a position in it.
 causal mask, a window and the mods count from there (bottom-right alignment), so keys past a
 row's position are never read.
 
-The layer projects and writes (`check`, `update`), then attends here (`attend`).
+The layer projects and writes (`check`, `update`), then attends here (`attend_from_offsets`).
 """
 
 import keras
 import numpy as np
 
 from keras_sdpa import _backend, _layer_masks, mods, ops
+from keras_sdpa import _softmax as softmax
 
 
 def check(cache, index, query, value_mask, key_mask, kv_heads, key_dim, value_dim):
@@ -67,7 +68,9 @@ def update(cache, index, key, new_keys_and_values):
     return cache[:, 0], cache[:, 1], offset, cache
 
 
-def attend(q, keys, values, offset, attention_mask, attention_bias, use_causal_mask, request):
+def attend_from_offsets(
+    q, keys, values, offset, attention_mask, attention_bias, use_causal_mask, request
+):
     """The core on the projected queries `q` `(B, T, N, H)` against the cached `keys` and
     `values` `(B, S, K, H)`, the queries starting at `offset` `(B,)`: the causal mask, the
     window and the mods of `request` (the layer's `_request.Request` for this call) count
@@ -99,7 +102,7 @@ def attend(q, keys, values, offset, attention_mask, attention_bias, use_causal_m
         score_mod=positioned.score_mod(),
         mask_mod=positioned.mask_mod(),
     )
-    result = ops.attend(
+    result = ops.run_request(
         q,
         keras.ops.cast(keys, q.dtype),
         keras.ops.cast(values, q.dtype),
@@ -231,11 +234,10 @@ class Positioned(mods.Mod):
 class PositionedMask(Positioned):
     def __call__(self, b, h, q_idx, kv_idx):
         position = self._position(b, q_idx)
-        allowed = keras.ops.ones_like(position - kv_idx, dtype="bool")  # (B, 1, t, s)
-        if self.causal:
-            allowed = keras.ops.logical_and(allowed, kv_idx <= position)
-        if self.window:
-            allowed = keras.ops.logical_and(allowed, keras.ops.abs(position - kv_idx) < self.window)
+        offset = position - kv_idx  # (B, 1, t, s)
+        allowed = softmax.within(offset, self.causal, self.window)
+        if allowed is None:
+            allowed = keras.ops.ones_like(offset, dtype="bool")
         if self.inner_mask is not None:
             inner = self.inner_mask(b, h, position, kv_idx)
             allowed = keras.ops.logical_and(allowed, inner)

@@ -1,6 +1,6 @@
 """The chunked path: the online softmax in `(C, C)` blocks, never holding `(T, S)`.
 
-Tensors are in the grouped layout of `keras_sdpa._masking`: `q (B, K, G, T, H)`,
+Tensors are in the grouped layout of `keras_sdpa._layout`: `q (B, K, G, T, H)`,
 `k (B, K, S, H)`, `v (B, K, S, Hv)`. A block of queries holds all `G` heads of a
 group, so each block product reads its key block once, whatever the grouping.
 
@@ -17,7 +17,9 @@ import typing
 from keras import ops
 
 from keras_sdpa import _backend
-from keras_sdpa import _masking as M
+from keras_sdpa import _layout as layout
+from keras_sdpa import _mod_calls as mod_calls
+from keras_sdpa import _softmax as softmax
 from keras_sdpa._blocks import (  # noqa: F401 (the ranges and kinds: the block mask's, tests')
     Blocking,
     add_block,
@@ -30,13 +32,6 @@ from keras_sdpa._blocks import (  # noqa: F401 (the ranges and kinds: the block 
     take,
     to_blocks,
 )
-
-# Blocks of 2048: at T=4096 on 2 CPU cores, 1.08x the dense time (1024 blocks: 1.34x).
-DEFAULT_CHUNK_SIZE = 2048
-# Causal, or with a mask_mod: smaller blocks, so that more of them are skipped. At T=8192
-# on 2 CPU cores, causal forward plus backward took 0.51x the unmasked time in blocks of 512,
-# 0.60x in 1024 and 0.63x in 2048 (unmasked: 1024 and 2048 within noise of each other).
-MASKED_CHUNK_SIZE = 512
 
 
 def attend(q, k, v, plan, tensors, count_visits=False):
@@ -158,7 +153,7 @@ def _forward_query_block(blocking, blocks, i, outs, lses, visits):
     lo, hi = blocking.key_range(i)
     acc = ops.zeros((*ops.shape(q_i)[:4], ops.shape(blocks.v)[-1]), compute)
     _, m, total, acc, visits = ops.while_loop(
-        lambda j, *_: j < hi, key_block, (lo, row + M.MASKED_SCORE, row, acc, visits)
+        lambda j, *_: j < hi, key_block, (lo, row + softmax.MASKED_SCORE, row, acc, visits)
     )
     seen = total > 0.0  # False on fully masked rows: zero output
     safe_total = ops.where(seen, total, 1.0)
@@ -172,14 +167,15 @@ def _forward_key_block(blocking, blocks, i, j, q_i, m, total, acc, visits, with_
     shim = _backend.get()
     scores = blocking.logits(blocks, i, j, q_i)  # (B, K, G, C, C)
     ok = blocking.allowed(i, j, with_mod)
-    scores = ops.where(ok, scores, M.MASKED_SCORE)
+    scores = ops.where(ok, scores, softmax.MASKED_SCORE)
     m_new = ops.maximum(m, ops.max(scores, axis=-1, keepdims=True))
     p = ops.where(ok, ops.exp(scores - m_new), 0.0)  # (B, K, G, C, C)
     correction = ops.exp(m - m_new)  # (B, K, G, C, 1)
     total_new = total * correction + ops.sum(p, axis=-1, keepdims=True)
-    if blocking.scale_keep is not None:
-        p = ops.where(blocking.keep(i, j, ops.shape(p)), p * blocking.scale_keep, 0.0)
-    update = M.from_rows(blocking.matmul(M.to_rows(p), take(blocks.v, j)), blocking.groups)
+    p = softmax.dropped(p, blocking.keep(i, j, ops.shape(p)), blocking.plan.dropout_rate)
+    update = layout.from_rows(
+        blocking.matmul(layout.to_rows(p), take(blocks.v, j)), blocking.groups
+    )
     acc_new = acc * correction + update  # (B, K, G, C, Hv)
     # Broadcasting with a mask block can hide a size known before (K = 1): the
     # loop's carried shapes must stay as they entered.
@@ -255,7 +251,7 @@ def _d_query_block(blocking, blocks, params, variables, i, d_qs, d_bias, d_param
         key_block,
         (lo, ops.zeros_like(q_i, dtype=blocking.plan.compute), d_bias, d_params, d_vars),
     )
-    d_qs = _backend.get().write_block(d_qs, i, M.scaled(d_q, blocking.plan.logit_scale))
+    d_qs = _backend.get().write_block(d_qs, i, layout.scaled(d_q, blocking.plan.logit_scale))
     return i + 1, d_qs, d_bias, d_params, d_vars
 
 
@@ -269,17 +265,15 @@ def _d_query_key_block(
     raw = blocking.raw_logits(blocks, j, q_i)
     scores = blocking.logits(blocks, i, j, q_i, raw)
     p = ops.where(blocking.allowed(i, j, with_mod), ops.exp(scores - lse_i), 0.0)
-    d_p = M.from_rows(
-        blocking.matmul(M.to_rows(d_out_i), take(blocks.v, j), transpose_b=True), blocking.groups
+    d_p = layout.from_rows(
+        blocking.matmul(layout.to_rows(d_out_i), take(blocks.v, j), transpose_b=True),
+        blocking.groups,
     )
-    if blocking.scale_keep is not None:
-        d_p = ops.where(blocking.keep(i, j, ops.shape(p)), d_p * blocking.scale_keep, 0.0)
-    d_scores = p * (d_p - row_dot_i)  # (B, K, G, C, C)
-    if plan.cap is not None:
-        d_scores = d_scores * M.cap_derivative(scores, plan.cap)
+    d_p = softmax.dropped(d_p, blocking.keep(i, j, ops.shape(p)), plan.dropout_rate)
+    d_scores = softmax.d_logits(p, d_p, row_dot_i, scores, plan.cap)  # (B, K, G, C, C)
     d_raw, new_params, new_vars = d_scores, d_params, d_vars
     if blocking.tensors.score_mod is not None:
-        d_raw, g_params, g_vars = M.mod_vjp(
+        d_raw, g_params, g_vars = mod_calls.mod_vjp(
             blocking.tensors.score_mod,
             raw,
             blocking.b_index,
@@ -291,8 +285,8 @@ def _d_query_key_block(
         )
         new_params = [a + b for a, b in zip(d_params, g_params)]
         new_vars = [a + ops.convert_to_tensor(b) for a, b in zip(d_vars, g_vars)]
-    d_q_block = blocking.matmul(M.to_rows(d_raw), take(blocks.k, j))
-    d_q_new = d_q + M.from_rows(d_q_block, blocking.groups)
+    d_q_block = blocking.matmul(layout.to_rows(d_raw), take(blocks.k, j))
+    d_q_new = d_q + layout.from_rows(d_q_block, blocking.groups)
     # As it entered the loop (see the forward).
     d_q_new = _backend.get().with_static_shape(d_q_new, d_q.shape)
     new_bias = d_bias
@@ -319,7 +313,7 @@ def _d_key_block(blocking, blocks, j, d_ks, d_vs):
         query_block,
         (lo, ops.zeros_like(k_j, dtype=compute), ops.zeros_like(v_j, dtype=compute)),
     )
-    d_ks = shim.write_block(d_ks, j, M.scaled(d_k, blocking.plan.logit_scale))
+    d_ks = shim.write_block(d_ks, j, layout.scaled(d_k, blocking.plan.logit_scale))
     return j + 1, d_ks, shim.write_block(d_vs, j, d_v)
 
 
@@ -328,29 +322,24 @@ def _transposed_block(blocking, blocks, i, j, k_j, v_j, d_k, d_v, with_mod):
     that no product reads a block transposed (XLA's CPU matmul is slow at that)."""
     plan, c, shim = blocking.plan, blocking.plan.chunk_size, _backend.get()
     q_i, d_out_i = take(blocks.q, i), take(blocks.d_out, i)
-    rows_q, rows_d_out = M.to_rows(q_i), M.to_rows(d_out_i)
-    lse_t = M.keys_first(take(blocks.lse, i))  # (B, K, 1, G, C)
+    rows_q, rows_d_out = layout.to_rows(q_i), layout.to_rows(d_out_i)
+    lse_t = layout.keys_first(take(blocks.lse, i))  # (B, K, 1, G, C)
     raw_t = blocking.matmul(k_j, rows_q, transpose_b=True)  # (B, K, C_k, G * C_q)
-    raw_t = M.scaled(raw_t, plan.logit_scale)
+    raw_t = layout.scaled(raw_t, plan.logit_scale)
     shape_t = (*ops.shape(raw_t)[:3], blocking.groups, c)
     bias_t = None
     if blocks.bias is not None:
-        bias_t = M.keys_first(block(blocks.bias, plan.bias_pattern, i, j))
-    scores_t = M.logits(ops.reshape(raw_t, shape_t), bias_t, plan.cap)
-    ok_t = M.keys_first(blocking.allowed(i, j, with_mod))
+        bias_t = layout.keys_first(block(blocks.bias, plan.bias_pattern, i, j))
+    scores_t = softmax.logits(ops.reshape(raw_t, shape_t), bias_t, plan.cap)
+    ok_t = layout.keys_first(blocking.allowed(i, j, with_mod))
     p_t = ops.where(ok_t, ops.exp(scores_t - lse_t), 0.0)  # (B, K, C_k, G, C_q)
-    applied_t, keep_t = p_t, None
-    if blocking.scale_keep is not None:
-        keep_t = M.keys_first(blocking.keep(i, j, (*shape_t[:2], blocking.groups, c, c)))
-        applied_t = ops.where(keep_t, p_t * blocking.scale_keep, 0.0)
+    keep_t = layout.keys_first(blocking.keep(i, j, (*shape_t[:2], blocking.groups, c, c)))
+    applied_t = softmax.dropped(p_t, keep_t, plan.dropout_rate)
     d_v_new = d_v + blocking.matmul(ops.reshape(applied_t, ops.shape(raw_t)), rows_d_out)
     d_p_t = ops.reshape(blocking.matmul(v_j, rows_d_out, transpose_b=True), shape_t)
-    if keep_t is not None:
-        d_p_t = ops.where(keep_t, d_p_t * blocking.scale_keep, 0.0)
-    row_dot_t = M.keys_first(take(blocks.row_dot, i))
-    d_scores_t = p_t * (d_p_t - row_dot_t)
-    if plan.cap is not None:
-        d_scores_t = d_scores_t * M.cap_derivative(scores_t, plan.cap)
+    d_p_t = softmax.dropped(d_p_t, keep_t, plan.dropout_rate)
+    row_dot_t = layout.keys_first(take(blocks.row_dot, i))
+    d_scores_t = softmax.d_logits(p_t, d_p_t, row_dot_t, scores_t, plan.cap)
     d_k_new = d_k + blocking.matmul(ops.reshape(d_scores_t, ops.shape(raw_t)), rows_q)
     # as they entered the loop (see the forward)
     return shim.with_static_shape(d_k_new, d_k.shape), shim.with_static_shape(d_v_new, d_v.shape)
@@ -363,21 +352,16 @@ def _modded_block(blocking, blocks, i, j, k_j, v_j, d_k, d_v, with_mod):
     plan, shim = blocking.plan, _backend.get()
     q_i, d_out_i = take(blocks.q, i), take(blocks.d_out, i)
     lse_i, row_dot_i = take(blocks.lse, i), take(blocks.row_dot, i)
-    rows_q, rows_d_out = M.to_rows(q_i), M.to_rows(d_out_i)
+    rows_q, rows_d_out = layout.to_rows(q_i), layout.to_rows(d_out_i)
     raw = blocking.raw_logits(blocks, j, q_i)
     scores = blocking.logits(blocks, i, j, q_i, raw)
     p = ops.where(blocking.allowed(i, j, with_mod), ops.exp(scores - lse_i), 0.0)
-    applied, keep = p, None
-    if blocking.scale_keep is not None:
-        keep = blocking.keep(i, j, ops.shape(p))
-        applied = ops.where(keep, p * blocking.scale_keep, 0.0)
-    d_p = M.from_rows(blocking.matmul(rows_d_out, v_j, transpose_b=True), blocking.groups)
-    if keep is not None:
-        d_p = ops.where(keep, d_p * blocking.scale_keep, 0.0)
-    d_scores = p * (d_p - row_dot_i)
-    if plan.cap is not None:
-        d_scores = d_scores * M.cap_derivative(scores, plan.cap)
-    d_raw, _, _ = M.mod_vjp(
+    keep = blocking.keep(i, j, ops.shape(p))
+    applied = softmax.dropped(p, keep, plan.dropout_rate)
+    d_p = layout.from_rows(blocking.matmul(rows_d_out, v_j, transpose_b=True), blocking.groups)
+    d_p = softmax.dropped(d_p, keep, plan.dropout_rate)
+    d_scores = softmax.d_logits(p, d_p, row_dot_i, scores, plan.cap)
+    d_raw, _, _ = mod_calls.mod_vjp(
         blocking.tensors.score_mod,
         raw,
         blocking.b_index,
@@ -387,6 +371,6 @@ def _modded_block(blocking, blocks, i, j, k_j, v_j, d_k, d_v, with_mod):
         (),
         (),
     )
-    d_v_new = d_v + blocking.matmul(M.to_rows(applied), rows_d_out, transpose_a=True)
-    d_k_new = d_k + blocking.matmul(M.to_rows(d_raw), rows_q, transpose_a=True)
+    d_v_new = d_v + blocking.matmul(layout.to_rows(applied), rows_d_out, transpose_a=True)
+    d_k_new = d_k + blocking.matmul(layout.to_rows(d_raw), rows_q, transpose_a=True)
     return shim.with_static_shape(d_k_new, d_k.shape), shim.with_static_shape(d_v_new, d_v.shape)

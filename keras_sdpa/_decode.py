@@ -14,10 +14,10 @@ and only the `(S, K, G, T)` logits, `1/H` of the cache, change layout. That is T
 those multiply-and-reduce passes into one read of the cache (in one run, 176 ms against 5.3 ms
 a call for dots on the transposed cache, B=1, S=8,192, N=8, H=64, AMD EPYC; per token the dots
 take 0.544x keras-hub's layer on JAX, BENCHMARKS.md), so on JAX the two products are dots on
-the transposed cache (`_backend/jax.py`). The softmax, masks,
-bias, soft cap and mods are the dense path's (`_masking.py`), at the same positions. The
-gradient is the backend's autodiff of this program: the path serves decoding, where
-training's `(T, S)` products belong to the dense and chunked paths.
+the transposed cache (`_backend/jax.py`). The softmax, masks, bias, soft cap and mods are
+the dense path's (`_softmax.py`, `_mod_calls.py`), at the same positions. The gradient is the
+backend's autodiff of this program: the path serves decoding, where training's `(T, S)`
+products belong to the dense and chunked paths.
 
 This layout was chosen over two einsums, and one reduction over the keys over splitting them
 into blocks whose partial outputs are summed after (flash-decoding's split-KV, which feeds a
@@ -29,7 +29,9 @@ BENCHMARKS.md.
 from keras import ops
 
 from keras_sdpa import _backend, _dense
-from keras_sdpa import _masking as M
+from keras_sdpa import _layout as layout
+from keras_sdpa import _mod_calls as mod_calls
+from keras_sdpa import _softmax as softmax
 
 
 def attend(q, key, value, plan, tensors):
@@ -44,27 +46,24 @@ def attend(q, key, value, plan, tensors):
     compute = plan.compute
     q = ops.cast(q, compute)
     t, s = ops.shape(q)[3], ops.shape(key)[1]
-    constraint = M.band(ops.arange(t), ops.arange(s), plan.is_causal, plan.window)  # (T, S)
-    allowed = M.combine(
+    constraint = softmax.band(ops.arange(t), ops.arange(s), plan.is_causal, plan.window)  # (T, S)
+    allowed = softmax.combine(
         _dense.with_mask_mod(tensors.mask, q, s, plan, tensors.mask_mod), constraint
     )  # (B|1, K|1, G|1, T|1, S|1) or None
     shim = _backend.get()
     raw = shim.cache_logits(q, ops.cast(key, compute))  # (B, K, G, T, S)
-    raw = M.scaled(raw, plan.logit_scale)
+    raw = layout.scaled(raw, plan.logit_scale)
     if tensors.score_mod is not None:
-        raw = M.apply_score_mod(
+        raw = mod_calls.apply_score_mod(
             tensors.score_mod,
             raw,
-            M.batch_index(ops.shape(q)[0]),
+            layout.batch_index(ops.shape(q)[0]),
             plan.num_heads,
             ops.arange(t),
             ops.arange(s),
         )
-    scores = M.logits(raw, tensors.bias, plan.cap)
-    penalty, any_allowed = None, None
-    if allowed is not None:
-        penalty = ops.cast(ops.where(allowed, 0.0, M.MASK_PENALTY), compute)
-        any_allowed = ops.any(allowed, axis=-1, keepdims=True)  # (…, T|1, 1)
+    scores = softmax.logits(raw, tensors.bias, plan.cap)
+    penalty, any_allowed = softmax.additive(allowed, compute)  # (…, T|1, S|1), (…, T|1, 1)
     exp, inv_total, _ = _dense.softmax_parts(scores, penalty, any_allowed)
     weights = exp * inv_total  # (B, K, G, T, S)
     out = shim.cache_weighted_sum(weights, ops.cast(value, compute))  # (B, K, G, T, Hv)

@@ -1,13 +1,15 @@
 """The dense path: the whole `(T, S)` logits at once, with a hand-written gradient.
 
-Tensors are in the grouped layout of `keras_sdpa._masking`: `q (B, K, G, T, H)`,
+Tensors are in the grouped layout of `keras_sdpa._layout`: `q (B, K, G, T, H)`,
 `k (B, K, S, H)`, `v (B, K, S, Hv)`.
 """
 
 from keras import ops
 
 from keras_sdpa import _backend
-from keras_sdpa import _masking as M
+from keras_sdpa import _layout as layout
+from keras_sdpa import _mod_calls as mod_calls
+from keras_sdpa import _softmax as softmax
 
 
 def softmax_parts(scores, penalty, any_allowed):
@@ -31,7 +33,7 @@ def softmax_parts(scores, penalty, any_allowed):
     inv_total = 1.0 / total
     if any_allowed is not None:
         inv_total = ops.where(any_allowed, inv_total, 0.0)
-        lse = ops.where(any_allowed, lse, -M.MASK_PENALTY)
+        lse = ops.where(any_allowed, lse, -softmax.MASK_PENALTY)
     return exp, inv_total, lse
 
 
@@ -51,11 +53,11 @@ def attend(q, k, v, plan, tensors):
       the saved log-sum-exp, in the layout those two products want.
 
     With `plan.operand` (bfloat16 or float16 inputs) every product multiplies in that
-    precision and accumulates in float32 (`M.matmul`), `q` arrives unscaled and
+    precision and accumulates in float32 (`layout.matmul`), `q` arrives unscaled and
     `plan.logit_scale` multiplies the float32 products `q k^T` instead; the softmax and
     everything around it stay float32, and the gradients are returned in the inputs' dtypes.
 
-    With a `score_mod`, it changes the scaled logits before the bias (`M.apply_score_mod`).
+    With a `score_mod`, it changes the scaled logits before the bias (`mod_calls.apply_score_mod`).
     Its gradient goes back through the mod by a tape, to `q` and `k` and to what the mod
     reads: its float tensors `tensors.params` and the variables it reads, and the key-side
     products then read the `(T, S)` gradient transposed.
@@ -87,9 +89,9 @@ def with_mask_mod(mask, q, s, plan, mask_mod):
     if mask_mod is None:
         return mask
     shape = ops.shape(q)  # (B, K, G, T, H)
-    mod = M.mod_mask(
+    mod = mod_calls.mod_mask(
         mask_mod,
-        M.batch_index(shape[0]),
+        layout.batch_index(shape[0]),
         plan.num_heads,
         plan.num_kv_heads,
         ops.arange(shape[3]),
@@ -104,29 +106,23 @@ def _keep(q, k, plan, seed):
         return None
     b, t, s = ops.shape(q)[0], ops.shape(q)[3], ops.shape(k)[2]
     uniform = _backend.get().uniform((b, plan.num_heads, t, s), seed, plan.compute)
-    return M.grouped(uniform >= plan.dropout_rate, (True,) * 4, plan.num_kv_heads, plan.groups)
+    return layout.grouped(uniform >= plan.dropout_rate, (True,) * 4, plan.num_kv_heads, plan.groups)
 
 
 def _prepare(mask, keep, bias, t, s, plan):
     """The masks in additive form and the key-first layouts, from the forward's inputs."""
-    constraint = M.band(ops.arange(t), ops.arange(s), plan.is_causal, plan.window)
+    constraint = softmax.band(ops.arange(t), ops.arange(s), plan.is_causal, plan.window)
     if constraint is not None:  # (T, S)
         constraint = constraint[None, None, None]  # (1, 1, 1, T, S)
-    allowed = M.combine(mask, constraint)  # broadcasts to (B, K, G, T, S)
-    # The mask as a bias: one add that XLA fuses into the softmax's pass, where selecting
-    # with the boolean mask before and after the exp cost 35% of the forward (B=256, N=2,
-    # T=S=192, H=32: 69 against 51 ms).
-    penalty, any_allowed = None, None
-    if allowed is not None:
-        penalty = ops.cast(ops.where(allowed, 0.0, M.MASK_PENALTY), plan.compute)
-        any_allowed = ops.any(allowed, axis=-1, keepdims=True)  # (…, T|1, 1)
-    keys_first = (M.keys_first(penalty), M.keys_first(keep), M.keys_first(bias))
+    allowed = softmax.combine(mask, constraint)  # broadcasts to (B, K, G, T, S)
+    penalty, any_allowed = softmax.additive(allowed, plan.compute)  # the mask as a bias
+    keys_first = (layout.keys_first(penalty), layout.keys_first(keep), layout.keys_first(bias))
     return penalty, any_allowed, keys_first
 
 
 def _raw_logits(q, k, plan):
-    raw = M.matmul(M.to_rows(q), k, plan.operand, True)  # (B, K, G * T, S)
-    return M.scaled(M.from_rows(raw, plan.groups), plan.logit_scale)  # (B, K, G, T, S)
+    raw = layout.matmul(layout.to_rows(q), k, plan.operand, True)  # (B, K, G * T, S)
+    return layout.scaled(layout.from_rows(raw, plan.groups), plan.logit_scale)  # (B, K, G, T, S)
 
 
 class _Forward:
@@ -135,22 +131,21 @@ class _Forward:
     def __init__(self, q, k, v, bias, params, mask, keep, mod_constants, plan, score_mod):
         self.q, self.k, self.v, self.bias, self.params, self.plan = q, k, v, bias, params, plan
         self.keep, self.t, self.s = keep, ops.shape(q)[3], ops.shape(k)[2]
-        self.scale_keep = None if keep is None else 1.0 / (1.0 - plan.dropout_rate)
         self.penalty, any_allowed, self.keys_first = _prepare(
             mask, keep, bias, self.t, self.s, plan
         )
-        self.b_index = M.batch_index(ops.shape(q)[0])
+        self.b_index = layout.batch_index(ops.shape(q)[0])
         self.positions = (ops.arange(self.t), ops.arange(self.s))
         self.mod = None if score_mod is None else score_mod.bound(params, mod_constants)
         raw = _raw_logits(q, k, plan)
         if self.mod is not None:
-            raw = M.apply_score_mod(self.mod, raw, self.b_index, plan.num_heads, *self.positions)
-        self.scores = M.logits(raw, bias, plan.cap)
+            raw = mod_calls.apply_score_mod(
+                self.mod, raw, self.b_index, plan.num_heads, *self.positions
+            )
+        self.scores = softmax.logits(raw, bias, plan.cap)
         self.exp, self.inv_total, self.lse = softmax_parts(self.scores, self.penalty, any_allowed)
-        applied = self.exp
-        if keep is not None:
-            applied = ops.where(keep, self.exp * self.scale_keep, 0.0)
-        out = M.from_rows(M.matmul(M.to_rows(applied), v, plan.operand), plan.groups)
+        applied = softmax.dropped(self.exp, keep, plan.dropout_rate)
+        out = layout.from_rows(layout.matmul(layout.to_rows(applied), v, plan.operand), plan.groups)
         self.out = out * self.inv_total  # (B, K, G, T, Hv)
         self.result = self.out
         if plan.return_weights:
@@ -171,52 +166,52 @@ class _Forward:
         plan, groups = self.plan, self.plan.groups
         # rowsum(P * dP) == rowsum(dO * O), a (T, Hv) product, not a (T, S) one.
         row_dot = ops.sum(d_out * self.out, axis=-1, keepdims=True)  # (B, K, G, T, 1)
-        rows_d_out = M.to_rows(d_out)  # (B, K, G * T, Hv)
-        d_probs = M.from_rows(M.matmul(rows_d_out, self.v, plan.operand, True), groups)
-        if self.keep is not None:
-            d_probs = ops.where(self.keep, d_probs * self.scale_keep, 0.0)
+        rows_d_out = layout.to_rows(d_out)  # (B, K, G * T, Hv)
+        d_probs = layout.from_rows(layout.matmul(rows_d_out, self.v, plan.operand, True), groups)
+        d_probs = softmax.dropped(d_probs, self.keep, plan.dropout_rate)
         probs = self.exp * self.inv_total  # (B, K, G, T, S)
         if d_weights is not None:
             d_probs = d_probs + d_weights
             row_dot = row_dot + ops.sum(d_weights * probs, axis=-1, keepdims=True)
-        d_scores = probs * (d_probs - row_dot)  # (B, K, G, T, S)
-        if plan.cap is not None:
-            d_scores = d_scores * M.cap_derivative(self.scores, plan.cap)
+        d_scores = softmax.d_logits(
+            probs, d_probs, row_dot, self.scores, plan.cap
+        )  # (B, K, G, T, S)
         return d_scores, row_dot, rows_d_out
 
     def _grad(self, d_out, d_weights):
         q, k, v, plan, groups = self.q, self.k, self.v, self.plan, self.plan.groups
         operand, logit_scale = plan.operand, plan.logit_scale
         d_scores, row_dot, rows_d_out = self._d_scores(d_out, d_weights)
-        d_q = M.from_rows(M.matmul(M.to_rows(d_scores), k, operand), groups)  # (B, K, G, T, H)
-        d_q = M.scaled(d_q, logit_scale)
+        d_q = layout.from_rows(
+            layout.matmul(layout.to_rows(d_scores), k, operand), groups
+        )  # (B, K, G, T, H)
+        d_q = layout.scaled(d_q, logit_scale)
 
         # The same in the (S, G, T) layout, for d_k and d_v.
         penalty_t, keep_t, bias_t = self.keys_first
-        raw_t = M.scaled(M.matmul(k, M.to_rows(q), operand, True), logit_scale)
+        raw_t = layout.scaled(layout.matmul(k, layout.to_rows(q), operand, True), logit_scale)
         k_shape = ops.shape(k)
         raw_t = ops.reshape(raw_t, (k_shape[0], k_shape[1], self.s, groups, self.t))
-        scores_t = M.logits(raw_t, bias_t, plan.cap)  # (B, K, S, G, T)
+        scores_t = softmax.logits(raw_t, bias_t, plan.cap)  # (B, K, S, G, T)
         masked_t = scores_t if penalty_t is None else scores_t + penalty_t
-        probs_t = ops.exp(masked_t - M.keys_first(self.lse))
-        applied_t = probs_t
-        if keep_t is not None:
-            applied_t = ops.where(keep_t, probs_t * self.scale_keep, 0.0)
-        d_v = M.matmul(_keys_rows(applied_t), rows_d_out, operand)  # (B, K, S, Hv)
+        probs_t = ops.exp(masked_t - layout.keys_first(self.lse))
+        applied_t = softmax.dropped(probs_t, keep_t, plan.dropout_rate)
+        d_v = layout.matmul(_keys_rows(applied_t), rows_d_out, operand)  # (B, K, S, Hv)
         d_probs_t = ops.reshape(
-            M.matmul(v, rows_d_out, operand, True), ops.shape(probs_t)
+            layout.matmul(v, rows_d_out, operand, True), ops.shape(probs_t)
         )  # (B, K, S, G, T)
-        if keep_t is not None:
-            d_probs_t = ops.where(keep_t, d_probs_t * self.scale_keep, 0.0)
+        d_probs_t = softmax.dropped(d_probs_t, keep_t, plan.dropout_rate)
         if d_weights is not None:
-            d_probs_t = d_probs_t + M.keys_first(d_weights)
-        d_scores_t = probs_t * (d_probs_t - M.keys_first(row_dot))
-        if plan.cap is not None:
-            d_scores_t = d_scores_t * M.cap_derivative(scores_t, plan.cap)
-        d_k = M.scaled(M.matmul(_keys_rows(d_scores_t), M.to_rows(q), operand), logit_scale)
+            d_probs_t = d_probs_t + layout.keys_first(d_weights)
+        d_scores_t = softmax.d_logits(
+            probs_t, d_probs_t, layout.keys_first(row_dot), scores_t, plan.cap
+        )
+        d_k = layout.scaled(
+            layout.matmul(_keys_rows(d_scores_t), layout.to_rows(q), operand), logit_scale
+        )
         grads = [ops.cast(d_q, q.dtype), ops.cast(d_k, k.dtype), ops.cast(d_v, v.dtype)]
         if self.bias is not None:
-            grads.append(M.sum_to_bias(d_scores, ops.shape(self.bias), plan.bias_pattern))
+            grads.append(layout.sum_to_bias(d_scores, ops.shape(self.bias), plan.bias_pattern))
         return grads
 
     def _grad_through_mod(self, d_out, d_weights, variables):
@@ -224,7 +219,7 @@ class _Forward:
         q, k, plan, groups = self.q, self.k, self.plan, self.plan.groups
         operand, logit_scale = plan.operand, plan.logit_scale
         d_scores, _, rows_d_out = self._d_scores(d_out, d_weights)
-        d_raw, d_params, d_variables = M.mod_vjp(
+        d_raw, d_params, d_variables = mod_calls.mod_vjp(
             self.mod,
             _raw_logits(q, k, plan),
             self.b_index,
@@ -234,18 +229,18 @@ class _Forward:
             self.params,
             variables,
         )
-        d_q = M.from_rows(M.matmul(M.to_rows(d_raw), k, operand), groups)
-        d_q = M.scaled(d_q, logit_scale)
-        d_k = M.matmul(M.to_rows(d_raw), M.to_rows(q), operand, False, True)
-        d_k = M.scaled(d_k, logit_scale)
+        d_q = layout.from_rows(layout.matmul(layout.to_rows(d_raw), k, operand), groups)
+        d_q = layout.scaled(d_q, logit_scale)
+        d_k = layout.matmul(layout.to_rows(d_raw), layout.to_rows(q), operand, False, True)
+        d_k = layout.scaled(d_k, logit_scale)
         probs = self.exp * self.inv_total
-        applied = probs
-        if self.keep is not None:
-            applied = ops.where(self.keep, probs * self.scale_keep, 0.0)
-        d_v = M.matmul(M.to_rows(applied), rows_d_out, operand, False, True)  # (B, K, S, Hv)
+        applied = softmax.dropped(probs, self.keep, plan.dropout_rate)
+        d_v = layout.matmul(
+            layout.to_rows(applied), rows_d_out, operand, False, True
+        )  # (B, K, S, Hv)
         grads = [ops.cast(d_q, q.dtype), ops.cast(d_k, k.dtype), ops.cast(d_v, self.v.dtype)]
         if self.bias is not None:
-            grads.append(M.sum_to_bias(d_scores, ops.shape(self.bias), plan.bias_pattern))
+            grads.append(layout.sum_to_bias(d_scores, ops.shape(self.bias), plan.bias_pattern))
         grads += [ops.cast(g, p.dtype) for g, p in zip(d_params, self.params)]
         return grads, [ops.convert_to_tensor(g) for g in d_variables]
 

@@ -114,7 +114,7 @@ def overridden(layer, call):
 def cached(layer, call):
     """keras-hub's `CachedMultiHeadAttention` contract, with per-row positions: the layer's
     projections make the queries (and the new keys and values, which `keras_sdpa._cache`
-    writes), and `_cache.attend` runs the core from each row's position."""
+    writes), and `_cache.attend_from_offsets` runs the core from each row's position."""
     if not layer._own_core:
         raise ValueError(
             f"A `cache` reaches only this layer's own attention; {type(layer).__name__} "
@@ -131,7 +131,7 @@ def cached(layer, call):
         lambda: (layer.key_dense(call.key), layer.value_dense(call.value)),
     )
     request = layer._core_request(call.training, call.return_scores, mask_mod=call.mask_mod)
-    out, weights, mask = _cache.attend(
+    out, weights, mask = _cache.attend_from_offsets(
         q, keys, values, offset, call.attention_mask, call.attention_bias, call.causal, request
     )
     out, weights = _layer_masks.zero_rows(out, weights, query_mask)

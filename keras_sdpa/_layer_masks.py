@@ -7,6 +7,7 @@ import keras
 from keras.src import backend as keras_backend  # the mask accessors have no public name
 
 from keras_sdpa import _rank_n, mods
+from keras_sdpa import _softmax as softmax
 
 _RANK_3 = _rank_n.Flattener(3, (1,), None, None)  # rank-3 inputs: every step the identity
 
@@ -76,7 +77,8 @@ def empty_rows(mask, query_mask, t, s, causal=False, window=None):
         if banded and mask.shape[2] == 1:
             may = _kept_in_band(mask[:, :, 0], t, s, causal, window)
         elif banded:  # a mask with a query axis: already (B, N|1, T, S) in memory
-            may = keras.ops.any(keras.ops.logical_and(mask, _band(t, s, causal, window)), -1)
+            band = softmax.band(keras.ops.arange(t), keras.ops.arange(s), causal, window)
+            may = keras.ops.any(keras.ops.logical_and(mask, band), -1)
         else:
             may = keras.ops.any(mask, -1)
     elif window is not None:
@@ -98,17 +100,6 @@ def _kept_in_band(kept, t, s, causal, window):
     counts = keras.ops.pad(counts, [(0, 0), (0, 0), (1, 0)])  # counts[i]: kept keys before i
     inside = keras.ops.take(counts, last + 1, axis=-1) - keras.ops.take(counts, first, axis=-1)
     return keras.ops.logical_and(inside > 0, last >= first)  # (B, N|1, T)
-
-
-def _band(t, s, causal, window):
-    """`(T, S)`: MultiHeadAttention's causal mask and sliding window, True where allowed."""
-    rows, columns = keras.ops.arange(t)[:, None], keras.ops.arange(s)[None, :]
-    band = keras.ops.ones((t, s), "bool")
-    if causal:
-        band = keras.ops.logical_and(band, rows >= columns)
-    if window is not None:
-        band = keras.ops.logical_and(band, keras.ops.abs(rows - columns) < window)
-    return band
 
 
 def uniform_rows(out, empty, mean_values):
@@ -143,7 +134,7 @@ def with_causal(mask, query, value):
     """`mask` (MultiHeadAttention's layout, or None) and MultiHeadAttention's causal mask
     `(1, T, S)`, True where `s <= t`, for rank-3 `query` and `value`."""
     t, s = keras.ops.shape(query)[1], keras.ops.shape(value)[1]
-    causal = (keras.ops.arange(t)[:, None] >= keras.ops.arange(s)[None, :])[None]  # (1, T, S)
+    causal = softmax.band(keras.ops.arange(t), keras.ops.arange(s), True, None)[None]  # (1, T, S)
     return causal if mask is None else keras.ops.logical_and(mask, causal)
 
 

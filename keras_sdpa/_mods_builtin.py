@@ -15,6 +15,7 @@ import numpy as np
 from keras import ops
 
 from keras_sdpa import _backend, _checks
+from keras_sdpa import _softmax as softmax
 from keras_sdpa._mods_core import Mod, _static_key, join, tensors_of
 
 _PACKAGE = "keras_sdpa"
@@ -28,7 +29,7 @@ class Causal(Mod):
     """`q_idx >= kv_idx`: each query sees itself and the keys before it."""
 
     def __call__(self, b, h, q_idx, kv_idx):
-        return q_idx >= kv_idx
+        return softmax.within(q_idx - kv_idx, True, None)
 
 
 @keras.saving.register_keras_serializable(package=_PACKAGE)
@@ -42,7 +43,7 @@ class SlidingWindow(Mod):
         self.window = _checks.positive_int("window", window)
 
     def __call__(self, b, h, q_idx, kv_idx):
-        return ops.abs(q_idx - kv_idx) < self.window
+        return softmax.within(q_idx - kv_idx, False, self.window)
 
     def get_config(self):
         return {"window": self.window}

@@ -17,8 +17,8 @@ import typing
 import keras
 from keras import ops
 
-from keras_sdpa import _backend, _block_mask, _checks, _chunked, _request, mods
-from keras_sdpa import _masking as M
+from keras_sdpa import _backend, _block_mask, _checks, _chunk_sizes, _request, mods
+from keras_sdpa import _layout as layout
 
 
 def check_scores(flash_attention, return_attention_scores):
@@ -106,7 +106,7 @@ class Plan:
     @property
     def operand(self):
         """The products' operand precision for half-precision inputs (into float32), or None."""
-        return self.dtype if self.dtype in M.HALF_DTYPES else None
+        return self.dtype if self.dtype in layout.HALF_DTYPES else None
 
     @property
     def logit_scale(self):
@@ -152,15 +152,17 @@ def make(query, key, value, mask=None, bias=None, request=_request.DEFAULT):
         block_kinds = None  # the mask_mod lowered to a causal mask or a window: no block map
     if implementation == "decode" and is_causal:
         _check_decode_alignment(query, key, bool(request.is_causal), request.mask_mod)
-    masked = is_causal or mask_mod is not None or _blocked_mask(mask_pattern, query, key)
-    chunk_size, balance = _chunk_size(chunk_size, sliding_window, mask_mod, masked)
+    masked = (
+        is_causal or mask_mod is not None or _chunk_sizes.blocked_mask(mask_pattern, query, key)
+    )
+    chunk_size, balance = _chunk_sizes.chosen(chunk_size, sliding_window, mask_mod, masked)
     dropout_rate = float(request.dropout_rate) if request.training else 0.0
     return_weights = bool(request.return_weights)
     path = _path(implementation, query, key, return_weights, chunk_size, request.score_mod)
     if path == "decode" and dropout_rate > 0.0:
         path = "dense"  # the decode path serves inference; dropout's mask is the dense path's
     if path == "chunked" and block_kinds is None:
-        chunk_size = _fitted(chunk_size, query, key, balance)
+        chunk_size = _chunk_sizes.fitted(chunk_size, query, key, balance)
     seed = _checks._as_seed(request.seed) if dropout_rate > 0.0 else None
     block_kinds = block_kinds if path == "chunked" else None  # only that path has blocks
     call, score_template, mask_template = _call_tensors(
@@ -255,28 +257,6 @@ def _check_decode_alignment(query, key, given_causal, given_mask_mod):
     )
 
 
-def _blocked_mask(mask_pattern, query, key):
-    """Whether a mask varies along both T and S (as a causal or windowed one given as a
-    tensor does) over lengths known to pass one default block: then smaller blocks, of which
-    the chunked path skips those the mask empties (`_blocks`). Shorter or unknown lengths
-    keep the default, and so the dense path where it ran before: an unstructured mask at
-    T=S=1,024 (B=16, N=8) took 1.66x the dense time forward plus backward in blocks of 512."""
-    if mask_pattern is None or not all(mask_pattern[2:]):
-        return False
-    lengths = [_known(query.shape[1]), _known(key.shape[1])]
-    return max(size or 0 for size in lengths) > _chunked.DEFAULT_CHUNK_SIZE
-
-
-def _chunk_size(chunk_size, sliding_window, mask_mod, masked):
-    """The chunk size given or its default (smaller blocks when `masked`, so that more are
-    skipped), and whether a default may be evened out over the lengths
-    (`balanced_chunk_size`)."""
-    balance = chunk_size is None and sliding_window is None and mask_mod is None
-    if chunk_size is None:
-        chunk_size = default_chunk_size(sliding_window, masked)
-    return chunk_size, balance
-
-
 def _path(implementation, query, key, return_weights, chunk_size, score_mod):
     path = choose_path(implementation, query, key, return_weights, chunk_size)
     if path == "auto" and score_mod is not None:
@@ -286,48 +266,6 @@ def _path(implementation, query, key, return_weights, chunk_size, score_mod):
         # one example's scores, as inside a caller's XLA step.
         path = choose_path_from_one_example(query, key, chunk_size)
     return path
-
-
-def _fitted(chunk_size, query, key, balance):
-    """One block of the sequence, not of `chunk_size`: blocks of 2048 padded a T=512 batch
-    of 256 to 24 GiB of scores (the dense path needs 0.5 GiB)."""
-    lengths = (_known(query.shape[1]), _known(key.shape[1]))
-    if None in lengths or not max(lengths):
-        return chunk_size
-    chunk_size = min(chunk_size, max(lengths))
-    return balanced_chunk_size(max(lengths), chunk_size) if balance else chunk_size
-
-
-def balanced_chunk_size(length, chunk_size):
-    """The default block size evened out over `length`: as many blocks as `chunk_size` needs,
-    each as short as that allows, rounded up to a multiple of 128 (never above `chunk_size`,
-    which may be the length itself). A ViT's 4,097 tokens in blocks of 2048 padded a third
-    block of 2047 (2.25x the work); in 3 blocks of 1408, forward plus backward took 0.367 s
-    against 0.734 s in one run (N=2, H=64, 2 CPU cores)."""
-    blocks = -(-length // chunk_size)
-    per_block = -(-length // blocks)
-    return min(chunk_size, -(-per_block // 128) * 128)
-
-
-def default_chunk_size(sliding_window, masked=False):
-    """2048; with a window `W` the power of two nearest above `W / 2` (128 at least); and
-    512 when `masked` (causal, a mask_mod, or a mask along T and S), which can leave about
-    half the blocks empty.
-
-    Small blocks let the loops skip more of what lies outside the band: at T=16,384,
-    W=512 on 2 CPU cores, forward plus backward took 0.75 s in blocks of 256, 1.12 s
-    in 128, 1.2 s in 512 and 4.0-5.8 s in 2048.
-    """
-    if sliding_window is None:
-        return _chunked.MASKED_CHUNK_SIZE if masked else _chunked.DEFAULT_CHUNK_SIZE
-    size = 1 << max(0, math.ceil(math.log2(sliding_window / 2)))
-    return min(_chunked.DEFAULT_CHUNK_SIZE, max(128, size))
-
-
-def _known(size):
-    """A size known while tracing, else None: JAX's shape inference of a functional model
-    traces a custom layer's call with a symbolic batch size, which is not an int."""
-    return size if isinstance(size, int) else None
 
 
 def choose_path(implementation, query, key, return_weights, chunk_size):
@@ -341,7 +279,10 @@ def choose_path(implementation, query, key, return_weights, chunk_size):
         return "dense"
     if implementation in ("chunked", "decode"):
         return implementation
-    sizes = [_known(d) for d in (query.shape[0], query.shape[2], query.shape[1], key.shape[1])]
+    sizes = [
+        _chunk_sizes.known(d)
+        for d in (query.shape[0], query.shape[2], query.shape[1], key.shape[1])
+    ]
     if any(size is None for size in sizes):  # B, N, T, S
         if _backend.get().inside_compiled():
             # Inside a caller's XLA program (`model.compile(jit_compile=True)`) a run-time
@@ -359,7 +300,7 @@ def choose_path(implementation, query, key, return_weights, chunk_size):
 def choose_path_from_one_example(query, key, chunk_size):
     """Chunked when one example's float32 scores pass 32 MiB and a sequence is longer than a
     block; dense otherwise, and for lengths unknown while tracing."""
-    n, t, s = query.shape[2], _known(query.shape[1]), _known(key.shape[1])
+    n, t, s = query.shape[2], _chunk_sizes.known(query.shape[1]), _chunk_sizes.known(key.shape[1])
     if t is None or s is None:
         return "dense"
     large = n * t * s * 4 > AUTO_CHUNKED_BYTES_PER_EXAMPLE

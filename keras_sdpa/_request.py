@@ -50,7 +50,8 @@ class Request:
                 f"`dropout_rate` must be in [0, 1). Received: dropout_rate={self.dropout_rate}"
             )
         check_implementation(self.implementation)
-        _checks.positive_int("chunk_size", self.chunk_size, or_none=True)
+        chunk_size = _checks.positive_int("chunk_size", self.chunk_size, or_none=True)
+        object.__setattr__(self, "chunk_size", chunk_size)  # an int, as the plan keeps it
         _checks._check_mod("score_mod", self.score_mod)
         _checks._check_mod("mask_mod", self.mask_mod)
         check_flash_attention(self.flash_attention)

@@ -3,10 +3,8 @@
 The layer projects, caches and calls; the rest is in private modules: `_arguments` (checks,
 config), `_shapes` (projections' equations, output shapes), `_rank_n` (inputs of any rank),
 `_layer_masks`, `_cache` (the key/value cache), `_folded` (a short query in the inputs'
-space), `_stand_in` (the class it replaces). The core, `keras_sdpa.ops.attend`, picks the path.
+space), `_stand_in` (the class it replaces). The core, `keras_sdpa.ops.run_request`, picks the path.
 """
-
-import inspect
 
 import keras
 
@@ -158,7 +156,7 @@ class ScaledDotProductAttention(keras.layers.Layer):
         if replaces is not None:
             self._call_signature = stand_in.call_signature(self.call, replaces)
             self.call_signature_parameters = list(self._call_signature.parameters)
-        core = _request.Request(  # the options the layer passes to the core, checked
+        core = dict(  # the options the layer passes to the core
             sliding_window=sliding_window,
             attn_logits_soft_cap=attn_logits_soft_cap,
             scale=scale,
@@ -424,7 +422,7 @@ class ScaledDotProductAttention(keras.layers.Layer):
             is_causal=use_causal_mask,
             mask_mod=self.mask_mod if mask_mod is None else mask_mod,
         )
-        result = ops.attend(
+        result = ops.run_request(
             flat.inputs(query, "query"),
             flat.inputs(key, "value"),
             flat.inputs(value, "value"),
@@ -454,10 +452,23 @@ class ScaledDotProductAttention(keras.layers.Layer):
             self.value_dim,
         )
 
-    def compute_output_spec(self, query, value, key=None, *args, **kwargs):
-        # The call's other arguments, by name as `call` takes them (by position too).
-        given = inspect.signature(self.call).bind(query, value, key, *args, **kwargs).arguments
-        return_attention_scores = given.get("return_attention_scores", False)
+    def compute_output_spec(
+        self,
+        query,
+        value,
+        key=None,
+        query_mask=None,
+        value_mask=None,
+        key_mask=None,
+        attention_mask=None,
+        attention_bias=None,
+        return_attention_scores=False,
+        training=None,
+        use_causal_mask=False,
+        segment_ids=None,
+        cache=None,
+        cache_update_index=None,
+    ):
         key_shape = None if key is None else key.shape
         shape = self.compute_output_shape(query.shape, value.shape, key_shape)
         out = keras.KerasTensor(shape, dtype=self.compute_dtype)

@@ -12,15 +12,15 @@ Shapes, used everywhere in this package:
 Queries are `(B, T, N, H)`, keys `(B, S, K, H)` and values `(B, S, K, Hv)`, the
 layout of `keras.ops.dot_product_attention`. Attention weights are `(B, N, T, S)`.
 
-Decide, then compute. `scaled_dot_product_attention` (and the layer, through `attend`) first
-checks its arguments and decides every static fact of the call into one frozen `Plan`
-(`_plan.py`); then `_attention_xla`, a `tf.function(jit_compile=True)` on TensorFlow and a
-`jax.jit` on JAX keyed by the plan (inside a caller's XLA step, traced into it), runs
-`_attention`: the grouped layout, then one path,
-`_dense.py` (the whole `(T, S)` matrix), `_chunked.py` (the online softmax in blocks) or
-`_decode.py` (a few rows against a cache), each taking `(q, k, v, plan, tensors)`. The
-scores, bias, cap, masks, softmax and weighted sum run as one XLA program, and so does their
-gradient.
+Decide, then compute. `scaled_dot_product_attention` gathers its keyword arguments into one
+frozen, checked `_request.Request` (the layer builds one from its settings, and both enter
+through `run_request`); `_plan.make` checks the tensors and decides every static fact of the
+call into one frozen `Plan`; then `_attention_xla`, a `tf.function(jit_compile=True)` on
+TensorFlow and a `jax.jit` on JAX keyed by the plan (inside a caller's XLA step, traced into
+it), runs `_attention`: the grouped layout, then one path, `_dense.py` (the whole `(T, S)`
+matrix), `_chunked.py` (the online softmax in blocks) or `_decode.py` (a few rows against a
+cache), each taking `(q, k, v, plan, tensors)`. The scores, bias, cap, masks, softmax and
+weighted sum run as one XLA program, and so does their gradient.
 
 The rule for a fully masked query row (a query that may attend to nothing):
 its weights are all zero and its output is zero, never NaN, on every path.
@@ -31,11 +31,12 @@ import typing
 from keras import ops as kops
 
 from keras_sdpa import _backend, _chunked, _decode, _dense, _plan, _request, mods
-from keras_sdpa import _masking as M
+from keras_sdpa import _layout as layout
+from keras_sdpa import _mod_calls as mod_calls
 from keras_sdpa._block_mask import BlockMask, create_block_mask  # noqa: F401 (the public names)
 
 __all__ = ["BlockMask", "create_block_mask", "scaled_dot_product_attention"]
-# (`attend`, the layer's entry, and the program's `Tensors` are the package's own.)
+# (`run_request`, the layer's entry, and the program's `Tensors` are the package's own.)
 BlockMask.__module__ = create_block_mask.__module__ = __name__  # where users find them
 
 # A caller's `tf.function` converts the functions it calls with AutoGraph, and every function
@@ -162,11 +163,11 @@ def scaled_dot_product_attention(
     """
     arguments = locals()  # by name: each option is written once, in the signature above
     options = {name: arguments[name] for name in _request.CORE_OPTIONS}
-    return attend(query, key, value, mask, bias, _request.Request(**options))
+    return run_request(query, key, value, mask, bias, _request.Request(**options))
 
 
 @_backend.do_not_convert
-def attend(query, key, value, mask=None, bias=None, request=_request.DEFAULT):
+def run_request(query, key, value, mask=None, bias=None, request=_request.DEFAULT):
     """`scaled_dot_product_attention` with its options in one `_request.Request`, which
     may also hold the layer's two choices besides them: `flash_attention` (`True` chunked,
     `False` dense, `None` leaves it to `implementation`) and `cached` (a call against a
@@ -225,7 +226,7 @@ class Tensors(typing.NamedTuple):
     mask: object = None  # (B|1, K|1, G|1, T|1, S|1) booleans
     bias: object = None  # (B|1, K|1, G|1, T|1, S|1) in the compute precision
     seed: object = None  # (2,) int32, with dropout
-    score_mod: object = None  # `_masking.ScoreMod`, bound to this call's tensors
+    score_mod: object = None  # `_mod_calls.ScoreMod`, bound to this call's tensors
     params: tuple = ()  # what the score_mod's gradient reaches
     mask_mod: object = None  # `(b, h, q_idx, kv_idx) -> bool`
     block_kinds: object = None  # `(nq, nk)` int32, the chunked path's, or None
@@ -292,18 +293,18 @@ def _tensors(plan, mask, bias, seed, score_tensors, mask_tensors, block_kinds, v
     # TensorFlow through tf.custom_gradient's own tracking, on JAX as their values (`scope`).
     # (A tensor a plain function captures is a constant to the paths' custom gradients:
     # `mods.with_tensors` passes it as a tensor of its own.)
-    score_mod = M.ScoreMod(score_template, score_tensors, scope)
+    score_mod = mod_calls.ScoreMod(score_template, score_tensors, scope)
     mask_mod = mods.as_function(mods.join(mask_template, mask_tensors))
     groups = (plan.num_kv_heads, plan.groups)
     if bias is not None:
-        bias = M.grouped(kops.cast(bias, plan.compute), plan.bias_pattern, *groups)
+        bias = layout.grouped(kops.cast(bias, plan.compute), plan.bias_pattern, *groups)
     return Tensors(
-        mask=M.grouped(mask, plan.mask_pattern, *groups),  # (B|1, K|1, G|1, T|1, S|1)
+        mask=layout.grouped(mask, plan.mask_pattern, *groups),  # (B|1, K|1, G|1, T|1, S|1)
         bias=bias,
         seed=seed,
         score_mod=score_mod if score_mod.fn is not None else None,
         params=score_mod.params if score_mod.fn is not None else (),
-        mask_mod=None if mask_mod is None else M.reading(mask_mod, scope),
+        mask_mod=None if mask_mod is None else mod_calls.reading(mask_mod, scope),
         block_kinds=block_kinds,
     )
 

@@ -25,7 +25,7 @@ import warnings
 
 import keras
 
-from keras_sdpa import _kernels, _plan, _references, _scope
+from keras_sdpa import _kernels, _references, _request, _scope
 from keras_sdpa.layer import ScaledDotProductAttention
 
 # The classes as Keras defines them, read before any scope patches their public names.
@@ -61,7 +61,7 @@ def _config(layer):
 
 
 def _check_options(flash_attention, layer_options):
-    _plan.check_flash_attention(flash_attention)
+    _request.check_flash_attention(flash_attention)
     known = set(inspect.signature(ScaledDotProductAttention.__init__).parameters)
     unknown = sorted(set(layer_options) - (known - {"replaces"}))
     if unknown:

@@ -19,7 +19,7 @@ from test_ops import (
     reference,
 )
 
-from keras_sdpa import ScaledDotProductAttention, _plan
+from keras_sdpa import ScaledDotProductAttention, _chunk_sizes, _plan
 from keras_sdpa import ops as ops_module
 from keras_sdpa.ops import scaled_dot_product_attention
 
@@ -268,10 +268,10 @@ def test_layer_in_a_keras_model_trains_with_chunked_attention():
 def test_default_blocks_are_evened_out_over_the_length(monkeypatch):
     """Without a `chunk_size`, the blocks cover the length evenly in multiples of 128 (4,097
     tokens in 3 blocks of 1408, not 2048 + 2048 + a block of padding); a given one is kept."""
-    assert _plan.balanced_chunk_size(4097, 2048) == 1408
-    assert _plan.balanced_chunk_size(8192, 2048) == 2048
-    assert _plan.balanced_chunk_size(3000, 2048) == 1536
-    assert _plan.balanced_chunk_size(129, 128) == 128
+    assert _chunk_sizes.balanced_chunk_size(4097, 2048) == 1408
+    assert _chunk_sizes.balanced_chunk_size(8192, 2048) == 2048
+    assert _chunk_sizes.balanced_chunk_size(3000, 2048) == 1536
+    assert _chunk_sizes.balanced_chunk_size(129, 128) == 128
     seen = []
     real = ops_module._attention_xla
 
@@ -280,7 +280,7 @@ def test_default_blocks_are_evened_out_over_the_length(monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(ops_module, "_attention_xla", spy)
-    monkeypatch.setattr(_plan, "default_chunk_size", lambda *args, **kwargs: 512)
+    monkeypatch.setattr(_chunk_sizes, "default_chunk_size", lambda *args, **kwargs: 512)
     rng = np.random.default_rng(0)
     q, k, v = (tensor(rng.standard_normal((1, 520, 1, 8)), "float32") for _ in range(3))
     got = scaled_dot_product_attention(q, k, v, implementation="chunked")

@@ -414,7 +414,12 @@ def test_mixed_precision(policy):
         (dict(attn_logits_soft_cap=-2.0), r"`attn_logits_soft_cap` must be.*=-2.0"),
         (dict(flash_attention="yes"), r"`flash_attention` must be None, True or False.*'yes'"),
         (dict(attention_axes="1"), r"`attention_axes` must be None, an int.*'1'"),
-        (dict(implementation="flash"), r"`implementation` must be.*'flash'"),
+        (
+            dict(implementation="flash"),
+            r'`implementation` must be "auto", "dense" or "chunked"\. .*=\'flash\'',
+        ),
+        (dict(implementation="decode"), r'must be "auto", "dense" or "chunked".*=\'decode\''),
+        (dict(chunk_size=0), r"`chunk_size` must be None or a positive int.*chunk_size=0"),
         (dict(scale=0.0), r"`scale` must be a positive finite number or None. Received: scale=0.0"),
         (dict(scale=float("nan")), r"scale=nan"),
         (dict(scale="1"), r"scale='1'"),

@@ -170,7 +170,7 @@ def test_no_module_but_the_tensorflow_shim_imports_tensorflow(module):
         assert layer == [], module
 
 
-def test_the_shims_of_both_backends_have_the_same_names_in_the_same_order():
+def test_the_shims_of_both_backends_define_the_contract_in_its_order():
     def functions(name):
         path = os.path.join(PACKAGE, "_backend", f"{name}.py")
         tree = ast.parse(open(path, encoding="utf-8").read())
@@ -180,8 +180,9 @@ def test_the_shims_of_both_backends_have_the_same_names_in_the_same_order():
             if isinstance(node, ast.FunctionDef) and not node.name.startswith("_")
         ]
 
-    assert functions("tensorflow") == functions("jax")
-    assert len(functions("jax")) >= 15
+    from keras_sdpa._backend import CONTRACT
+
+    assert functions("tensorflow") == functions("jax") == [name for name, _ in CONTRACT]
 
 
 def _outside_functions(tree):
@@ -302,7 +303,7 @@ def formatter_skips(paths):
 def test_the_formatter_is_not_told_to_skip(tmp_path):
     """No line of the repository's Python files keeps the formatter off (fmt skip or off,
     yapf disable): such a line would need its reason beside it, and none does."""
-    folders = ("keras_sdpa", "apps", "benchmarks", "tests")
+    folders = ("keras_sdpa", "apps", "benchmarks", "tests", "docs")
     paths = [
         path
         for folder in folders
@@ -366,7 +367,7 @@ def path_choices_outside_the_plan(trees):
     """Every place outside `_plan.py` that reads `flash_attention` or `implementation` to
     decide something. Passing the value on (an argument, an attribute, a config entry) or
     asking whether it was given (`is None`) is not deciding, and neither is a `check_*`
-    function refusing a value that is none of the allowed ones (`_request.py`)."""
+    function of `_request.py` refusing a value that is none of the allowed ones."""
     found = []
     for name, tree in trees:
         if name.endswith("_plan.py"):
@@ -375,7 +376,9 @@ def path_choices_outside_the_plan(trees):
         checks = {
             inner
             for node in ast.walk(tree)
-            if isinstance(node, ast.FunctionDef) and node.name.startswith("check_")
+            if name.endswith("_request.py")
+            and isinstance(node, ast.FunctionDef)
+            and node.name.startswith("check_")
             for inner in ast.walk(node)
         }
         for node in ast.walk(tree):
@@ -412,10 +415,20 @@ def test_the_plan_check_sees_a_choice_made_elsewhere():
         "def checked_then_chosen(implementation):\n"
         "    return 'dense' if implementation == 'auto' else implementation\n"
     )
-    found = path_choices_outside_the_plan([("keras_sdpa/layer.py", ast.parse(source))])
-    assert sorted(found, key=lambda place: int(place.split(":")[1].split()[0])) == [
+    trees = [
+        (name, ast.parse(source)) for name in ("keras_sdpa/layer.py", "keras_sdpa/_request.py")
+    ]
+    found = sorted(
+        path_choices_outside_the_plan(trees),
+        key=lambda place: (place.split(":")[0], int(place.split(":")[1].split()[0])),
+    )
+    assert found == [
+        "keras_sdpa/_request.py:4 flash_attention",
+        "keras_sdpa/_request.py:6 implementation",
+        "keras_sdpa/_request.py:13 implementation",
         "keras_sdpa/layer.py:4 flash_attention",
         "keras_sdpa/layer.py:6 implementation",
+        "keras_sdpa/layer.py:10 implementation",  # a check, outside `_request.py`
         "keras_sdpa/layer.py:13 implementation",
     ]
 

@@ -1,6 +1,6 @@
 """What `keras.ops` lacks, one small module per backend, side by side.
 
-The attention math (`_masking.py`, `_dense.py`, `_chunked.py`, `_decode.py`) is written once,
+The attention math (`_layout.py`, `_softmax.py`, `_mod_calls.py` and the paths) is written once,
 on `keras.ops`. What `keras.ops` cannot say the same way on both backends lives here, with the
 same names in `tensorflow.py` and `jax.py`, so that a reader compares them line for line (as
 Keras's own `keras/src/backend/<name>/nn.py` do): the compiled entry, the custom gradient, the
@@ -16,6 +16,34 @@ import importlib
 import keras
 
 SUPPORTED = ("tensorflow", "jax")
+
+# The contract: the functions each shim defines, in this order, and what they do
+# (`tests/test_layout.py` checks both shims against it).
+CONTRACT = (
+    ("do_not_convert", "a function as TensorFlow's AutoGraph should leave it"),
+    ("compile", "one XLA program per static configuration: tf.function or jax.jit"),
+    ("inside_compiled", "whether a trace runs inside a caller's compiled step"),
+    ("tanh", "tanh in the input's float type"),
+    ("matmul", "a batched product; half precision multiplied into float32"),
+    ("uniform", "stateless uniform draws from a (2,) int32 seed, for dropout"),
+    ("new_seed", "a random (2,) int32 seed, for a dropout call given none"),
+    ("custom_gradient", "forward(*inputs) -> (outputs, grad), differentiated by grad"),
+    ("vjp", "the gradient of a score_mod's logits to the logits, tensors and variables"),
+    ("captures_variable_values", "whether a variable read in a trace becomes a constant"),
+    ("cache_logits", "queries against a cache's keys in their (B, S, K, H) layout"),
+    ("cache_weighted_sum", "weights times a cache's values in their (B, S, K, Hv) layout"),
+    ("block_array", "room for the blocks a loop writes one per step"),
+    ("write_block", "an array with one block written"),
+    ("stack_blocks", "the written blocks, stacked on a new axis 0"),
+    ("add_to_block", "grid[i, j] += block"),
+    ("fold_in", "a new seed from a seed and a block's index"),
+    ("read_block", "one block of the stacked blocks"),
+    ("static_value", "a tensor's value where it is known while tracing, else None"),
+    ("checked_in_range", "an index checked against its range where the backend can"),
+    ("with_static_shape", "a tensor with the static shape a reshape hid"),
+    ("per_replica", "a dropout seed distinct per replica of a distribution strategy"),
+    ("variable_inputs", "the mods' variables as the program's inputs (JAX) or none"),
+)
 
 
 def check():
