@@ -180,6 +180,24 @@ def test_gradient_x_input_matches_finite_differences(tiny_float64_model):
     np.testing.assert_allclose(1 / (1 + np.exp(-log_odds(x))), model(ids)[:, 0], atol=1e-12)
 
 
+def test_probability_cuts_each_batch_to_its_bucket_and_keeps_the_rows_order():
+    """`ModelProbe.probability` sorts rows by length and cuts each batch to its length bucket:
+    the probabilities come back in the rows' order, each the model's on the whole row."""
+    keras.utils.set_random_seed(4)
+    model, _ = model_lib.build_classifier(
+        vocab_size=50, sequence_length=200, embed_dim=8, num_heads=2, key_dim=4, ff_dim=8
+    )
+    rng = np.random.default_rng(0)
+    lengths = rng.permutation([1, 3, 40, 64, 65, 90, 97, 130, 150, 199, 200, 0, 7])
+    ids = np.zeros((len(lengths), 200), dtype=np.int32)
+    for row, n in enumerate(lengths):
+        ids[row, :n] = rng.integers(2, 50, size=n)
+    ids[2, 5] = 0  # a deleted token inside a row: its length is up to its last token
+    probe = explain.ModelProbe(model, batch_size=3)
+    expected = [float(model(ids[row : row + 1], training=False)[0, 0]) for row in range(len(ids))]
+    np.testing.assert_allclose(probe.probability(ids), expected, atol=1e-6)
+
+
 @pytest.fixture(scope="module")
 def shipped():
     return run_folder.load_run(SHIPPED)

@@ -30,6 +30,7 @@ import numpy as np
 import tensorflow as tf
 from keras import ops
 
+from ..classifier import buckets
 from ..classifier import model as model_lib
 
 FRACTIONS = (0.01, 0.05, 0.10, 0.20, 0.50)  # of each review's tokens
@@ -105,13 +106,23 @@ class ModelProbe:
         self._gradient = tf.function(self._gradient_x_input, reduce_retracing=True)
 
     def probability(self, ids):
-        """`P(positive)` `(B,)` float64 for token ids `(B, L)`, in batches."""
+        """`P(positive)` `(B,)` float64 for token ids `(B, L)`, in batches of similar length.
+
+        Each batch is cut to the first length bucket (`buckets.bucket_sizes(L)`) that holds its
+        longest row, as the training and the SavedModel cut theirs: the padding after a row's
+        last token is masked, so the cut changes no probability, only the work (a deletion
+        test's kept tokens are a few of the review's)."""
         ids = np.asarray(ids, dtype=np.int32)
-        out = [
-            self._probability(tf.constant(ids[start : start + self.batch_size])).numpy()
-            for start in range(0, len(ids), self.batch_size)
-        ]
-        return np.concatenate(out).astype(np.float64) if out else np.zeros(0)
+        present = ids != 0
+        lengths = np.where(present.any(axis=1), ids.shape[1] - np.argmax(present[:, ::-1], 1), 0)
+        sizes = buckets.bucket_sizes(ids.shape[1])
+        order = np.argsort(lengths, kind="stable")
+        out = np.zeros(len(ids))
+        for start in range(0, len(ids), self.batch_size):
+            rows = order[start : start + self.batch_size]
+            size = sizes[buckets.bucket_of(int(lengths[rows].max()), sizes)]
+            out[rows] = self._probability(tf.constant(ids[rows, :size])).numpy()
+        return out
 
     def log_odds_from_embeddings(self, x, mask):
         """The classifier's log-odds `(B,)` from the embedding output `x` `(B, L, E)`."""
