@@ -57,7 +57,12 @@ def build_model(config, run, vectorizer, train_ids, train_labels, counted_ids, s
         # The attention core is XLA-compiled on its own; the rest of the step runs on TF's
         # kernels (XLA's CPU random numbers make Keras's Dropout far slower under jit).
         model.compile(
-            optimizer=Adam(schedule, weight_decay=config.weight_decay or None),
+            optimizer=Adam(
+                schedule,
+                weight_decay=config.weight_decay or None,
+                use_ema=config.ema_momentum is not None,
+                ema_momentum=config.ema_momentum or 0.99,
+            ),
             loss="binary_crossentropy",
             metrics=["accuracy"],
             jit_compile=False,

@@ -57,6 +57,9 @@ class Config:
     epochs: int = 2  # the learning rate decays to 0 at the end of the last one
     learning_rate: float = 1e-3  # Adam, with cosine decay to 0 over the epochs
     weight_decay: float = 0.5  # decoupled (AdamW), times the learning rate; 0 = plain Adam
+    # an exponential moving average of the weights (Keras's `use_ema`, Polyak averaging) with
+    # this momentum: validation, the kept epoch and the exports read it; None = no average
+    ema_momentum: float | None = None
     monitor: str = "val_accuracy"  # early stopping and the kept epoch: val_loss or val_accuracy
     patience: int = 3  # epochs without a better `monitor` before training stops
     seed: int = 0
@@ -97,6 +100,7 @@ _RUN_DEFINING = (
     "batch_size",
     "learning_rate",
     "weight_decay",
+    "ema_momentum",
     "seed",
     "max_steps",
     "epochs",
@@ -128,6 +132,7 @@ FIRST_DEFAULTS = {
     "pooling_values": "block",
     "mixed_precision": None,
     "weight_decay": 0.0,
+    "ema_momentum": None,
     "short_spans": 0.0,
     "pretrain_steps": 0,
     "pretrain_batch_size": 64,
@@ -280,6 +285,11 @@ def _check_training(config):
     if config.weight_decay < 0:
         raise ValueError(
             f"`--weight_decay` must be >= 0. Received: weight_decay={config.weight_decay}"
+        )
+    if config.ema_momentum is not None and not 0.0 < config.ema_momentum < 1.0:
+        raise ValueError(
+            "`--ema_momentum` must be in (0, 1) (or left out for no average). "
+            f"Received: ema_momentum={config.ema_momentum}"
         )
     if config.faithfulness_examples < 0:
         raise ValueError(

@@ -73,6 +73,34 @@ class TrainingState(keras.callbacks.Callback):
         files.write_json_atomic(self.json_path, {"step": step, "train_seconds": self.seconds()})
 
 
+class AverageSwapped(keras.callbacks.SwapEMAWeights):
+    """Keras's `SwapEMAWeights(swap_on_epoch=True)` for a run of `epochs` that may take more
+    than one `fit`: validation, and the callbacks after this one at an epoch's end (the kept
+    epoch's checkpoint), read the weights' moving average; the steps train the weights.
+
+    Keras's `fit` ends by copying the average into the model, and into the average's own
+    slots too after the last epoch it was given. A resumed run's first `fit` ends inside the
+    run, so the trained weights come back from the state saved at that epoch's end (the
+    `TrainingState` before this callback saves them before the swap)."""
+
+    def __init__(self, state, epochs):
+        super().__init__(swap_on_epoch=True)
+        self.state = state
+        self.epochs = epochs
+
+    def on_train_end(self, logs=None):
+        if self.params["epochs"] < self.epochs and not self.model.stop_training:
+            self.model.load_weights(self.state.weights_path)
+            self._ema_weights_in_model = False
+
+    def trained_weights_back(self):
+        """Puts the trained weights back in the model if the average is in it (an
+        interruption during validation), so that the training state saves them."""
+        if self._ema_weights_in_model:
+            self._swap_variables()
+            self._ema_weights_in_model = False
+
+
 class ReviewsPerSecond(keras.callbacks.Callback):
     """Puts `reviews/s` in the progress bar: the reviews trained on since the epoch began over
     the wall time since then, input pipeline and callbacks included. (Keras's bar shows a
@@ -208,6 +236,9 @@ def fit_model(config, run, model, train_ids, train_labels, validation, steps_per
                 stopped,
             )
     except KeyboardInterrupt:
+        for callback in callbacks:
+            if isinstance(callback, AverageSwapped):
+                callback.trained_weights_back()
         state.save()
         print(
             f"\nInterrupted at step {optimizer_step(model)}. "
@@ -269,6 +300,7 @@ def _callbacks(config, run, state, history):
     callbacks = [
         ReviewsPerSecond(run.global_batch),
         state,
+        *([AverageSwapped(state, config.epochs)] if config.ema_momentum else []),
         keras.callbacks.CSVLogger(run.history, append=True),
         keras.callbacks.TensorBoard(os.path.join(run.output, "logs")),
         keras.callbacks.ModelCheckpoint(
