@@ -1155,6 +1155,58 @@ def test_app_page_quotes_what_more_pretraining_buys_from_its_files():
     ) in " ".join(text.split())
 
 
+LEVERS = ["pretrain0", "pretrain1500", "ema099"]  # issue #63's table, the default first
+
+
+def test_app_page_levers_table_is_the_seed_files_and_the_default_follows_the_rule():
+    """Issue #63's levers, each over seeds 0, 1 and 2 from its folder: the flags it adds to the
+    README's command (its configs against today's defaults), validation and test as mean ± std,
+    its training minutes (fine-tuning and pretraining, the mean, on the one CPU its seeds ran
+    on), and its test mean against the command's with the bar, twice the larger std. The
+    command's own row has no flags, and no lever clears its bar (the rule that keeps it)."""
+    import dataclasses
+    import statistics
+
+    from apps.training import config as train_config
+    from apps.training import sweep
+
+    text = (ROOT / "docs/app.md").read_text()
+    rows = re.findall(
+        r"^\| ([^|]+) \| (`[^`]+`|none) \| ([^|]+) \| ([^|]+) \| ([^|]+) \| ([^|]+) \| "
+        r"`saved_models/experiments/seeds/([^/`]+)/` \|$",
+        text,
+        flags=re.M,
+    )
+    assert [row[-1] for row in rows] == LEVERS
+    defaults = dataclasses.asdict(train_config.Config())
+    seeds = {}
+    for _, flags, validation, test, minutes, _, name in rows:
+        folder = ROOT / f"saved_models/experiments/seeds/{name}"
+        runs = [json.loads(path.read_text()) for path in sorted(folder.glob("seed*.json"))]
+        assert [run["config"]["seed"] for run in runs] == [0, 1, 2], name
+        (against,) = {sweep.against_defaults(run["config"], defaults) for run in runs}
+        assert flags == ("none" if against == "(today's defaults)" else f"`{against}`"), name
+        for cell, key in ((validation, "validation_accuracy"), (test, "test_accuracy")):
+            values = [100 * run[key] for run in runs]
+            mean, std = statistics.fmean(values), statistics.stdev(values)
+            assert cell.strip() == f"{mean:.2f} ± {std:.2f}%", (name, key)
+        (cpu,) = {_cpu(run["machine"]) for run in runs}
+        trained = [
+            run["stage_seconds"]["fine_tuning"] + (run["stage_seconds"]["pretraining"] or 0)
+            for run in runs
+        ]
+        assert minutes.strip() == f"{statistics.fmean(trained) / 60:.1f} ({cpu})", name
+        seeds[name] = [100 * run["test_accuracy"] for run in runs]
+    default = seeds[LEVERS[0]]
+    assert rows[0][5].strip() == "the README's command"
+    for row in rows[1:]:
+        tests = seeds[row[-1]]
+        gain = statistics.fmean(tests) - statistics.fmean(default)
+        bar = 2 * max(statistics.stdev(tests), statistics.stdev(default))
+        assert row[5].strip() == f"{gain:+.2f} (bar {bar:.2f})", row[-1]
+        assert gain < bar, f"{row[-1]} clears the bar: it would be the default"
+
+
 def test_decoder_figures_are_the_benchmarks():
     """The README's, docs/keras-hub.md's and the notes' figures on the decoder LLMs are
     `benchmarks/decoders.py`'s table."""
