@@ -50,24 +50,43 @@ def _data():
     return x, (x[:, 0] > 0).astype("float32")
 
 
-def _fit(tmp_path, segments):
-    """Fits a new model over `segments`, `[(initial_epoch, epochs)]`, one `fit` each, with the
-    app's callbacks in the app's order. Returns the model, the steps, the validation losses
-    and the checkpoint of the last epoch."""
+class _StopAfter(keras.callbacks.Callback):
+    """Early stopping at the end of epoch `epoch`."""
+
+    def __init__(self, epoch):
+        super().__init__()
+        self.epoch = epoch
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.model.stop_training = epoch == self.epoch
+
+
+def _fit(tmp_path, segments, new_process=False, stop_after=None):
+    """Fits a new model over `segments`, `[(initial_epoch, epochs)]`, one `fit` each, as a
+    resumed run does, with the app's callbacks in the app's order (a new model restored from
+    the training state for each segment after the first with `new_process`). Returns the
+    model, the steps, the validation losses, the checkpoint of the last epoch and the swap."""
     model = _model()
     state = train_fit.TrainingState(str(tmp_path / "state"), save_every=1000)
-    state.set_model(model)
     steps = _Steps()
     checkpoint = str(tmp_path / "last.weights.h5")
-    callbacks = [
-        steps,
-        state,
-        train_fit.AverageSwapped(state, epochs=segments[-1][1]),
-        keras.callbacks.ModelCheckpoint(checkpoint, monitor="loss", save_weights_only=True),
-    ]
     x, y = _data()
     losses = []
-    for initial_epoch, epochs in segments:
+    for index, (initial_epoch, epochs) in enumerate(segments):
+        if new_process and index:
+            model = _model()
+            model.optimizer.build(model.trainable_variables)  # as apps.training.build does
+            state.set_model(model)
+            state.restore()
+        state.set_model(model)
+        swap = train_fit.AverageSwapped(state, epochs=segments[-1][1])
+        callbacks = [
+            steps,
+            *([] if stop_after is None else [_StopAfter(stop_after)]),
+            state,
+            swap,
+            keras.callbacks.ModelCheckpoint(checkpoint, monitor="loss", save_weights_only=True),
+        ]
         history = model.fit(
             x,
             y,
@@ -80,7 +99,7 @@ def _fit(tmp_path, segments):
             verbose=0,
         )
         losses += history.history["val_loss"]
-    return model, steps.weights, losses, checkpoint
+    return model, steps.weights, losses, checkpoint, swap
 
 
 def _average(steps):
@@ -101,7 +120,7 @@ def _loss(weights):
 def test_validation_and_the_checkpoint_read_the_average_and_the_steps_train_the_weights(
     tmp_path,
 ):
-    model, steps, losses, checkpoint = _fit(tmp_path, [(0, 2)])
+    model, steps, losses, checkpoint, _ = _fit(tmp_path, [(0, 2)])
     assert len(steps) == 2 * STEPS_PER_EPOCH
     for epoch in range(2):
         average = _average(steps[: (epoch + 1) * STEPS_PER_EPOCH])
@@ -121,15 +140,32 @@ def test_validation_and_the_checkpoint_read_the_average_and_the_steps_train_the_
         np.testing.assert_allclose(ours, theirs, rtol=1e-6)
 
 
-def test_a_resumed_run_in_two_fits_trains_and_averages_as_one_fit(tmp_path):
-    one, steps_one, losses_one, _ = _fit(tmp_path / "one", [(0, 2)])
-    two, steps_two, losses_two, _ = _fit(tmp_path / "two", [(0, 1), (1, 2)])
+@pytest.mark.parametrize("new_process", [False, True])
+def test_a_resumed_run_in_two_fits_trains_and_averages_as_one_fit(tmp_path, new_process):
+    one, steps_one, losses_one, *_ = _fit(tmp_path / "one", [(0, 2)])
+    two, steps_two, losses_two, *_ = _fit(tmp_path / "two", [(0, 1), (1, 2)], new_process)
     for step_one, step_two in zip(steps_one, steps_two, strict=True):
         for a, b in zip(step_one, step_two):
             np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
     np.testing.assert_allclose(losses_one, losses_two, rtol=1e-6)
     for a, b in zip(one.get_weights(), two.get_weights()):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_early_stopping_leaves_the_average_in_the_model(tmp_path):
+    model, steps, *_ = _fit(tmp_path, [(0, 3)], stop_after=0)
+    assert len(steps) == STEPS_PER_EPOCH
+    for ours, theirs in zip(model.get_weights(), _average(steps)):
+        np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-7)
+
+
+def test_an_interruption_after_the_last_epoch_saves_the_trained_weights(tmp_path):
+    """Once `fit`'s last epoch has copied the average into its slots, an interruption (the
+    app's `trained_weights_back`, then the state saved) gives back the trained weights."""
+    model, steps, _, _, swap = _fit(tmp_path, [(0, 2)])
+    swap.trained_weights_back()
+    for ours, theirs in zip(model.get_weights(), steps[-1]):
+        np.testing.assert_allclose(ours, theirs, rtol=1e-6)
 
 
 def test_the_app_saves_the_training_state_before_the_average_swaps_in(tmp_path):
@@ -151,6 +187,7 @@ def test_the_app_saves_the_training_state_before_the_average_swaps_in(tmp_path):
             continue
         swap = kinds.index(train_fit.AverageSwapped)
         assert kinds[swap - 1] is train_fit.TrainingState
+        assert kinds.index(train_fit.ResumableEarlyStopping) < swap
         assert kinds.index(keras.callbacks.ModelCheckpoint) > swap
 
 

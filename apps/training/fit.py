@@ -78,27 +78,53 @@ class AverageSwapped(keras.callbacks.SwapEMAWeights):
     than one `fit`: validation, and the callbacks after this one at an epoch's end (the kept
     epoch's checkpoint), read the weights' moving average; the steps train the weights.
 
-    Keras's `fit` ends by copying the average into the model, and into the average's own
-    slots too after the last epoch it was given. A resumed run's first `fit` ends inside the
-    run, so the trained weights come back from the state saved at that epoch's end (the
-    `TrainingState` before this callback saves them before the swap)."""
+    After the last epoch of a `fit` (or the one early stopping ends it on; the early stopping
+    callback must come before this one), the average is copied into its own slots too, so that
+    the `finalize_variable_values` Keras's `fit` ends with leaves it in the model. The trained
+    weights are then only in the state the `TrainingState` before this callback saved at that
+    epoch's end: a resumed run's first `fit`, which ends inside the run, reloads them, and so
+    does an interruption from then on. The swaps hold Ctrl-C and SIGTERM until they are done."""
 
     def __init__(self, state, epochs):
         super().__init__(swap_on_epoch=True)
         self.state = state
         self.epochs = epochs
+        self.average_only = False  # the trained weights only in the saved state
+
+    def on_epoch_begin(self, epoch, logs=None):
+        with _interrupts_deferred():
+            super().on_epoch_begin(epoch, logs)
+
+    def on_epoch_end(self, epoch, logs=None):
+        with _interrupts_deferred():
+            super().on_epoch_end(epoch, logs)  # copies the average after the fit's last epoch
+            last = epoch == self.params["epochs"] - 1
+            if self.model.stop_training and not last:
+                self._finalize_ema_values()
+            self.average_only = last or self.model.stop_training
+
+    def on_test_begin(self, logs=None):
+        with _interrupts_deferred():
+            super().on_test_begin(logs)
+
+    def on_test_end(self, logs=None):
+        with _interrupts_deferred():
+            super().on_test_end(logs)
 
     def on_train_end(self, logs=None):
         if self.params["epochs"] < self.epochs and not self.model.stop_training:
-            self.model.load_weights(self.state.weights_path)
-            self._ema_weights_in_model = False
+            self.trained_weights_back()
 
     def trained_weights_back(self):
-        """Puts the trained weights back in the model if the average is in it (an
-        interruption during validation), so that the training state saves them."""
-        if self._ema_weights_in_model:
-            self._swap_variables()
+        """Puts the trained weights back in the model where the average is (an interruption
+        during validation or after an epoch's end), so that the training state saves them."""
+        with _interrupts_deferred():
+            if self.average_only:
+                self.model.load_weights(self.state.weights_path)
+            elif self._ema_weights_in_model:
+                self._swap_variables()
             self._ema_weights_in_model = False
+            self.average_only = False
 
 
 class ReviewsPerSecond(keras.callbacks.Callback):
@@ -297,10 +323,13 @@ def _callbacks(config, run, state, history):
     early_stopping = ResumableEarlyStopping(
         run.history, monitor=config.monitor, patience=config.patience, verbose=1
     )
+    # At an epoch's end: early stopping (it only reads the logs) before the weights' average,
+    # which copies the average when training stops; the state before the average swaps in.
     callbacks = [
         ReviewsPerSecond(run.global_batch),
+        early_stopping,
         state,
-        *([AverageSwapped(state, config.epochs)] if config.ema_momentum else []),
+        *([AverageSwapped(state, config.epochs)] if config.ema_momentum is not None else []),
         keras.callbacks.CSVLogger(run.history, append=True),
         keras.callbacks.TensorBoard(os.path.join(run.output, "logs")),
         keras.callbacks.ModelCheckpoint(
@@ -311,7 +340,6 @@ def _callbacks(config, run, state, history):
             save_weights_only=True,
             initial_value_threshold=best_so_far,
         ),
-        early_stopping,
     ]
     return callbacks, early_stopping
 

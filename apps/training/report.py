@@ -55,7 +55,7 @@ def report_run(
     # program compiles once for the validation, test and short-review passes.
     classify = compiled_classifier(model, log_odds=True)
     scores = _calibrate_and_evaluate(
-        config, model, classify, vectorizer, splits, validation, global_batch, limit
+        model, classify, vectorizer, splits, validation, global_batch, limit
     )
     by_length = _short_review_accuracy(
         classify,
@@ -111,9 +111,7 @@ def report_run(
     return 0
 
 
-def _calibrate_and_evaluate(
-    config, model, classify, vectorizer, splits, validation, global_batch, limit
-):
+def _calibrate_and_evaluate(model, classify, vectorizer, splits, validation, global_batch, limit):
     """Fits the temperature on `validation` and folds it into `model`, then evaluates the
     calibrated model on validation and test. Returns `metrics.json`'s accuracy, loss and
     example counts, with its `calibration` section."""
@@ -151,9 +149,6 @@ def _calibrate_and_evaluate(
             "after": after["test"],
         },
     }
-    num_validation = len(splits.validation_label)
-    if config.max_steps is not None:
-        num_validation = min(num_validation, config.max_steps * global_batch)
     return {
         # The calibrated model's accuracy and cross-entropy, from the one pass over each split.
         "test_accuracy": after["test"]["accuracy"],
@@ -161,7 +156,7 @@ def _calibrate_and_evaluate(
         "test_examples": int(len(test_ids)),
         "validation_accuracy": after["validation"]["accuracy"],
         "validation_loss": after["validation"]["log_loss"],
-        "validation_examples": int(num_validation),
+        "validation_examples": after["validation"]["examples"],
         "calibration": calibrated,
     }
 
