@@ -32,6 +32,7 @@ from keras import ops
 
 from ..classifier import buckets
 from ..classifier import model as model_lib
+from ..training.batches import token_lengths
 
 FRACTIONS = (0.01, 0.05, 0.10, 0.20, 0.50)  # of each review's tokens
 ATTENTION = "attention"  # the ranking (pooling, mean over heads) compared with random
@@ -113,8 +114,7 @@ class ModelProbe:
         last token is masked, so the cut changes no probability, only the work (a deletion
         test's kept tokens are a few of the review's)."""
         ids = np.asarray(ids, dtype=np.int32)
-        present = ids != 0
-        lengths = np.where(present.any(axis=1), ids.shape[1] - np.argmax(present[:, ::-1], 1), 0)
+        lengths = token_lengths(ids)
         sizes = buckets.bucket_sizes(ids.shape[1])
         order = np.argsort(lengths, kind="stable")
         out = np.zeros(len(ids))
