@@ -191,6 +191,14 @@ def vectorize(vectorizer, texts, batch_size=1024):
     return np.concatenate([batch.numpy() for batch in ds]).astype("int32")
 
 
+def token_lengths(ids):
+    """Each row's length up to its last token `(n,)` (TextVectorization pads at the end)."""
+    ids = np.asarray(ids)
+    present = ids != 0
+    last = ids.shape[1] - np.argmax(present[:, ::-1], axis=1)
+    return np.where(present.any(axis=1), last, 0).astype("int32")
+
+
 def read_ngrams(vectorizer, path):
     """The word n-grams of `bigrams.txt` or `trigrams.txt` ("not good" per line) as id tuples,
     `(previous, word)` or `(second, previous, word)`."""

@@ -32,7 +32,7 @@ from keras import ops
 
 from ..classifier import buckets
 from ..classifier import model as model_lib
-from ..training.batches import token_lengths
+from ..classifier.data import token_lengths
 
 FRACTIONS = (0.01, 0.05, 0.10, 0.20, 0.50)  # of each review's tokens
 ATTENTION = "attention"  # the ranking (pooling, mean over heads) compared with random

@@ -5,19 +5,12 @@ import numpy as np
 import tensorflow as tf
 
 from ..classifier import buckets
+from ..classifier.data import token_lengths
 
 # Reviews are sorted by length inside windows of this many batches before they are batched, and
 # each batch is cut to the first length bucket that holds its longest review. IMDB's median review
 # is about 175 words: padded to 512 tokens, most of a step's work was padding.
 BUCKET_WINDOW = 32
-
-
-def token_lengths(ids):
-    """Each row's length up to its last token `(n,)` (TextVectorization pads at the end)."""
-    ids = np.asarray(ids)
-    present = ids != 0
-    last = ids.shape[1] - np.argmax(present[:, ::-1], axis=1)
-    return np.where(present.any(axis=1), last, 0).astype("int32")
 
 
 def _batches_cut_to_bucket(ids, labels, lengths, indices):
