@@ -29,6 +29,9 @@ class Splits:
     test_label: np.ndarray
     test_split: str  # the TFDS split the test set came from
     num_classes: int
+    # the unlabelled reviews read for the vocabularies (`--vocabulary_source
+    # train+unsupervised`), less any held-out review's text; None where none were read
+    unlabeled_text: np.ndarray | None = None
 
 
 def resolve_data_dir(data_dir):

@@ -65,8 +65,25 @@ verdict, so part of the gap is the task's.
 
 def _order(stage):
     """Where `stage` comes in a run ("data", "pretraining", "fine_tuning", "report")."""
-    order = ("data", "pretraining", "fine_tuning", "report")
+    order = ("data", "pretraining", "self_training_labels", "fine_tuning", "report")
     return order.index(stage) if stage in order else len(order)
+
+
+def _self_training_section(metrics):
+    """The card's "Self-training" section, from `metrics.json` (empty without)."""
+    record = metrics.get("self_training")
+    if not record:
+        return ""
+    accuracy = record.get("teacher_test_accuracy")
+    teacher = f" ({accuracy:.2%} on test)" if accuracy is not None else ""
+    return f"""
+## Self-training
+
+A finished run with this run's validation set, `{record["teacher"]}`{teacher}, labelled
+{record["labelled_by_teacher"]:,} unlabelled reviews (never a validation or test review); the
+{record["reviews"]:,} it was surest of, half per class (its probability of its label at least
+{record["lowest_confidence"]:.4f}), trained beside the labelled reviews with its labels.
+"""
 
 
 def _pretraining_section(metrics):
@@ -77,6 +94,7 @@ def _pretraining_section(metrics):
         named = {
             "data": "data",
             "pretraining": "pretraining",
+            "self_training_labels": "the teacher's labels",
             "fine_tuning": "fine-tuning",
             "report": "report and export",
         }
@@ -194,7 +212,7 @@ or, with TensorFlow alone:
     serve(text=tf.constant(["A wonderful film."]))["probability"]
 
 
-{_pretraining_section(metrics)}{_calibration_section(metrics)}{_short_reviews_section(metrics)}
+{_pretraining_section(metrics)}{_self_training_section(metrics)}{_calibration_section(metrics)}{_short_reviews_section(metrics)}
 {_out_of_domain_section(os.path.dirname(path))}{_serving_section(os.path.dirname(path))}
 ## Per epoch
 

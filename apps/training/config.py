@@ -49,6 +49,11 @@ class Config:
     # of each review's words, hidden as BERT does (80% hidden, 10% a random word, 10% kept)
     mask_rate: float = 0.15
     predicted_words: int = 8192  # the most frequent words are the ones predicted
+    # self-training (apps/training/self_training.py): a finished run with this run's validation
+    # set labels the unlabelled reviews, and the ones it is surest of train beside the labelled
+    # ones, half per class; None = the labelled reviews only
+    self_training_from: str | None = None
+    self_training_reviews: int = 22500  # unlabelled reviews kept, with --self_training_from
     # training
     # Keras's dtype policy for the run: mixed_bfloat16 or mixed_float16 (loss-scaled), with the
     # classifier's output and the variables in float32; None = float32 throughout
@@ -117,6 +122,8 @@ _RUN_DEFINING = (
     "pretrain_learning_rate",
     "mask_rate",
     "predicted_words",
+    "self_training_from",
+    "self_training_reviews",
 )
 
 
@@ -139,6 +146,8 @@ FIRST_DEFAULTS = {
     "pretrain_learning_rate": 1e-3,
     "mask_rate": 0.15,
     "predicted_words": 8192,
+    "self_training_from": None,
+    "self_training_reviews": 22500,
 }
 
 
@@ -176,6 +185,28 @@ def check_config(config):
     _check_sizes(config)
     _check_training(config)
     _check_pretraining(config)
+    _check_self_training(config)
+
+
+def _check_self_training(config):
+    if config.self_training_reviews < 2:
+        raise ValueError(
+            "`--self_training_reviews` must be at least 2 (one per class). "
+            f"Received: self_training_reviews={config.self_training_reviews}"
+        )
+    if config.self_training_from is None:
+        return
+    if config.vocabulary_source != "train+unsupervised":
+        raise ValueError(
+            "`--self_training_from` labels the unlabelled reviews, which only "
+            "`--vocabulary_source train+unsupervised` reads. "
+            f"Received: vocabulary_source={config.vocabulary_source!r}"
+        )
+    if not os.path.isfile(os.path.join(config.self_training_from, "metrics.json")):
+        raise ValueError(
+            "`--self_training_from` must be a finished run's folder (with metrics.json). "
+            f"Received: self_training_from={config.self_training_from!r}"
+        )
 
 
 def _check_sizes(config):

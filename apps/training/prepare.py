@@ -39,6 +39,7 @@ def prepare_data(config, run):
         unlabeled = np.array([text for text in unlabeled if text not in held_out], dtype=object)
         print(f"Reading train and {len(unlabeled)} unlabelled reviews for the vocabularies")
         counted_text = np.concatenate([splits.train_text, unlabeled])
+        splits.unlabeled_text = unlabeled
     if run.resuming and os.path.exists(run.vocabulary):
         vectorizer = data.make_vectorizer(
             config.vocab_size, config.sequence_length, vocabulary=run.vocabulary

@@ -87,9 +87,13 @@ def without_held_out(texts_ids, held_out_ids):
     that an exact match of the text misses; as token ids, cut to the run's length, they are
     the same input, and they stay out. A near-copy that differs in a token the model keeps
     is a different input, and stays in."""
+    return np.asarray(texts_ids)[~held_out_rows(texts_ids, held_out_ids)]
+
+
+def held_out_rows(texts_ids, held_out_ids):
+    """Whether each row of `texts_ids` `(n, L)` is a row of `held_out_ids` `(m, L)`: `(n,)`."""
     held_out = {row.tobytes() for row in np.asarray(held_out_ids, np.int64)}
-    keep = [row.tobytes() not in held_out for row in np.asarray(texts_ids, np.int64)]
-    return np.asarray(texts_ids)[np.array(keep, bool)]
+    return np.array([row.tobytes() in held_out for row in np.asarray(texts_ids, np.int64)], bool)
 
 
 def pretrain(config, run, model, texts_ids):

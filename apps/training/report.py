@@ -40,12 +40,14 @@ def report_run(
     argv,
     git_commit,
     pretraining=None,
+    self_training=None,
     stages=None,
 ):
     """Calibrates, evaluates and exports the trained `model`, writes `metrics.json` and the
     model card to `output`, and prints where every artifact went. Returns 0.
 
-    `pretraining` is the pretraining stage's record (None: no pretraining); `stages`, the
+    `pretraining` is the pretraining stage's record (None: no pretraining), `self_training`
+    the teacher's labels' (None: none, `apps/training/self_training.py`); `stages`, the
     seconds each stage before this one took (the report's own are added here)."""
     report_started = time.time()
     global_batch = distribution["global_batch_size"]
@@ -83,6 +85,7 @@ def report_run(
         "train_steps": optimizer_step(model),
         "train_seconds": round(train_seconds, 1),
         "pretraining": pretraining,
+        "self_training": self_training,
         "stage_seconds": {**(stages or {}), "report": round(time.time() - report_started, 1)},
         "machine": files.machine(),
         "parameters": int(model.count_params()),

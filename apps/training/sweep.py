@@ -8,7 +8,8 @@ Usage:
 Each seed runs `python -m apps.train_sentiment FLAGS --seed K` in its own process, into
 `--runs/NAME/seedK/`, and its `metrics.json` is kept as
 `saved_models/experiments/seeds/NAME/seedK.metrics.json`. A seed already recorded there is
-not run again, so an interrupted sweep continues where it stopped. The table,
+not run again, so an interrupted sweep continues where it stopped. `{seed}` in a flag reads as
+the seed (`--self_training_from runs/default/seed{seed}`: each seed's own teacher). The table,
 `saved_models/experiments/seeds/README.md`, is written anew from every recorded file: for each
 configuration, its flags, the seeds, and validation and test accuracy as mean ± std (sample
 standard deviation) and min, plus the mean training time.
@@ -68,7 +69,7 @@ def run_seeds(name, seeds, flags, runs, folder):
             sys.executable,
             "-m",
             "apps.train_sentiment",
-            *flags,
+            *(flag.replace("{seed}", str(seed)) for flag in flags),
             "--seed",
             str(seed),
             "--output",

@@ -59,6 +59,7 @@ from .fit import best_row, fit_model, read_history  # noqa: E402
 from .prepare import prepare_data, training_examples  # noqa: E402
 from .pretrain import pretrain, without_held_out  # noqa: E402
 from .report import report_run  # noqa: E402
+from .self_training import pseudo_labelled  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -118,19 +119,29 @@ def _train(config, argv, git_commit):
     run = _start_run(config)
     splits, vectorizer, train_ids, validation_ids, counted_ids = prepare_data(config, run)
     fit_ids, train_labels = training_examples(config, splits, vectorizer, train_ids)
+    held_out = None  # the validation and test reviews as token ids: never read unlabelled
+    if config.pretrain_steps or config.self_training_from:
+        held_out = np.concatenate([validation_ids, data.vectorize(vectorizer, splits.test_text)])
+    self_training = None
+    if config.self_training_from:
+        unlabeled_ids = counted_ids[len(train_ids) :]  # splits.unlabeled_text's
+        pseudo_ids, pseudo_labels, self_training = pseudo_labelled(
+            config, splits, vectorizer, unlabeled_ids, held_out, run.global_batch
+        )
+        fit_ids = np.concatenate([fit_ids, pseudo_ids])
+        train_labels = np.concatenate([train_labels, pseudo_labels.astype(train_labels.dtype)])
     steps_per_epoch = max(1, len(fit_ids) // run.global_batch)
     if config.max_steps is not None:
         steps_per_epoch = min(steps_per_epoch, config.max_steps)
     model, inspector = build_model(
         config, run, vectorizer, train_ids, splits.train_label, counted_ids, steps_per_epoch
     )
-    data_seconds = time.time() - started
+    data_seconds = time.time() - started - (self_training["seconds"] if self_training else 0)
     # The texts the vocabularies are counted on: train's, and the unlabelled reviews with
     # `--vocabulary_source train+unsupervised`, less any that read as a validation or test one.
     pretraining = None
     if config.pretrain_steps:
-        held_out = [validation_ids, data.vectorize(vectorizer, splits.test_text)]
-        texts_ids = without_held_out(counted_ids, np.concatenate(held_out))
+        texts_ids = without_held_out(counted_ids, held_out)
         if len(texts_ids) < len(counted_ids):
             print(
                 f"{len(counted_ids) - len(texts_ids)} reviews left out of pretraining: as token "
@@ -156,6 +167,8 @@ def _train(config, argv, git_commit):
         "pretraining": pretraining and (0.0 if pretraining["reused"] else pretraining["seconds"]),
         "fine_tuning": round(train_seconds, 1),
     }
+    if self_training:
+        stages["self_training_labels"] = self_training["seconds"]
     return report_run(
         config,
         run.output,
@@ -172,6 +185,7 @@ def _train(config, argv, git_commit):
         argv,
         git_commit,
         pretraining=pretraining,
+        self_training=self_training,
         stages=stages,
     )
 
