@@ -280,6 +280,21 @@ TINY_RUN = [
 ]
 
 
+def keras_model_of_run(output, metrics):
+    """A run folder's `model.keras` through Keras's own loader, and its vectorizer."""
+    import keras
+
+    from apps.classifier import data
+
+    model = keras.saving.load_model(os.path.join(output, "model.keras"))
+    vectorizer = data.make_vectorizer(
+        metrics["config"]["vocab_size"],
+        metrics["config"]["sequence_length"],
+        vocabulary=os.path.join(output, "vocabulary.txt"),
+    )
+    return model, vectorizer
+
+
 @pytest.fixture(scope="session")
 def tiny_run(tmp_path_factory):
     """`(output folder, metrics)` of `TINY_RUN`, trained once per session.

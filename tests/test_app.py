@@ -14,7 +14,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import TINY_RUN
+from conftest import TINY_RUN, keras_model_of_run
 
 from apps.classifier import data
 from apps.classifier import embedding as embedding_lib
@@ -51,14 +51,7 @@ def run(tiny_run):
 @pytest.fixture(scope="module")
 def trained(tiny_run):
     """The in-memory Keras model and vectorizer, rebuilt from the run's own files."""
-    output, metrics = tiny_run
-    model = keras.saving.load_model(os.path.join(output, "model.keras"))
-    vectorizer = data.make_vectorizer(
-        metrics["config"]["vocab_size"],
-        metrics["config"]["sequence_length"],
-        vocabulary=os.path.join(output, "vocabulary.txt"),
-    )
-    return model, vectorizer
+    return keras_model_of_run(*tiny_run)
 
 
 # What a run must leave, named here rather than read from the app's own list.
@@ -1000,6 +993,7 @@ def test_vocabularies_counted_on_train_and_the_unlabelled_reviews(tmp_path, caps
     held_out = test_texts | set(splits.validation_text)
     unlabeled = np.array([text for text in unlabeled if text not in held_out], dtype=object)
     assert len(unlabeled) < 50000 - 270 and len(counted_ids) == len(train_ids) + len(unlabeled)
+    np.testing.assert_array_equal(splits.unlabeled_text, unlabeled)  # self-training's reviews
     np.testing.assert_array_equal(counted_ids[: len(train_ids)], train_ids)
     np.testing.assert_array_equal(counted_ids[-64:], data.vectorize(vectorizer, unlabeled[-64:]))
     # The vocabulary is the most frequent words of train and the unlabelled reviews together.

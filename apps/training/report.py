@@ -39,16 +39,14 @@ def report_run(
     distribution,
     argv,
     git_commit,
-    pretraining=None,
-    self_training=None,
+    records=None,
     stages=None,
 ):
     """Calibrates, evaluates and exports the trained `model`, writes `metrics.json` and the
     model card to `output`, and prints where every artifact went. Returns 0.
 
-    `pretraining` is the pretraining stage's record (None: no pretraining), `self_training`
-    the teacher's labels' (None: none, `apps/training/self_training.py`); `stages`, the
-    seconds each stage before this one took (the report's own are added here)."""
+    `records`: the `pretraining` and `self_training` stages' (None where one did not run);
+    `stages`, the seconds each stage before this one took (the report's own added here)."""
     report_started = time.time()
     global_batch = distribution["global_batch_size"]
     limit = None if config.max_steps is None else config.max_steps * global_batch
@@ -84,8 +82,7 @@ def report_run(
         "stopped_early": bool(stopped),
         "train_steps": optimizer_step(model),
         "train_seconds": round(train_seconds, 1),
-        "pretraining": pretraining,
-        "self_training": self_training,
+        **{"pretraining": None, "self_training": None, **(records or {})},
         "stage_seconds": {**(stages or {}), "report": round(time.time() - report_started, 1)},
         "machine": files.machine(),
         "parameters": int(model.count_params()),
@@ -101,7 +98,7 @@ def report_run(
         "git_commit": git_commit,
         "versions": _versions(),
     }
-    if pretraining:
+    if metrics["pretraining"]:
         paths["pretrained_encoder"] = os.path.join(output, "pretrained", "encoder.npz")
     paths["metrics"] = os.path.join(output, "metrics.json")
     paths["model_card"] = os.path.join(output, "README.md")

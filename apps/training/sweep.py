@@ -141,7 +141,8 @@ _NOT_CONFIGURATION = (
 def against_defaults(config, defaults):
     """The flags that turn today's defaults (`defaults`, a dict) into the configuration a run
     recorded (`config`), or "(today's defaults)". The recorded commands are relative to the
-    defaults of their day; this column stays true when the defaults change."""
+    defaults of their day; this column stays true when the defaults change. A value naming
+    `seed<K>` of the run's own seed K reads `seed{seed}` (the sweep's `{seed}`)."""
     from .config import FIRST_DEFAULTS
 
     config = {**FIRST_DEFAULTS, **config}
@@ -152,6 +153,9 @@ def against_defaults(config, defaults):
         if name in _NOT_CONFIGURATION or name not in config or config[name] == default:
             continue
         value = config[name]
+        if isinstance(value, str) and config.get("seed") is not None:
+            # A flag that named its seed's own folder reads as the sweep was given it.
+            value = value.replace(f"seed{config['seed']}", "seed{seed}")
         flags.append(f"--{name} {'none' if value is None else value}")
     return " ".join(flags) or "(today's defaults)"
 

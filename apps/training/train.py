@@ -130,6 +130,7 @@ def _train(config, argv, git_commit):
         )
         fit_ids = np.concatenate([fit_ids, pseudo_ids])
         train_labels = np.concatenate([train_labels, pseudo_labels.astype(train_labels.dtype)])
+        self_training["fit_examples"] = len(fit_ids)  # the labelled, the spans, the teacher's
     steps_per_epoch = max(1, len(fit_ids) // run.global_batch)
     if config.max_steps is not None:
         steps_per_epoch = min(steps_per_epoch, config.max_steps)
@@ -184,8 +185,7 @@ def _train(config, argv, git_commit):
         run.distribution,
         argv,
         git_commit,
-        pretraining=pretraining,
-        self_training=self_training,
+        records={"pretraining": pretraining, "self_training": self_training},
         stages=stages,
     )
 
