@@ -86,28 +86,35 @@ def _config(tiny_run_folder, **changes):
     return config
 
 
-def test_the_teacher_labels_unlabelled_reviews_never_held_out_ones(tiny_run, tmp_path):
-    """The teacher reads the reviews through its own vocabulary (this run's differs), a review
-    whose token ids are a held-out one's stays out, and the kept ones carry the teacher's
-    label, the surest of each class first."""
+@pytest.mark.parametrize("words", ["own", "teacher's", "teacher's, shorter"])
+def test_the_teacher_labels_unlabelled_reviews_never_held_out_ones(words, tiny_run, tmp_path):
+    """The teacher reads the reviews through its own vocabulary (this run's `own` differs; with
+    the `teacher's` words and length it reads this run's ids), a review whose token ids are a
+    held-out one's stays out, and the kept ones carry the teacher's label, the surest of each
+    class first."""
     output, teacher, teacher_words = _teacher_of_both_classes(tiny_run, tmp_path / "teacher", TEXTS)
     texts = np.array(TEXTS, dtype=object)
-    vectorizer = data.make_vectorizer(50, 24)  # this run's own, smaller vocabulary
-    vectorizer.adapt(texts)
+    vectorizer, length = teacher_words, tiny_run[1]["config"]["sequence_length"]
+    if words == "own":
+        vectorizer, length = data.make_vectorizer(50, 24), 24  # a smaller vocabulary
+        vectorizer.adapt(texts)
+    elif words == "teacher's, shorter":  # the teacher's ids would be cut: it reads the texts
+        vocabulary = os.path.join(tiny_run[0], "vocabulary.txt")
+        vectorizer, length = data.make_vectorizer(3000, 8, vocabulary=vocabulary), 8
     ids = data.vectorize(vectorizer, texts)
     p = teacher.predict(data.vectorize(teacher_words, texts), verbose=0)[:, 0]
     log_odds = np.log(p / (1 - p))
     hold = _surest_by_hand(log_odds, 2)[0]  # a validation review the teacher is sure of
     splits = dataclasses.replace(_empty_splits(), unlabeled_text=texts)
     chosen_ids, labels, record = self_training.pseudo_labelled(
-        _config(output), splits, vectorizer, ids, ids[[hold]], batch_size=4
+        _config(output, sequence_length=length), splits, vectorizer, ids, ids[[hold]], 4
     )
     log_odds[hold] = 0.0  # held out: neither class
     expected = _surest_by_hand(log_odds, 2)
     np.testing.assert_array_equal(chosen_ids, ids[expected])
     np.testing.assert_array_equal(labels, (log_odds[expected] > 0).astype(int))
     assert record["labelled_by_teacher"] == 9 and record["reviews"] == len(expected)
-    assert record["same_vocabulary"] is False
+    assert record["same_vocabulary"] is (words == "teacher's")
     assert record["teacher_test_accuracy"] == tiny_run[1]["test_accuracy"]
 
 
@@ -129,6 +136,7 @@ def test_a_teacher_with_another_validation_set_is_refused(tiny_run):
     "flags, match",
     [
         (["--self_training_reviews", "1"], "self_training_reviews=1"),
+        (["--self_training_reviews", "3"], "self_training_reviews=3"),
         (["--self_training_from", "/nonexistent"], "self_training_from='/nonexistent'"),
         (
             ["--self_training_from", ".", "--vocabulary_source", "train"],

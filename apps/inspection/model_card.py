@@ -69,6 +69,16 @@ def _order(stage):
     return order.index(stage) if stage in order else len(order)
 
 
+def _training_sections(metrics):
+    """The card's sections between its usage and its epochs, in order."""
+    return (
+        _pretraining_section(metrics)
+        + _self_training_section(metrics)
+        + _calibration_section(metrics)
+        + _short_reviews_section(metrics)
+    )
+
+
 def _self_training_section(metrics):
     """The card's "Self-training" section, from `metrics.json` (empty without)."""
     record = metrics.get("self_training")
@@ -212,7 +222,7 @@ or, with TensorFlow alone:
     serve(text=tf.constant(["A wonderful film."]))["probability"]
 
 
-{_pretraining_section(metrics)}{_self_training_section(metrics)}{_calibration_section(metrics)}{_short_reviews_section(metrics)}
+{_training_sections(metrics)}
 {_out_of_domain_section(os.path.dirname(path))}{_serving_section(os.path.dirname(path))}
 ## Per epoch
 

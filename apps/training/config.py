@@ -189,9 +189,9 @@ def check_config(config):
 
 
 def _check_self_training(config):
-    if config.self_training_reviews < 2:
+    if config.self_training_reviews < 2 or config.self_training_reviews % 2:
         raise ValueError(
-            "`--self_training_reviews` must be at least 2 (one per class). "
+            "`--self_training_reviews` must be even and at least 2 (half per class). "
             f"Received: self_training_reviews={config.self_training_reviews}"
         )
     if config.self_training_from is None:
@@ -202,10 +202,12 @@ def _check_self_training(config):
             "`--vocabulary_source train+unsupervised` reads. "
             f"Received: vocabulary_source={config.vocabulary_source!r}"
         )
-    if not os.path.isfile(os.path.join(config.self_training_from, "metrics.json")):
+    needed = ("metrics.json", "saved_model", "vocabulary.txt")
+    if not all(os.path.exists(os.path.join(config.self_training_from, f)) for f in needed):
         raise ValueError(
-            "`--self_training_from` must be a finished run's folder (with metrics.json). "
-            f"Received: self_training_from={config.self_training_from!r}"
+            "`--self_training_from` must be a finished run's folder (with metrics.json, "
+            "saved_model/ and vocabulary.txt). Received: "
+            f"self_training_from={config.self_training_from!r}"
         )
 
 

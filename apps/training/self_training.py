@@ -2,11 +2,15 @@
 trains on the ones it is surest of, beside the labelled ones (`--self_training_from`).
 
 The teacher must have carved the same validation set out of train (same dataset, seed and
-`--validation_fraction`): it never saw this run's validation labels, which pick the kept epoch
-and fit the temperature. It labels only the unlabelled split, less any review whose text or
-token ids are a validation or test review's; the test split is never read here.
+`--validation_fraction`): it never trained on this run's validation reviews, which pick the kept
+epoch and fit the temperature (its own kept epoch and temperature were chosen on them, so the
+student's validation figures lean slightly optimistic; the test split is the one to compare).
+It labels only the unlabelled split, less any review whose text or token ids are a validation
+or test review's; the test split is never read here. It computes in its own precision.
 """
 
+import json
+import os
 import time
 
 import numpy as np
@@ -15,6 +19,7 @@ from ..classifier import data
 from ..classifier.run_folder import load_run
 from ..serving.compiled import compiled_classifier
 from .batches import eval_dataset
+from .build import dtype_policy
 from .pretrain import held_out_rows
 
 # The teacher's flags that decide which reviews are its validation set.
@@ -31,22 +36,33 @@ def pseudo_labelled(config, splits, vectorizer, unlabeled_ids, held_out_ids, bat
     predicts fewer of a class. Smoke runs (`--max_steps`) label the first `max_steps`
     batches' worth of reviews only."""
     started = time.time()
-    teacher = load_run(config.self_training_from)
-    _check_teacher(config, teacher.metrics)
+    with open(os.path.join(config.self_training_from, "metrics.json")) as f:
+        teacher_config = json.load(f)["config"]
+    _check_teacher(config, teacher_config)
     limit = None if config.max_steps is None else config.max_steps * batch_size
     candidates = np.flatnonzero(~held_out_rows(unlabeled_ids[:limit], held_out_ids))
-    same_words = teacher.vectorizer.get_vocabulary() == vectorizer.get_vocabulary()
-    if same_words:
-        teacher_ids = unlabeled_ids[candidates]
-    else:
-        teacher_ids = data.vectorize(teacher.vectorizer, splits.unlabeled_text[candidates])
+    if not len(candidates):
+        raise ValueError(
+            f"no unlabelled review is left to label (of {len(unlabeled_ids[:limit])} read, every "
+            f"one is a held-out review). Received: self_training_from={config.self_training_from!r}"
+        )
     print(f"The teacher ({config.self_training_from}) labels {len(candidates)} unlabelled reviews")
-    log_odds = teacher_log_odds(teacher.model, teacher_ids, batch_size)
+    with dtype_policy(teacher_config.get("mixed_precision") or "float32"):
+        teacher = load_run(config.self_training_from)
+        # This run's token ids where the teacher reads the same words at the same length.
+        same_words = teacher.vectorizer.get_vocabulary() == vectorizer.get_vocabulary() and (
+            teacher_config["sequence_length"] == config.sequence_length
+        )
+        if same_words:
+            teacher_ids = unlabeled_ids[candidates]
+        else:
+            teacher_ids = data.vectorize(teacher.vectorizer, splits.unlabeled_text[candidates])
+        log_odds = teacher_log_odds(teacher.model, teacher_ids, batch_size)
     chosen, labels = surest(log_odds, config.self_training_reviews // 2)
     if not len(chosen):
         raise ValueError(
-            "the teacher predicts one class for every unlabelled review, so no balanced set "
-            f"can be kept. Received: self_training_from={config.self_training_from!r}"
+            f"the teacher predicts one class for all {len(candidates)} unlabelled reviews, so no "
+            f"balanced set can be kept. Received: self_training_from={config.self_training_from!r}"
         )
     confidence = 1 / (1 + np.exp(-np.abs(log_odds[chosen])))
     print(
@@ -83,7 +99,8 @@ def surest(log_odds, per_class):
 def teacher_log_odds(model, ids, batch_size):
     """`model`'s log-odds `(n,)` for token ids `ids` `(n, L)`, in their order."""
     classify = compiled_classifier(model, log_odds=True)
-    # eval_dataset batches in order of length: each row carries its own index as its label.
+    # eval_dataset batches in order of length: each row carries its own index as its label
+    # (a float32 label: exact below 2**24 rows).
     rows = eval_dataset(ids, np.arange(len(ids)), batch_size)
     log_odds = np.empty(len(ids), "float64")
     for batch, index in rows:
@@ -91,8 +108,7 @@ def teacher_log_odds(model, ids, batch_size):
     return log_odds
 
 
-def _check_teacher(config, metrics):
-    teacher = metrics["config"]
+def _check_teacher(config, teacher):
     differ = [
         f"{name} (teacher {teacher.get(name)!r}, this run {getattr(config, name)!r})"
         for name in _SAME_VALIDATION

@@ -18,6 +18,7 @@ standard deviation) and min, plus the mean training time.
 import argparse
 import json
 import os
+import re
 import shlex
 import shutil
 import statistics
@@ -155,7 +156,7 @@ def against_defaults(config, defaults):
         value = config[name]
         if isinstance(value, str) and config.get("seed") is not None:
             # A flag that named its seed's own folder reads as the sweep was given it.
-            value = value.replace(f"seed{config['seed']}", "seed{seed}")
+            value = re.sub(rf"seed{config['seed']}(?!\d)", "seed{seed}", value)
         flags.append(f"--{name} {'none' if value is None else value}")
     return " ".join(flags) or "(today's defaults)"
 
