@@ -39,13 +39,20 @@ def save_figure(figure, path):
 
 
 def machine():
-    """The machine as the reports name it: the CPU's model and its logical CPUs ("AMD EPYC,
-    2 logical CPUs", as `benchmarks/` name theirs), from /proc/cpuinfo where there is one."""
+    """The machine as the reports name it: the CPU's model, its family and model numbers where
+    /proc/cpuinfo gives them (two "AMD EPYC" generations differ threefold in this app's
+    step), and its logical CPUs: "AMD EPYC (family 26, model 2), 2 logical CPUs"."""
     cores = os.cpu_count()
     where = f"{cores} logical CPUs" if cores else "this machine"
     try:
         with open("/proc/cpuinfo") as f:
-            models = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
     except OSError:
-        models = []
-    return f"{models[0]}, {where}" if models else where
+        fields = {}
+    fields = {key.strip(): value.strip() for key, value in fields.items()}
+    if "model name" not in fields:
+        return where
+    name = fields["model name"]
+    if "cpu family" in fields and "model" in fields:
+        name += f" (family {fields['cpu family']}, model {fields['model']})"
+    return f"{name}, {where}"

@@ -139,8 +139,16 @@ def test_metrics_are_what_the_model_measures(run, trained, splits):
     # The machine that trained, named by its CPU where /proc/cpuinfo names it, and the card
     # quotes it (not the machine that writes the card).
     with open("/proc/cpuinfo") as f:
-        cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    assert metrics["machine"] == f"{cpu}, {os.cpu_count()} logical CPUs"
+        lines = f.read().splitlines()
+    cpu = {}
+    for key in ("model name", "cpu family", "model"):
+        cpu[key] = next(
+            line.split(":")[1].strip() for line in lines if line.split(":")[0].strip() == key
+        )
+    assert metrics["machine"] == (
+        f"{cpu['model name']} (family {cpu['cpu family']}, model {cpu['model']}), "
+        f"{os.cpu_count()} logical CPUs"
+    )
     with open(os.path.join(output, "README.md")) as f:
         assert f"minutes on {metrics['machine']}." in " ".join(f.read().split())
 
