@@ -598,6 +598,7 @@ def test_predict_cli_text_arguments_and_errors(run, capsys, tmp_path):
         ),
         (["--pretrain_batch_size", "0"], "pretrain_batch_size=0"),
         (["--pretrain_learning_rate", "0"], "pretrain_learning_rate=0.0"),
+        (["--word_dropout", "1"], "word_dropout=1.0"),
     ],
     ids=[
         "heads",
@@ -621,6 +622,7 @@ def test_predict_cli_text_arguments_and_errors(run, capsys, tmp_path):
         "predicted_words_vocab",
         "pretrain_batch",
         "pretrain_lr",
+        "word_dropout",
     ],
 )
 def test_train_rejects_bad_flags_with_argparse_errors(flags, match, tmp_path, capsys):
@@ -1083,6 +1085,41 @@ def test_pooling_scale_multiplies_the_pooling_logits():
         keras.saving.serialize_keras_object(model.get_layer("pooling"))
     )
     assert reloaded.scale == 2.0
+
+
+def test_word_dropout_drops_whole_positions_in_training_only():
+    """`word_dropout=p`: in training, the model reads its embedding with each position kept
+    whole or dropped whole (kept ones times 1 / (1 - p)), checked against the same model at
+    inference fed those embeddings; at inference the layer is the identity, and 0 adds none."""
+    ids = np.random.default_rng(0).integers(1, 50, (4, 16))
+    ids[:, 12:] = 0  # padding
+    mask = ids != 0
+    keras.utils.set_random_seed(0)
+    model, _ = model_lib.build_classifier(
+        vocab_size=50,
+        sequence_length=16,
+        embed_dim=8,
+        key_dim=4,
+        ff_dim=8,
+        dropout=0.0,
+        pooling_values="embedding",
+        word_dropout=0.5,
+    )
+    layer = model.get_layer("word_dropout")
+    (state,) = [v for v in layer.variables if v.name == "seed_generator_state"]
+    before = np.asarray(state)
+    trained = np.asarray(model(ids, training=True))[:, 0]
+    state.assign(before)  # the same draws again, of the same (B, L, 1) shape
+    kept = np.asarray(layer(np.ones((4, 16, 8), "float32"), training=True))
+    assert set(np.unique(kept)) == {0.0, 2.0} and np.ptp(kept, axis=-1).max() == 0.0
+    embedded = np.asarray(model.get_layer("embedding")(ids)) * kept
+    want = 1 / (1 + np.exp(-np.asarray(model_lib.log_odds_from_embeddings(model, embedded, mask))))
+    np.testing.assert_allclose(trained, want, rtol=1e-5, atol=1e-6)
+    inferred = np.asarray(model(ids, training=False))[:, 0]
+    assert np.abs(trained - inferred).max() > 1e-4  # some position was dropped
+    np.testing.assert_array_equal(layer(embedded, training=False), embedded)
+    without, _ = model_lib.build_classifier(vocab_size=50, sequence_length=16, dropout=0.0)
+    assert "word_dropout" not in [layer.name for layer in without.layers]
 
 
 def test_pooling_sharpness_reads_uniform_as_1_and_one_token_as_0():

@@ -146,7 +146,10 @@ def _cpu(machine):
     of its `metrics.json` or `serving.json`; the pages say "a 2-core ..." (`_on`)."""
     names = {"AMD EPYC": "AMD EPYC", "Intel(R) Xeon(R)": "Intel Xeon"}
     (name,) = [name for key, name in names.items() if machine.startswith(key)]
-    return name
+    # Since #63 the files name the CPU's family too (two EPYC generations differ threefold);
+    # the files from before name none.
+    family = re.search(r" \(family (\d+), model \d+\)", machine)
+    return f"{name} family {family[1]}" if family else name
 
 
 def _on(machine):
@@ -1168,7 +1171,9 @@ def _training_seconds(run):
     record = run.get("self_training")
     if record:
         seed = run["config"]["seed"]
-        path = ROOT / f"saved_models/experiments/seeds/{LEVERS[0]}/seed{seed}.metrics.json"
+        # The teacher's sweep folder, as `python -m apps.sweep` named it: the same name's seeds.
+        name = os.path.basename(os.path.dirname(record["teacher"]))
+        path = ROOT / f"saved_models/experiments/seeds/{name}/seed{seed}.metrics.json"
         teacher = json.loads(path.read_text())
         assert teacher["test_accuracy"] == record["teacher_test_accuracy"], seed
         assert _cpu(teacher["machine"]) == _cpu(run["machine"]), seed

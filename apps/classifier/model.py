@@ -108,6 +108,7 @@ def build_classifier(
     pooling_scale=None,
     pooling_values="block",
     ngram_dim=None,
+    word_dropout=0.0,
 ):
     """Returns `(model, inspector)`, two functional models over the same weights.
 
@@ -116,7 +117,9 @@ def build_classifier(
     pooling sums: `"block"`, the last block's output, or `"embedding"`, each position's own
     embedding, weighed by the pooling weights the block's output gives (`AttentionPooling`).
     `ngram_dim` is the width of the pair and triple tables (None: `embed_dim`), projected to
-    `embed_dim` (`TokenAndPositionEmbedding`).
+    `embed_dim` (`TokenAndPositionEmbedding`). `word_dropout` drops whole positions of the
+    embedding in training (word dropout, Iyyer et al., 2015): a review trains without some of
+    its words, with their pairs and triples, at once; 0 adds no layer.
 
     `model` maps token ids `(B, L)`, any `L <= sequence_length`, to `P(positive)` `(B, 1)`
     and is the one trained.
@@ -138,6 +141,11 @@ def build_classifier(
         name="embedding",
     )
     embedding_dropout = keras.layers.Dropout(dropout, seed=seed, name="embedding_dropout")
+    word_dropout_layer = None
+    if word_dropout:  # one draw per position, shared by its E features
+        word_dropout_layer = keras.layers.Dropout(
+            word_dropout, noise_shape=(None, None, 1), seed=seed + 1, name="word_dropout"
+        )
     blocks = [
         TransformerBlock(
             num_heads, key_dim, ff_dim, dropout=dropout, seed=seed + index, name=f"block_{index}"
@@ -156,7 +164,14 @@ def build_classifier(
     )
 
     layers = _Layers(
-        embedding, embedding_dropout, blocks, pooling, pooled_dropout, classifier, pooling_values
+        embedding,
+        embedding_dropout,
+        word_dropout_layer,
+        blocks,
+        pooling,
+        pooled_dropout,
+        classifier,
+        pooling_values,
     )
 
     # The inspector's graph first: Keras (3.15) cannot connect the weights of a layer's
@@ -181,6 +196,7 @@ class _Layers(typing.NamedTuple):
 
     embedding: keras.layers.Layer
     embedding_dropout: keras.layers.Layer
+    word_dropout: keras.layers.Layer | None
     blocks: list
     pooling: keras.layers.Layer
     pooled_dropout: keras.layers.Layer
@@ -195,6 +211,8 @@ def _forward(layers, with_scores):
     ids = keras.Input((None,), dtype="int32", name="token_ids")
     mask = ops.not_equal(ids, 0)  # (B, L), the Embedding's mask_zero mask
     x = embedded = layers.embedding_dropout(layers.embedding(ids))
+    if layers.word_dropout is not None:
+        x = embedded = layers.word_dropout(x)
     block_scores = []
     for block in layers.blocks:
         x = block(x, mask=mask, return_attention_scores=with_scores)

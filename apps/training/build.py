@@ -40,6 +40,7 @@ def build_model(config, run, vectorizer, train_ids, train_labels, counted_ids, s
             ff_dim=config.ff_dim,
             num_layers=config.num_layers,
             dropout=config.dropout,
+            word_dropout=config.word_dropout,
             seed=config.seed,
             bigram_vocab_size=config.bigram_vocab_size,
             trigram_vocab_size=config.trigram_vocab_size,

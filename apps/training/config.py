@@ -40,6 +40,9 @@ class Config:
     # output (block), or each position's own embedding (embedding)
     pooling_values: str = "embedding"
     dropout: float = 0.4
+    # in training, each position's embedding (its word, pair and triple) is dropped whole with
+    # this probability (word dropout); 0 = none
+    word_dropout: float = 0.0
     # pretraining (apps/training/pretrain.py): masked-word prediction trains the embedding and
     # the blocks first, on the reviews `--vocabulary_source` names (never validation or test)
     pretrain_steps: int = 0  # 0 = no pretraining (docs/app.md: 1,500 steps did not pay)
@@ -116,6 +119,7 @@ _RUN_DEFINING = (
     "pooling_scale",
     "pooling_values",
     "ngram_dim",
+    "word_dropout",
     "short_spans",
     "pretrain_steps",
     "pretrain_batch_size",
@@ -148,6 +152,7 @@ FIRST_DEFAULTS = {
     "predicted_words": 8192,
     "self_training_from": None,
     "self_training_reviews": 22500,
+    "word_dropout": 0.0,
 }
 
 
@@ -295,8 +300,11 @@ def _check_training(config):
         raise ValueError(
             f"`--logical_cpus` must be positive. Received: logical_cpus={config.logical_cpus}"
         )
-    if not 0.0 <= config.dropout < 1.0:
-        raise ValueError(f"`--dropout` must be in [0, 1). Received: dropout={config.dropout}")
+    for name in ("dropout", "word_dropout"):
+        if not 0.0 <= getattr(config, name) < 1.0:
+            raise ValueError(
+                f"`--{name}` must be in [0, 1). Received: {name}={getattr(config, name)}"
+            )
     if config.learning_rate <= 0:
         raise ValueError(
             f"`--learning_rate` must be positive. Received: learning_rate={config.learning_rate}"
