@@ -11,7 +11,7 @@ import pytest
 from apps.training import sweep
 
 
-def _metrics(seed, validation, test, seconds, flags="--dropout 0.4"):
+def _metrics(seed, validation, test, seconds, flags="--dropout 0.4", machine=None):
     from apps.training import config as train_config
 
     config = dataclasses.asdict(train_config.Config())
@@ -21,6 +21,7 @@ def _metrics(seed, validation, test, seconds, flags="--dropout 0.4"):
         "train_seconds": seconds,
         "config": {**config, "seed": seed, "dropout": 0.25, "output": "/tmp/x"},
         "command": f"python -m apps.train_sentiment {flags} --seed {seed} --output /tmp/x",
+        "machine": machine or "AMD EPYC (family 26, model 2), 2 logical CPUs",
     }
 
 
@@ -33,15 +34,26 @@ def test_table_gives_mean_sample_std_and_min_per_configuration(tmp_path):
         )
     (folder / "one").mkdir()
     (folder / "one" / "seed10.metrics.json").write_text(json.dumps(_metrics(10, 0.5, 0.25, 30)))
+    xeon = "Intel(R) Xeon(R) Processor @ 2.10GHz (family 6, model 85), 2 logical CPUs"
+    (folder / "one" / "seed11.metrics.json").write_text(
+        json.dumps(_metrics(11, 0.5, 0.25, 30, machine=xeon))
+    )
     table = open(sweep.write_table(str(folder))).read()
     # Validation 90, 92, 91: mean 91, sample std 1; test 89, 90.5, 90: mean 89.83, std 0.76.
     assert (
         "| `wide` | `--dropout 0.4` | `--dropout 0.25` | 0, 1, 2 | 91.00 ± 1.00 (min 90.00) | "
         "89.83 ± 0.76 (min 89.00) | 2.0 |"
     ) in table
+    assert "| 2.0 | 0.0 | AMD EPYC (family 26, model 2) |" in table
+    # Minutes on two CPUs: both named.
     assert (
-        "| `one` | `--dropout 0.4` | `--dropout 0.25` | 10 | 50.00 ± 0.00 (min 50.00) | 25" in table
+        "| `one` | `--dropout 0.4` | `--dropout 0.25` | 10, 11 | 50.00 ± 0.00 (min 50.00) | 25"
+        in table
     )
+    assert (
+        "| 0.5 | 0.0 | AMD EPYC (family 26, model 2); Intel(R) Xeon(R) Processor @ 2.10GHz "
+        "(family 6, model 85) |"
+    ) in table
 
 
 def test_against_todays_defaults_rebuilds_every_recorded_configuration(tmp_path):

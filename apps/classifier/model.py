@@ -117,9 +117,10 @@ def build_classifier(
     pooling sums: `"block"`, the last block's output, or `"embedding"`, each position's own
     embedding, weighed by the pooling weights the block's output gives (`AttentionPooling`).
     `ngram_dim` is the width of the pair and triple tables (None: `embed_dim`), projected to
-    `embed_dim` (`TokenAndPositionEmbedding`). `word_dropout` drops whole positions of the
-    embedding in training (word dropout, Iyyer et al., 2015): a review trains without some of
-    its words, with their pairs and triples, at once; 0 adds no layer.
+    `embed_dim` (`TokenAndPositionEmbedding`). `word_dropout` zeroes whole positions of the
+    embedding in training (its word, pair, triple and position at once; the kept ones times
+    1 / (1 - p)), after Iyyer et al.'s (2015) word dropout, which removes the word instead: the
+    position stays in the attention mask, a zero key and value; 0 adds no layer.
 
     `model` maps token ids `(B, L)`, any `L <= sequence_length`, to `P(positive)` `(B, 1)`
     and is the one trained.
@@ -142,9 +143,9 @@ def build_classifier(
     )
     embedding_dropout = keras.layers.Dropout(dropout, seed=seed, name="embedding_dropout")
     word_dropout_layer = None
-    if word_dropout:  # one draw per position, shared by its E features
+    if word_dropout:  # one draw per position, shared by its E features; a seed no block has
         word_dropout_layer = keras.layers.Dropout(
-            word_dropout, noise_shape=(None, None, 1), seed=seed + 1, name="word_dropout"
+            word_dropout, noise_shape=(None, None, 1), seed=seed + num_layers, name="word_dropout"
         )
     blocks = [
         TransformerBlock(

@@ -40,8 +40,8 @@ class Config:
     # output (block), or each position's own embedding (embedding)
     pooling_values: str = "embedding"
     dropout: float = 0.4
-    # in training, each position's embedding (its word, pair and triple) is dropped whole with
-    # this probability (word dropout); 0 = none
+    # in training, each position's embedding (word, pair, triple and position) is zeroed whole
+    # with this probability (after word dropout; the position stays attended); 0 = none
     word_dropout: float = 0.0
     # pretraining (apps/training/pretrain.py): masked-word prediction trains the embedding and
     # the blocks first, on the reviews `--vocabulary_source` names (never validation or test)

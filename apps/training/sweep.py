@@ -191,6 +191,11 @@ def comparison(folder, names):
     return "\n".join(lines)
 
 
+def _cpus(runs):
+    """The CPUs `runs` trained on, as their `machine` names them, without the core count."""
+    return "; ".join(sorted({m.get("machine", "not recorded").rsplit(", ", 1)[0] for m in runs}))
+
+
 def write_table(folder):
     import dataclasses
 
@@ -211,7 +216,7 @@ def write_table(folder):
             f"| {seeds} | "
             f"{validation[0]:.2f} ± {validation[1]:.2f} (min {validation[2]:.2f}) | "
             f"{test[0]:.2f} ± {test[1]:.2f} (min {test[2]:.2f}) | {minutes:.1f} "
-            f"| {pretraining:.1f} |"
+            f"| {pretraining:.1f} | {_cpus(runs)} |"
         )
     lines = [
         "# Configurations of the training app, over seeds",
@@ -220,11 +225,13 @@ def write_table(folder):
         "this one (one per seed). Accuracy in percent: mean ± sample std (min). Configurations",
         "are chosen on validation; test is reported, never used to choose. `flags` is the command",
         "each configuration ran with, on the defaults of its day; `against today's defaults` is",
-        "the same configuration as flags on `python -m apps.train_sentiment` today.",
+        "the same configuration as flags on `python -m apps.train_sentiment` today. Minutes",
+        "compare only on one CPU (`CPU`, as each run's `machine` names it; two AMD EPYC",
+        "generations differ threefold here, and the files from before #63 name no family).",
         "",
         "| configuration | flags | against today's defaults | seeds | validation | test "
-        "| train minutes | pretraining minutes |",
-        "|---|---|---|---|---|---|---|---|",
+        "| train minutes | pretraining minutes | CPU |",
+        "|---|---|---|---|---|---|---|---|---|",
         *rows,
         "",
     ]

@@ -245,10 +245,9 @@ def _start_run(config):
 def _git_commit(output=None):
     """The checkout's commit, with `+changes` if its tracked files differ; None outside git.
 
-    The run's own `output` folder and the sweep's records (`saved_models/experiments/`, whose
-    table `python -m apps.sweep` rewrites between its runs) are left out of the comparison: a
-    run written over a committed one (the shipped model) changes those files itself, not the
-    code that trained it."""
+    The run's own `output` folder and the sweep's table (which `python -m apps.sweep` rewrites
+    between its runs) are left out of the comparison: a run written over a committed one (the
+    shipped model) changes those files itself, not the code that trained it."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     if not os.path.isfile(os.path.join(root, "pyproject.toml")):
         return None  # installed from a wheel: no checkout of this project here
@@ -258,7 +257,7 @@ def _git_commit(output=None):
         )
         if commit.returncode != 0:
             return None
-        excluded = [".", ":(exclude)saved_models/experiments"]
+        excluded = [".", ":(exclude)saved_models/experiments/seeds/README.md"]
         output = None if output is None else os.path.abspath(output)
         if output is not None and output.startswith(root + os.sep):  # git refuses paths outside
             excluded.append(f":(exclude){os.path.relpath(output, root)}")
