@@ -38,21 +38,23 @@ ROOT = os.path.dirname(HERE)
 
 
 def cpu_name():
-    """The CPU's model name and its bfloat16 matrix units, from /proc/cpuinfo (Linux)."""
+    """The CPU's model name, family and model numbers, as the app's runs name it (two AMD EPYC
+    generations differ threefold there; `apps/files.py` is not imported: importing `apps` sets
+    the TensorFlow backend, and some scripts here run JAX), and its bfloat16 matrix units, from
+    /proc/cpuinfo (Linux)."""
     try:
         with open("/proc/cpuinfo") as f:
-            info = f.read()
+            lines = f.read().splitlines()
     except OSError:
         return "unknown CPU"
-    model = next(
-        (
-            line.split(":", 1)[1].strip()
-            for line in info.splitlines()
-            if line.startswith("model name")
-        ),
-        "unknown CPU",
-    )
-    flags = set(next((line for line in info.splitlines() if line.startswith("flags")), "").split())
+    fields = {
+        key.strip(): value.strip()
+        for key, value in (line.split(":", 1) for line in lines if ":" in line)
+    }
+    model = fields.get("model name", "unknown CPU")
+    if "cpu family" in fields and "model" in fields:
+        model += f" (family {fields['cpu family']}, model {fields['model']})"
+    flags = set(fields.get("flags", "").split())
     units = [
         name
         for flag, name in (("amx_bf16", "AMX-BF16"), ("avx512_bf16", "AVX-512 BF16"))
