@@ -1213,13 +1213,13 @@ def test_app_page_quotes_what_more_pretraining_buys_from_its_files():
 
 
 # Issue #63's table, the default first.
-LEVERS = ["pretrain0", "pretrain1500", "ema099", "selftrain22500_1ep"]
+LEVERS = [NEWER_EPYC_SEEDS, "pretrain1500", "ema099", "selftrain22500_1ep", "selftrain_all_2ep"]
 
 
 def _training_seconds(run):
     """A lever's seed's training: fine-tuning and pretraining; with self-training, also the
-    teacher's labels and the teacher's own training (the README command's run of the same
-    seed, `seeds/pretrain0/`, on the same CPU)."""
+    teacher's labels and the teacher's own training (a run of the same seed, in the sweep
+    folder its record names, on the same CPU)."""
     stages = run["stage_seconds"]
     seconds = stages["fine_tuning"] + (stages["pretraining"] or 0)
     record = run.get("self_training")
@@ -1348,3 +1348,32 @@ def test_the_decoders_benchmark_refuses_more_decode_tokens_than_its_cache(capsys
         decoders.main(["--length", "64", "--decode_tokens", "65"])
     error = capsys.readouterr().err
     assert "--decode_tokens must be at most --length (64); received 65" in error
+
+
+def test_app_page_quotes_self_training_on_every_unlabelled_review_from_its_files():
+    """The students' and their teachers' test accuracies, the reviews kept, the least sure
+    label's probability, and the minutes of both runs in all, per seed, from their files."""
+    students = _seed_runs("selftrain_all_2ep")
+    teachers = _seed_runs(NEWER_EPYC_SEEDS)
+    for student, teacher in zip(students, teachers, strict=True):
+        record = student["self_training"]
+        assert record["teacher"].endswith(f"/{NEWER_EPYC_SEEDS}/seed{student['config']['seed']}")
+        assert record["teacher_test_accuracy"] == teacher["test_accuracy"]
+    kept = sorted(run["self_training"]["reviews"] for run in students)
+    sure = sorted(run["self_training"]["lowest_confidence"] for run in students)
+    totals = sorted(
+        _minutes(student["stage_seconds"]) + _minutes(teacher["stage_seconds"])
+        for student, teacher in zip(students, teachers)
+    )
+    text = " ".join((ROOT / "docs/app.md").read_text().split())
+    assert (
+        f"({kept[0]:,} to {kept[-1]:,} of them, the least sure at a probability of "
+        f"{sure[0]:.4f} to {sure[-1]:.4f})"
+    ) in text
+    assert (
+        f"The students read {', '.join(_percent(r['test_accuracy']) for r in students[:2])} and "
+        f"{_percent(students[2]['test_accuracy'])} on test against their teachers' "
+        f"{', '.join(_percent(r['test_accuracy']) for r in teachers[:2])} and "
+        f"{_percent(teachers[2]['test_accuracy'])}"
+    ) in text
+    assert f"so the two runs took {totals[0]:.1f} to {totals[-1]:.1f} minutes in all." in text
