@@ -1213,7 +1213,14 @@ def test_app_page_quotes_what_more_pretraining_buys_from_its_files():
 
 
 # Issue #63's table, the default first.
-LEVERS = [NEWER_EPYC_SEEDS, "pretrain1500", "ema099", "selftrain22500_1ep", "selftrain_all_2ep"]
+LEVERS = [
+    NEWER_EPYC_SEEDS,
+    "pretrain1500",
+    "ema099",
+    "selftrain22500_1ep",
+    "selftrain_all_2ep",
+    "selftrain_all_2ep_round2",
+]
 
 
 def _training_seconds(run):
@@ -1377,3 +1384,17 @@ def test_app_page_quotes_self_training_on_every_unlabelled_review_from_its_files
         f"{_percent(teachers[2]['test_accuracy'])}"
     ) in text
     assert f"so the two runs took {totals[0]:.1f} to {totals[-1]:.1f} minutes in all." in text
+    # The second round: each first-round student teaches a new one.
+    second = _seed_runs("selftrain_all_2ep_round2")
+    for student, teacher in zip(second, students, strict=True):
+        assert student["self_training"]["teacher_test_accuracy"] == teacher["test_accuracy"]
+        assert student["self_training"]["teacher"].endswith(
+            f"/selftrain_all_2ep/seed{student['config']['seed']}"
+        )
+    assert (
+        f"(`seeds/selftrain_all_2ep_round2/`), read "
+        f"{', '.join(_percent(r['test_accuracy']) for r in second[:2])} and "
+        f"{_percent(second[2]['test_accuracy'])} on test against their teachers' "
+        f"{', '.join(_percent(r['test_accuracy']) for r in students[:2])} and "
+        f"{_percent(students[2]['test_accuracy'])}"
+    ) in text
