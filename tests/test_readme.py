@@ -1220,6 +1220,7 @@ LEVERS = [
     "selftrain22500_1ep",
     "selftrain_all_2ep",
     "selftrain_all_2ep_round2",
+    "word_dropout03",
 ]
 
 
@@ -1398,3 +1399,26 @@ def test_app_page_quotes_self_training_on_every_unlabelled_review_from_its_files
         f"{', '.join(_percent(r['test_accuracy']) for r in students[:2])} and "
         f"{_percent(students[2]['test_accuracy'])}"
     ) in text
+
+
+def test_app_page_quotes_word_dropouts_training_accuracy_from_its_files():
+    """The last epoch's training accuracy (and validation's) of the command's seeds and of
+    word dropout's, as ranges over the seeds."""
+
+    def spread(runs, read):
+        values = sorted(100 * read(run) for run in runs)
+        return f"{values[0]:.1f}% to {values[-1]:.1f}%"
+
+    command, dropped = _seed_runs(NEWER_EPYC_SEEDS), _seed_runs("word_dropout03")
+    assert {run["config"]["word_dropout"] for run in dropped} == {0.3}
+
+    def trained(run):
+        return run["history"][-1]["accuracy"]
+
+    text = " ".join((ROOT / "docs/app.md").read_text().split())
+    assert (
+        f"The command's runs read {spread(command, trained)} of their training batches right in "
+        f"their last epoch, against {spread(command, lambda run: run['validation_accuracy'])} "
+        f"on validation."
+    ) in text
+    assert f"`seeds/word_dropout03/`) took that to {spread(dropped, trained)} and" in text
