@@ -1221,6 +1221,7 @@ LEVERS = [
     "selftrain_all_2ep",
     "selftrain_all_2ep_round2",
     "word_dropout03",
+    "ngrams500k",
 ]
 
 
