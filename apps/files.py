@@ -40,7 +40,7 @@ def save_figure(figure, path):
 
 def machine():
     """The machine as the reports name it: the CPU's model, its family and model numbers where
-    /proc/cpuinfo gives them (two "AMD EPYC" generations differ threefold in this app's
+    /proc/cpuinfo gives them (two "AMD EPYC"s differ threefold in this app's
     step), and its logical CPUs: "AMD EPYC (family 26, model 2), 2 logical CPUs"."""
     cores = os.cpu_count()
     where = f"{cores} logical CPUs" if cores else "this machine"

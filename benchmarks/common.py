@@ -38,8 +38,8 @@ ROOT = os.path.dirname(HERE)
 
 
 def cpu_name():
-    """The CPU's model name, family and model numbers, as the app's runs name it (two AMD EPYC
-    generations differ threefold there; `apps/files.py` is not imported: importing `apps` sets
+    """The CPU's model name, family and model numbers, as the app's runs name it (two AMD EPYCs
+    differ threefold there; `apps/files.py` is not imported: importing `apps` sets
     the TensorFlow backend, and some scripts here run JAX), and its bfloat16 matrix units, from
     /proc/cpuinfo (Linux)."""
     try:

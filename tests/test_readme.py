@@ -146,7 +146,7 @@ def _cpu(machine):
     of its `metrics.json` or `serving.json`; the pages say "a 2-core ..." (`_on`)."""
     names = {"AMD EPYC": "AMD EPYC", "Intel(R) Xeon(R)": "Intel Xeon"}
     (name,) = [name for key, name in names.items() if machine.startswith(key)]
-    # Since #63 the files name the CPU's family too (two EPYC generations differ threefold);
+    # Since fa94c44 the files name the CPU's family too (two EPYCs differ threefold);
     # the files from before name none.
     family = re.search(r" \(family (\d+), model \d+\)", machine)
     return f"{name} family {family[1]}" if family else name
@@ -265,7 +265,7 @@ def test_app_page_quotes_the_command_on_the_newer_epyc_from_its_files():
         f"export {stages['report'] / 60:.1f} minutes."
     ) in text
     assert (
-        f"name its family; it fine-tuned {ratio:.1f} times as long as this one, and on it the "
+        f"(whose files name no family) fine-tuned {ratio:.1f} times as long as this one. On it the "
         "command still misses issue #63's 9 minutes."
     ) in text
     for run, before in zip(runs, older):
@@ -1404,7 +1404,8 @@ def test_app_page_quotes_self_training_on_every_unlabelled_review_from_its_files
 
 def test_app_page_quotes_word_dropouts_training_accuracy_from_its_files():
     """The last epoch's training accuracy (and validation's) of the command's seeds and of
-    word dropout's, as ranges over the seeds."""
+    word dropout's, as ranges over the seeds; its validation and test against the command's."""
+    import statistics
 
     def spread(runs, read):
         values = sorted(100 * read(run) for run in runs)
@@ -1416,10 +1417,47 @@ def test_app_page_quotes_word_dropouts_training_accuracy_from_its_files():
     def trained(run):
         return run["history"][-1]["accuracy"]
 
+    def validated(run):
+        return run["history"][-1]["val_accuracy"]
+
     text = " ".join((ROOT / "docs/app.md").read_text().split())
     assert (
         f"The command's runs read {spread(command, trained)} of their training batches right in "
-        f"their last epoch, against {spread(command, lambda run: run['validation_accuracy'])} "
-        f"on validation."
+        f"their last epoch, against {spread(command, validated)} on validation."
     ) in text
-    assert f"`seeds/word_dropout03/`) took that to {spread(dropped, trained)} and" in text
+    assert f"`seeds/word_dropout03/`) took that to {spread(dropped, trained)}, left" in text
+
+    def cell(runs, key):
+        values = [100 * run[key] for run in runs]
+        return f"{statistics.fmean(values):.2f} ± {statistics.stdev(values):.2f}%"
+
+    lower = statistics.fmean(100 * r["test_accuracy"] for r in command) - statistics.fmean(
+        100 * r["test_accuracy"] for r in dropped
+    )
+    assert (
+        f"validation where it was ({cell(dropped, 'validation_accuracy')} against "
+        f"{cell(command, 'validation_accuracy')}) and read {lower:.2f} lower on test, inside the "
+        "bar."
+    ) in text
+    # The same two epochs' fine-tuning on this CPU, over the rows that ran them.
+    minutes = [
+        run["stage_seconds"]["fine_tuning"] / 60
+        for name in (NEWER_EPYC_SEEDS, "word_dropout03", "ngrams500k")
+        for run in _seed_runs(name)
+    ]
+    assert (
+        f"epochs fine-tuned in {min(minutes):.1f} to {max(minutes):.1f} minutes on this one" in text
+    )
+
+
+def test_app_page_quotes_the_second_round_against_the_first_from_their_files():
+    import statistics
+
+    first, second = _seed_runs("selftrain_all_2ep"), _seed_runs("selftrain_all_2ep_round2")
+    gains = [
+        statistics.fmean(100 * r[key] for r in second)
+        - statistics.fmean(100 * r[key] for r in first)
+        for key in ("test_accuracy", "validation_accuracy")
+    ]
+    text = " ".join((ROOT / "docs/app.md").read_text().split())
+    assert f": {gains[0]:+.2f} on test and {gains[1]:+.2f} on validation against one round" in text

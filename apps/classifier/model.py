@@ -120,7 +120,8 @@ def build_classifier(
     `embed_dim` (`TokenAndPositionEmbedding`). `word_dropout` zeroes whole positions of the
     embedding in training (its word, pair, triple and position at once; the kept ones times
     1 / (1 - p)), after Iyyer et al.'s (2015) word dropout, which removes the word instead: the
-    position stays in the attention mask, a zero key and value; 0 adds no layer.
+    position stays in the attention mask, an input of zeros (its key and value are the
+    projections' biases); 0 adds no layer.
 
     `model` maps token ids `(B, L)`, any `L <= sequence_length`, to `P(positive)` `(B, 1)`
     and is the one trained.

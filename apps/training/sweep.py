@@ -226,8 +226,8 @@ def write_table(folder):
         "are chosen on validation; test is reported, never used to choose. `flags` is the command",
         "each configuration ran with, on the defaults of its day; `against today's defaults` is",
         "the same configuration as flags on `python -m apps.train_sentiment` today. Minutes",
-        "compare only on one CPU (`CPU`, as each run's `machine` names it; two AMD EPYC",
-        "generations differ threefold here, and the files from before #63 name no family).",
+        "compare only on one CPU (`CPU`, as each run's `machine` names it; two AMD EPYCs",
+        "differ threefold here, and the files written before 2026-12-07 name no family).",
         "",
         "| configuration | flags | against today's defaults | seeds | validation | test "
         "| train minutes | pretraining minutes | CPU |",

@@ -245,9 +245,9 @@ def _start_run(config):
 def _git_commit(output=None):
     """The checkout's commit, with `+changes` if its tracked files differ; None outside git.
 
-    The run's own `output` folder and the sweep's table (which `python -m apps.sweep` rewrites
-    between its runs) are left out of the comparison: a run written over a committed one (the
-    shipped model) changes those files itself, not the code that trained it."""
+    The run's own `output` folder and the sweep's table (`python -m apps.sweep` rewrites it
+    after its runs, so the next sweep's runs would find it changed) are left out of the
+    comparison: those files change with the runs, not with the code that trained them."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     if not os.path.isfile(os.path.join(root, "pyproject.toml")):
         return None  # installed from a wheel: no checkout of this project here
