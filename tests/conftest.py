@@ -114,14 +114,16 @@ def _seeded_by_test_name(request):
 
 # The module groups, slowest first: each is one unit of work for one worker, so the longest
 # start first and the single tests fill the other worker around them. In the large tier
-# distribute's group is ~300 s of one worker (three app runs, one of them two processes) and
-# jax_library's ~230 s (the library's test files again, on JAX); in
+# jax's group is ~650 s of one worker (Keras's suites, the swap and the swap's whole harness
+# again, on JAX), distribute's ~200 s (three app runs, one of them two processes) and
+# jax_library's ~120 s (the library's test files again, on JAX); in
 # the default tier app's group trains the session's tiny run (~60 s) and reads it back, and
 # the other groups take under a minute each. `--no-loadscope-reorder` (pyproject.toml) keeps
 # this order; xdist's own reorder puts the groups with the most tests first, whatever they cost.
 GROUPS_SLOWEST_FIRST = (
     "test_distribute",
     "test_app",
+    "jax",  # after the first two only because test_app's trains the tiny run others wait on
     "jax_library",
     "test_viewer",
     "test_serving",
