@@ -400,8 +400,7 @@ def test_readme_quotes_the_best_configuration_from_its_seed_files():
     """The README's figures for the best configuration so far are its seeds' metrics.json."""
     import statistics
 
-    folder = ROOT / "saved_models/experiments/seeds/pairs200k_tri200k_vocab30k_drop04_wd05"
-    runs = [json.loads(path.read_text()) for path in sorted(folder.glob("*.json"))]
+    runs = _seed_runs("pairs200k_tri200k_vocab30k_drop04_wd05")
     tests = [100 * run["test_accuracy"] for run in runs]
     text = " ".join(pages_text().split())
     assert len(runs) == 3
@@ -435,8 +434,7 @@ def _seed_figures(name):
     attention AOPCs joined by commas, as the README quotes them."""
     import statistics
 
-    folder = ROOT / f"saved_models/experiments/seeds/{name}"
-    runs = [json.loads(path.read_text()) for path in sorted(folder.glob("*.json"))]
+    runs = _seed_runs(name)
 
     def cell(key):
         values = [100 * run[key] for run in runs]
@@ -1267,8 +1265,7 @@ def test_app_page_levers_table_is_the_seed_files_and_the_default_follows_the_rul
     defaults = dataclasses.asdict(train_config.Config())
     seeds = {}
     for _, flags, validation, test, minutes, _, name in rows:
-        folder = ROOT / f"saved_models/experiments/seeds/{name}"
-        runs = [json.loads(path.read_text()) for path in sorted(folder.glob("seed*.json"))]
+        runs = _seed_runs(name)
         assert [run["config"]["seed"] for run in runs] == [0, 1, 2], name
         (against,) = {sweep.against_defaults(run["config"], defaults) for run in runs}
         assert flags == ("none" if against == "(today's defaults)" else f"`{against}`"), name
