@@ -300,7 +300,8 @@ def test_readme_quotes_the_default_configurations_seeds_and_the_shipped_run_is_s
     text = " ".join(pages_text().split())
     assert (
         f"(`saved_models/experiments/seeds/{DEFAULT_SEEDS}/`, the seeds 0, 1 and 2 of "
-        f"`python -m apps.sweep`; seed 0's file is the shipped run's `metrics.json`) read "
+        f"`python -m apps.sweep`, on the older EPYC; seed 0's file is the `metrics.json` of the "
+        f"model shipped before, which read what the shipped run read) read "
         f"{cell('validation_accuracy')} on validation and {cell('test_accuracy')} on test, in "
         f"{minutes:.1f} minutes of fine-tuning, with attention AOPCs of {aopc}."
     ) in text
@@ -320,9 +321,15 @@ def test_readme_quotes_the_default_configurations_seeds_and_the_shipped_run_is_s
     assert reviews == [[0, 0], [0, 0], [0, -1]], reviews
     assert "seeds 0 and 1 to the review, seed 2 one test review fewer." in text
     assert f"this model is {91.87 - statistics.fmean(tests):.2f} points below it" in text
-    # Seed 0's record is the shipped run's own metrics.json, copied, as the page says.
-    seed0 = ROOT / f"saved_models/experiments/seeds/{DEFAULT_SEEDS}/seed0.metrics.json"
-    assert seed0.read_bytes() == (ROOT / "saved_models/imdb_sdpa/metrics.json").read_bytes()
+    # Seed 0's record is the model shipped before: the shipped run's command and
+    # configuration, and to the review its accuracies, on another CPU.
+    shipped = json.loads((ROOT / "saved_models/imdb_sdpa/metrics.json").read_text())
+    assert runs[0]["command"] == shipped["command"]
+    first = train_config.FIRST_DEFAULTS  # the flags added since, as their defaults
+    assert {**first, **runs[0]["config"]} == {**first, **shipped["config"]}
+    for split in ("validation", "test"):
+        assert _reviews(runs[0], split) == _reviews(shipped, split), split
+    assert runs[0]["machine"] != shipped["machine"]
 
 
 @pytest.mark.parametrize(
@@ -1106,31 +1113,40 @@ def test_app_page_quotes_the_shipped_runs_stages_and_out_of_domain_table():
     assert (
         f"data {stages['data'] / 60:.1f} min, fine-tuning {stages['fine_tuning'] / 60:.1f} min, "
         f"report and export {stages['report'] / 60:.1f} min: {total:.1f} minutes in all, on "
-        f"{_on(metrics['machine'])}. Issue #63 asks for 9 minutes on this CPU (7 on the Intel "
-        f"Xeon) and this run does not meet it."
+        f"{_on(metrics['machine'])}. That is within issue #63's 9 minutes for an AMD EPYC and "
+        f"its 7 for the Intel Xeon."
     ) in text
-    assert _cpu(metrics["machine"]) == "AMD EPYC" and 9 < total <= 25
+    assert _cpu(metrics["machine"]) == "AMD EPYC family 26" and total <= 7
+    # The model shipped before: the same command and accuracy on the older EPYC, seed 0 of
+    # the default's seeds.
+    before = _seed_runs(DEFAULT_SEEDS)[0]
+    then = before["stage_seconds"]
+    then_total = _minutes(then)
+    assert _cpu(before["machine"]) == "AMD EPYC" and then_total > 9
+    assert (
+        f"`saved_models/experiments/seeds/{DEFAULT_SEEDS}/seed0.metrics.json`): data "
+        f"{then['data'] / 60:.1f}, fine-tuning {then['fine_tuning'] / 60:.1f} and report and "
+        f"export {then['report'] / 60:.1f} minutes, {then_total:.1f} in all, which misses the 9 "
+        f"minutes there."
+    ) in text
     # The same stages on the Intel Xeon: the pretrained default's seed 0, the same code path
     # but for its pretraining stage.
     xeon = json.loads(
         (ROOT / f"saved_models/experiments/seeds/{PRETRAINED_SEEDS}/seed0.metrics.json").read_text()
     )
     other = xeon["stage_seconds"]
-    ratio = stages["fine_tuning"] / other["fine_tuning"]
     assert (
-        f"It fine-tuned {ratio:.1f} times as long as a run of the same stages on the Xeon, which "
-        f"took data {other['data'] / 60:.1f}, fine-tuning {other['fine_tuning'] / 60:.1f} and "
-        f"report {other['report'] / 60:.1f} minutes: "
+        f"On the Intel Xeon the same stages took data {other['data'] / 60:.1f}, fine-tuning "
+        f"{other['fine_tuning'] / 60:.1f} and report {other['report'] / 60:.1f} minutes: "
         f"{_minutes({k: other[k] for k in ('data', 'fine_tuning', 'report')}):.1f} in all "
         f"(`saved_models/experiments/seeds/{PRETRAINED_SEEDS}/seed0.metrics.json`,"
     ) in text
     assert _on(xeon["machine"]) == "a 2-core Intel Xeon"
     readme = " ".join(README.read_text().split())
-    newer = _seed_runs(NEWER_EPYC_SEEDS)[0]
     assert (
         f"fine-tunes the classifier on IMDB's labelled reviews: {total:.1f} minutes on "
-        f"{_on(metrics['machine'])}, {_minutes(newer['stage_seconds']):.1f} on a newer "
-        f"{_on(newer['machine']).removeprefix('a ')}"
+        f"{_on(metrics['machine'])}, {then_total:.1f} on an older "
+        f"{_on(before['machine']).removeprefix('a ')}"
     ) in readme
     assert (
         f"pretraining its encoder first (`--pretrain_steps {xeon['config']['pretrain_steps']}`) "
