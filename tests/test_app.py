@@ -1212,3 +1212,16 @@ def test_ngram_dim_projects_the_pair_and_triple_tables_to_the_width(tmp_path):
     assert reloaded.ngram_dim == 3
     with pytest.raises(ValueError, match="ngram_dim=0"):
         embedding_lib.TokenAndPositionEmbedding(50, 16, 8, bigram_vocab_size=30, ngram_dim=0)
+
+
+def test_a_new_run_into_a_folder_drops_the_seeds_carded_for_the_run_before(tmp_path):
+    """`seeds.json` (`python -m apps.sweep NAME --card`) checked the folder's earlier run's
+    configuration; a new run's card must not quote it."""
+    from apps.training import config as train_config
+    from apps.training import train as train_lib
+
+    output = tmp_path / "run"
+    output.mkdir()
+    (output / "seeds.json").write_text("{}")
+    train_lib._start_run(train_config.Config(output=str(output)))
+    assert not (output / "seeds.json").exists()

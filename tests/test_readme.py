@@ -1474,3 +1474,24 @@ def test_app_page_quotes_the_second_round_against_the_first_from_their_files():
     ]
     text = " ".join((ROOT / "docs/app.md").read_text().split())
     assert f": {gains[0]:+.2f} on test and {gains[1]:+.2f} on validation against one round" in text
+
+
+def test_the_shipped_card_is_what_its_files_give_and_its_seeds_are_recomputed(monkeypatch):
+    """The committed model card is `write_model_card`'s text from the folder's files today, and
+    its `seeds.json` is `apps.sweep`'s report recomputed from the seeds' files (a seed file
+    changed, or a card edited by hand, fails here)."""
+    from apps.inspection import model_card
+    from apps.training import sweep
+
+    shipped = ROOT / "saved_models/imdb_sdpa"
+    metrics = json.loads((shipped / "metrics.json").read_text())
+    written = {}
+    monkeypatch.setattr(model_card, "write_text_atomic", lambda path, text: written.update(t=text))
+    monkeypatch.chdir(ROOT)
+    model_card.write_model_card(metrics, "saved_models/imdb_sdpa/README.md")
+    assert written["t"] == (shipped / "README.md").read_text()
+    report = json.loads((shipped / "seeds.json").read_text())
+    assert report["configuration"] == NEWER_EPYC_SEEDS
+    recomputed = sweep.seeds_report(sweep.SEEDS_FOLDER, NEWER_EPYC_SEEDS, str(shipped))
+    assert json.loads(json.dumps(recomputed)) == report
+    assert "## Over seeds" in written["t"] and f"apps.sweep {NEWER_EPYC_SEEDS}`" in written["t"]

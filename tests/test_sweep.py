@@ -167,3 +167,45 @@ def test_a_flag_naming_its_seeds_folder_reads_as_the_sweep_was_given_it():
     )
     config = {"seed": 1, "self_training_from": "runs/seed12", "epochs": 2}  # not seed 1's
     assert sweep.against_defaults(config, defaults) == "--self_training_from runs/seed12"
+
+
+def test_a_cards_seeds_are_the_runs_configurations_recomputed_by_hand(tmp_path):
+    """`--card`: seeds.json and the model card's table, against NumPy's mean and sample std;
+    a seed recorded before a flag existed reads it at its first default; a seed of another
+    configuration is refused by the flag's name."""
+    import numpy as np
+
+    from apps.training import config as train_config
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "saved_models", "imdb_sdpa", "metrics.json")) as f:
+        shipped = json.load(f)
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "metrics.json").write_text(json.dumps(shipped))
+    figures = [(0.91, 0.905, 200.0), (0.915, 0.9, 260.0), (0.90, 0.91, 230.0)]
+    (tmp_path / "seeds" / "cmd").mkdir(parents=True)
+    for seed, (validation, test, seconds) in enumerate(figures):
+        config = {**shipped["config"], "seed": seed, "output": f"/tmp/runs/seed{seed}"}
+        if seed == 1:
+            config.pop("word_dropout")  # recorded before the flag existed
+        run = dict(shipped, validation_accuracy=validation, test_accuracy=test, config=config)
+        run["stage_seconds"] = {"data": 30.0, "pretraining": None, "fine_tuning": seconds}
+        (tmp_path / "seeds" / "cmd" / f"seed{seed}.metrics.json").write_text(json.dumps(run))
+    assert train_config.FIRST_DEFAULTS["word_dropout"] == shipped["config"]["word_dropout"]
+    code = sweep.main(["cmd", "--folder", str(tmp_path / "seeds"), "--card", str(model)])
+    assert code == 0
+    report = json.loads((model / "seeds.json").read_text())
+    tests = 100 * np.array([test for _, test, _ in figures])
+    assert report["test_accuracy"]["mean"] == pytest.approx(tests.mean())
+    assert report["test_accuracy"]["std"] == pytest.approx(tests.std(ddof=1))
+    assert [row["minutes"] for row in report["seeds"]] == pytest.approx([3.83, 4.83, 4.33], 1e-3)
+    card = " ".join((model / "README.md").read_text().split())
+    assert f"test **{tests.mean():.2f} ± {tests.std(ddof=1):.2f}%** (min 90.00%)" in card
+    assert "| 1 | 91.50% | 90.00% | 4.8 |" in card
+    # Another configuration's seeds.
+    other = dict(run, config={**run["config"], "dropout": 0.1})
+    (tmp_path / "seeds" / "other").mkdir()
+    (tmp_path / "seeds" / "other" / "seed2.metrics.json").write_text(json.dumps(other))
+    with pytest.raises(ValueError, match=r"Seed 2 of 'other' .*: --dropout differ"):
+        sweep.seeds_report(str(tmp_path / "seeds"), "other", str(model))

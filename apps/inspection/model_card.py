@@ -166,6 +166,36 @@ Texts that people rated one at a time, none of them a movie review: {report["sou
 """
 
 
+def _seeds_section(folder):
+    """The card's "Over seeds" table, from the folder's `seeds.json` (written by
+    `python -m apps.sweep NAME --card FOLDER`); empty without one."""
+    path = os.path.join(folder, "seeds.json")
+    if not os.path.isfile(path):
+        return ""
+    with open(path) as f:
+        report = json.load(f)
+    rows = "\n".join(
+        f"| {row['seed']} | {row['validation_accuracy']:.2%} | {row['test_accuracy']:.2%} "
+        f"| {row['minutes']:.1f} | {row['machine']} |"
+        for row in report["seeds"]
+    )
+    test, validation = report["test_accuracy"], report["validation_accuracy"]
+    return f"""## Over seeds
+
+This run's configuration trained again over {len(report["seeds"])} seeds
+(`python -m apps.sweep {report["configuration"]}`, each seed's `metrics.json` in
+`{report["files"]}/`; `seeds.json`): test **{test["mean"]:.2f} ± {test["std"]:.2f}%** (min
+{test["min"]:.2f}%), validation {validation["mean"]:.2f} ± {validation["std"]:.2f}% (min
+{validation["min"]:.2f}%), mean ± sample std. Minutes are the whole command's (data, training,
+report and export).
+
+| seed | validation | test | minutes in all | CPU |
+|---|---|---|---|---|
+{rows}
+
+"""
+
+
 def write_model_card(metrics, path):
     """A short README.md for the run's folder, written from `metrics.json`'s own numbers."""
     config = metrics["config"]
@@ -223,7 +253,7 @@ or, with TensorFlow alone:
 
 
 {_training_sections(metrics)}
-{_out_of_domain_section(os.path.dirname(path))}{_serving_section(os.path.dirname(path))}
+{_seeds_section(os.path.dirname(path))}{_out_of_domain_section(os.path.dirname(path))}{_serving_section(os.path.dirname(path))}
 ## Per epoch
 
 | epoch | loss | accuracy | val_loss | val_accuracy |

@@ -4,6 +4,7 @@ Usage:
     python -m apps.sweep default --seeds 0 1 2
     python -m apps.sweep lr3e-3 --seeds 0 1 2 -- --learning_rate 3e-3
     python -m apps.sweep --table_only
+    python -m apps.sweep command --card saved_models/imdb_sdpa   # the seeds, in a model's card
 
 Each seed runs `python -m apps.train_sentiment FLAGS --seed K` in its own process, into
 `--runs/NAME/seedK/`, and its `metrics.json` is kept as
@@ -13,6 +14,10 @@ the seed (`--self_training_from runs/default/seed{seed}`: each seed's own teache
 `saved_models/experiments/seeds/README.md`, is written anew from every recorded file: for each
 configuration, its flags, the seeds, and validation and test accuracy as mean ± std (sample
 standard deviation) and min, plus the mean training time.
+
+`--card MODEL` writes the recorded seeds of configuration NAME into a run's folder as
+`seeds.json` (each seed's accuracy and minutes, and their mean ± std) and writes its model card
+again with them; each seed must have trained the run's configuration.
 """
 
 import argparse
@@ -39,6 +44,11 @@ def parse_args(argv=None):
     parser.add_argument("--folder", default=SEEDS_FOLDER, help="where metrics.json files are kept")
     parser.add_argument("--table_only", action="store_true", help="only rewrite the table")
     parser.add_argument(
+        "--card",
+        metavar="MODEL",
+        help="write NAME's recorded seeds into this run's folder (seeds.json) and model card",
+    )
+    parser.add_argument(
         "--compare", nargs="+", metavar="NAME", help="print these configurations seed by seed"
     )
     args, flags = parser.parse_known_args(argv)
@@ -50,6 +60,8 @@ def parse_args(argv=None):
         args.table_only = True
     if not args.table_only and not args.name:
         parser.error("a configuration `name` is required (or pass --table_only)")
+    if args.card and not os.path.isfile(os.path.join(args.card, "metrics.json")):
+        parser.error(f"`--card` must be a finished run's folder. Received: card={args.card!r}")
     if args.name and (os.sep in args.name or args.name.startswith(".")):
         parser.error(f"`name` must be a plain folder name. Received: name={args.name!r}")
     if "--seed" in flags or "--output" in flags:
@@ -242,10 +254,82 @@ def write_table(folder):
     return path
 
 
+def _configuration(config):
+    """A run's configuration: its recorded flags, with the ones added since at their first
+    defaults, less where it read and wrote."""
+    from .config import FIRST_DEFAULTS
+
+    config = {**FIRST_DEFAULTS, **config}
+    return {k: v for k, v in config.items() if k not in _NOT_CONFIGURATION}
+
+
+def seeds_report(folder, name, model):
+    """`seeds.json` for the run in `model`: configuration `name`'s recorded seeds, each of which
+    trained the run's own configuration (a ValueError names the flags that differ)."""
+    runs = read_configurations(folder).get(name)
+    if not runs:
+        raise ValueError(f"No seeds are recorded for `name` in {folder}. Received: name={name!r}")
+    with open(os.path.join(model, "metrics.json")) as f:
+        own = _configuration(json.load(f)["config"])
+    for run in runs:
+        theirs = _configuration(run["config"])
+        differing = sorted(k for k in own.keys() | theirs.keys() if own.get(k) != theirs.get(k))
+        if differing:
+            raise ValueError(
+                f"Seed {run['config']['seed']} of {name!r} trained another configuration than "
+                f"{model}: {', '.join(f'--{k}' for k in differing)} differ. Received: name={name!r}"
+            )
+
+    def stats(values):
+        mean, std, least = summarize(values)
+        return {"mean": mean, "std": std, "min": least}
+
+    rows = [
+        {
+            "seed": run["config"]["seed"],
+            "validation_accuracy": run["validation_accuracy"],
+            "test_accuracy": run["test_accuracy"],
+            "minutes": sum(s for s in run["stage_seconds"].values() if s is not None) / 60,
+            "machine": run.get("machine"),
+        }
+        for run in runs
+    ]
+    return {
+        "configuration": name,
+        "files": os.path.relpath(os.path.join(folder, name), ROOT),
+        "seeds": rows,
+        **{
+            key: stats([100 * row[key] for row in rows])
+            for key in ("validation_accuracy", "test_accuracy")
+        },
+    }
+
+
+def write_card(folder, name, model):
+    """Writes `seeds.json` into `model` and its model card again; returns the paths."""
+    from ..files import write_json_atomic
+    from ..inspection import model_card
+
+    report = seeds_report(folder, name, model)
+    path = write_json_atomic(os.path.join(model, "seeds.json"), report)
+    with open(os.path.join(model, "metrics.json")) as f:
+        metrics = json.load(f)
+    card = model_card.write_model_card(metrics, os.path.join(model, "README.md"))
+    return path, card
+
+
 def main(argv=None):
     args, flags = parse_args(argv)
     if args.compare:
         print(comparison(args.folder, args.compare))
+        return 0
+    if args.card:
+        try:
+            for path in write_card(args.folder, args.name, args.card):
+                print(f"Wrote {path}")
+        except ValueError as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 2
         return 0
     code = 0
     if not args.table_only:

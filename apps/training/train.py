@@ -232,7 +232,12 @@ def _start_run(config):
         print(f"Nothing to resume in {checkpoints}; starting a new run.")
     run = Run(strategy, distribution, global_batch, output, checkpoints, resuming)
     if not resuming:
-        for stale in (run.history, os.path.join(output, "logs")):
+        # A model card's seeds (`python -m apps.sweep NAME --card`) were another run's.
+        for stale in (
+            run.history,
+            os.path.join(output, "logs"),
+            os.path.join(output, "seeds.json"),
+        ):
             if os.path.isdir(stale):
                 shutil.rmtree(stale)
             elif os.path.exists(stale):
