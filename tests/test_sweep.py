@@ -199,7 +199,8 @@ def test_a_cards_seeds_are_the_runs_configurations_recomputed_by_hand(tmp_path):
     tests = 100 * np.array([test for _, test, _ in figures])
     assert report["test_accuracy"]["mean"] == pytest.approx(tests.mean())
     assert report["test_accuracy"]["std"] == pytest.approx(tests.std(ddof=1))
-    assert [row["minutes"] for row in report["seeds"]] == pytest.approx([3.83, 4.83, 4.33], 1e-3)
+    minutes = [(30 + seconds) / 60 for _, _, seconds in figures]
+    assert [row["minutes"] for row in report["seeds"]] == pytest.approx(minutes)
     card = " ".join((model / "README.md").read_text().split())
     assert f"test **{tests.mean():.2f} ± {tests.std(ddof=1):.2f}%** (min 90.00%)" in card
     assert "| 1 | 91.50% | 90.00% | 4.8 |" in card
@@ -209,3 +210,33 @@ def test_a_cards_seeds_are_the_runs_configurations_recomputed_by_hand(tmp_path):
     (tmp_path / "seeds" / "other" / "seed2.metrics.json").write_text(json.dumps(other))
     with pytest.raises(ValueError, match=r"Seed 2 of 'other' .*: --dropout differ"):
         sweep.seeds_report(str(tmp_path / "seeds"), "other", str(model))
+    before = (model / "seeds.json").read_text()
+    code = sweep.main(["other", "--folder", str(tmp_path / "seeds"), "--card", str(model)])
+    assert code == 2 and (model / "seeds.json").read_text() == before  # nothing written
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--seeds", "0", "1"], "with --seeds options"),
+        (["--table_only"], "with --table_only options"),
+        (["--compare", "default"], "with --compare"),
+        (["--", "--dropout", "0.9"], "with training flags options"),
+    ],
+    ids=["seeds", "table_only", "compare", "flags"],
+)
+def test_a_card_runs_nothing_and_reads_every_seed(extra, message, capsys):
+    model = os.path.join(os.path.dirname(os.path.dirname(__file__)), "saved_models", "imdb_sdpa")
+    with pytest.raises(SystemExit):
+        sweep.parse_args(["command_family26", "--card", model, *extra])
+    assert message in capsys.readouterr().err
+
+
+def test_a_card_needs_a_finished_run_and_a_configuration(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        sweep.parse_args(["command_family26", "--card", str(tmp_path)])
+    assert f"Received: card={str(tmp_path)!r}" in capsys.readouterr().err
+    model = os.path.join(os.path.dirname(os.path.dirname(__file__)), "saved_models", "imdb_sdpa")
+    with pytest.raises(SystemExit):
+        sweep.parse_args(["--card", model])
+    assert "a configuration `name` is required" in capsys.readouterr().err

@@ -166,6 +166,13 @@ Texts that people rated one at a time, none of them a movie review: {report["sou
 """
 
 
+def _short_commit(commit):
+    """A recorded commit's first 10 digits, keeping its `+changes`; "not recorded" for None."""
+    if commit is None:
+        return "not recorded"
+    return commit[:10] + ("+changes" if commit.endswith("+changes") else "")
+
+
 def _seeds_section(folder):
     """The card's "Over seeds" table, from the folder's `seeds.json` (written by
     `python -m apps.sweep NAME --card FOLDER`); empty without one."""
@@ -176,7 +183,7 @@ def _seeds_section(folder):
         report = json.load(f)
     rows = "\n".join(
         f"| {row['seed']} | {row['validation_accuracy']:.2%} | {row['test_accuracy']:.2%} "
-        f"| {row['minutes']:.1f} | {row['machine']} |"
+        f"| {row['minutes']:.1f} | {row['machine']} | {_short_commit(row['git_commit'])} |"
         for row in report["seeds"]
     )
     test, validation = report["test_accuracy"], report["validation_accuracy"]
@@ -186,11 +193,12 @@ This run's configuration trained again over {len(report["seeds"])} seeds
 (`python -m apps.sweep {report["configuration"]}`, each seed's `metrics.json` in
 `{report["files"]}/`; `seeds.json`): test **{test["mean"]:.2f} ± {test["std"]:.2f}%** (min
 {test["min"]:.2f}%), validation {validation["mean"]:.2f} ± {validation["std"]:.2f}% (min
-{validation["min"]:.2f}%), mean ± sample std. Minutes are the whole command's (data, training,
-report and export).
+{validation["min"]:.2f}%), mean ± sample std; each seed's commit is the code it ran (`+changes`:
+with uncommitted changes). Minutes are the whole command's (data, training, report and
+export); they compare only on one CPU, and vary there with what else ran on it.
 
-| seed | validation | test | minutes in all | CPU |
-|---|---|---|---|---|
+| seed | validation | test | minutes in all | CPU | commit |
+|---|---|---|---|---|---|
 {rows}
 
 """

@@ -60,13 +60,35 @@ def parse_args(argv=None):
         args.table_only = True
     if not args.table_only and not args.name:
         parser.error("a configuration `name` is required (or pass --table_only)")
-    if args.card and not os.path.isfile(os.path.join(args.card, "metrics.json")):
-        parser.error(f"`--card` must be a finished run's folder. Received: card={args.card!r}")
+    if args.card:
+        _check_card(parser, args, flags, argv)
     if args.name and (os.sep in args.name or args.name.startswith(".")):
         parser.error(f"`name` must be a plain folder name. Received: name={args.name!r}")
     if "--seed" in flags or "--output" in flags:
         parser.error("pass seeds with --seeds; the sweep chooses each run's --seed and --output")
     return args, flags
+
+
+def _check_card(parser, args, flags, argv):
+    """`--card` reads configuration `name`'s recorded seeds, all of them, and runs nothing."""
+    if not os.path.isfile(os.path.join(args.card, "metrics.json")):
+        parser.error(f"`--card` must be a finished run's folder. Received: card={args.card!r}")
+    extra = [
+        option
+        for option, given in (
+            ("--compare", args.compare),
+            ("--table_only", args.table_only),
+            ("--seeds", "--seeds" in (argv if argv is not None else sys.argv)),
+            ("training flags", flags),
+        )
+        if given
+    ]
+    if not args.name or extra:
+        parser.error(
+            "`--card` takes a configuration `name` and writes every seed recorded for it; it "
+            f"runs nothing. Received: name={args.name!r}, with {', '.join(extra) or 'no other'} "
+            "options"
+        )
 
 
 def run_seeds(name, seeds, flags, runs, folder):
@@ -284,6 +306,11 @@ def seeds_report(folder, name, model):
         mean, std, least = summarize(values)
         return {"mean": mean, "std": std, "min": least}
 
+    if any("stage_seconds" not in run for run in runs):
+        raise ValueError(
+            f"The seeds of {name!r} must record their `stage_seconds` (runs since 2026-12-03 "
+            f"do). Received: name={name!r}"
+        )
     rows = [
         {
             "seed": run["config"]["seed"],
@@ -291,12 +318,16 @@ def seeds_report(folder, name, model):
             "test_accuracy": run["test_accuracy"],
             "minutes": sum(s for s in run["stage_seconds"].values() if s is not None) / 60,
             "machine": run.get("machine"),
+            "git_commit": run.get("git_commit"),
         }
         for run in runs
     ]
+    files = os.path.abspath(os.path.join(folder, name))
+    if files.startswith(ROOT + os.sep):
+        files = os.path.relpath(files, ROOT)
     return {
         "configuration": name,
-        "files": os.path.relpath(os.path.join(folder, name), ROOT),
+        "files": files,
         "seeds": rows,
         **{
             key: stats([100 * row[key] for row in rows])
