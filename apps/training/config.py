@@ -344,18 +344,24 @@ def _check_training(config):
         )
 
 
+def differing_flags(config, recorded, names, recorded_as):
+    """`--NAME (<recorded_as> X, received Y)` for each flag of `names` whose value in
+    `recorded` (another run's saved config) is not `config`'s. A run recorded before a flag
+    existed ran with the flag's first default."""
+    recorded = {**FIRST_DEFAULTS, **recorded}
+    return [
+        f"--{name} ({recorded_as} {recorded.get(name)!r}, received {getattr(config, name)!r})"
+        for name in names
+        if recorded.get(name) != getattr(config, name)
+    ]
+
+
 def check_same_run(config, config_path):
     if not os.path.exists(config_path):
         return
     with open(config_path) as f:
         saved = json.load(f)
-    # A run saved before a flag existed ran with the flag's first default.
-    saved = {**FIRST_DEFAULTS, **saved}
-    changed = [
-        f"--{name} (saved {saved.get(name)!r}, received {getattr(config, name)!r})"
-        for name in _RUN_DEFINING
-        if saved.get(name) != getattr(config, name)
-    ]
+    changed = differing_flags(config, saved, _RUN_DEFINING, "saved")
     if changed:
         raise ValueError(
             "`--resume` must continue the same run, but these flags differ from the saved run: "

@@ -20,6 +20,7 @@ from ..classifier.run_folder import load_run
 from ..serving.compiled import compiled_classifier
 from .batches import eval_dataset
 from .build import dtype_policy
+from .config import differing_flags
 from .pretrain import held_out_rows
 
 # The teacher's flags that decide which reviews are its validation set.
@@ -109,11 +110,7 @@ def teacher_log_odds(model, ids, batch_size):
 
 
 def _check_teacher(config, teacher):
-    differ = [
-        f"{name} (teacher {teacher.get(name)!r}, this run {getattr(config, name)!r})"
-        for name in _SAME_VALIDATION
-        if teacher.get(name) != getattr(config, name)
-    ]
+    differ = differing_flags(config, teacher, _SAME_VALIDATION, "teacher")
     if differ:
         raise ValueError(
             "`--self_training_from` must be a run with this run's validation set (it may not "
