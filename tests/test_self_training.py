@@ -127,7 +127,7 @@ def _empty_splits():
 def test_a_teacher_with_another_validation_set_is_refused(tiny_run):
     output, _ = tiny_run
     with pytest.raises(
-        ValueError, match=r"`--self_training_from`.*--seed \(teacher 0, received 1\)"
+        ValueError, match=r"`--self_training_from`.*--seed \(teacher 0, this run 1\)"
     ):
         self_training.pseudo_labelled(
             _config(output, seed=1), _empty_splits(), None, np.zeros((0, 4)), np.zeros((0, 4)), 4

@@ -190,7 +190,12 @@ def test_a_cards_seeds_are_the_runs_configurations_recomputed_by_hand(tmp_path):
         if seed == 1:
             config.pop("word_dropout")  # recorded before the flag existed
         run = dict(shipped, validation_accuracy=validation, test_accuracy=test, config=config)
-        run["stage_seconds"] = {"data": 30.0, "pretraining": None, "fine_tuning": seconds}
+        run["stage_seconds"] = {
+            "data": 30.0,
+            "pretraining": None,
+            "fine_tuning": seconds,
+            "report": 45.0,
+        }
         (tmp_path / "seeds" / "cmd" / f"seed{seed}.metrics.json").write_text(json.dumps(run))
     assert train_config.FIRST_DEFAULTS["word_dropout"] == shipped["config"]["word_dropout"]
     code = sweep.main(["cmd", "--folder", str(tmp_path / "seeds"), "--card", str(model)])
@@ -199,11 +204,11 @@ def test_a_cards_seeds_are_the_runs_configurations_recomputed_by_hand(tmp_path):
     tests = 100 * np.array([test for _, test, _ in figures])
     assert report["test_accuracy"]["mean"] == pytest.approx(tests.mean())
     assert report["test_accuracy"]["std"] == pytest.approx(tests.std(ddof=1))
-    minutes = [(30 + seconds) / 60 for _, _, seconds in figures]
+    minutes = [(30 + seconds + 45) / 60 for _, _, seconds in figures]
     assert [row["minutes"] for row in report["seeds"]] == pytest.approx(minutes)
     card = " ".join((model / "README.md").read_text().split())
     assert f"test **{tests.mean():.2f} ± {tests.std(ddof=1):.2f}%** (min 90.00%)" in card
-    assert "| 1 | 91.50% | 90.00% | 4.8 |" in card
+    assert "| 1 | 91.50% | 90.00% | 5.6 |" in card
     # Another configuration's seeds.
     other = dict(run, config={**run["config"], "dropout": 0.1})
     (tmp_path / "seeds" / "other").mkdir()
@@ -218,12 +223,14 @@ def test_a_cards_seeds_are_the_runs_configurations_recomputed_by_hand(tmp_path):
 @pytest.mark.parametrize(
     "extra, message",
     [
-        (["--seeds", "0", "1"], "with --seeds options"),
-        (["--table_only"], "with --table_only options"),
-        (["--compare", "default"], "with --compare"),
-        (["--", "--dropout", "0.9"], "with training flags options"),
+        (["--seeds", "0", "1"], "takes no --seeds."),
+        (["--seeds=0"], "takes no --seeds."),
+        (["--runs", "/tmp/r"], "takes no --runs."),
+        (["--table_only"], "takes no --table_only."),
+        (["--compare", "default"], "takes no --compare."),
+        (["--", "--dropout", "0.9"], "takes no training flags."),
     ],
-    ids=["seeds", "table_only", "compare", "flags"],
+    ids=["seeds", "seeds_equals", "runs", "table_only", "compare", "flags"],
 )
 def test_a_card_runs_nothing_and_reads_every_seed(extra, message, capsys):
     model = os.path.join(os.path.dirname(os.path.dirname(__file__)), "saved_models", "imdb_sdpa")
@@ -239,4 +246,24 @@ def test_a_card_needs_a_finished_run_and_a_configuration(tmp_path, capsys):
     model = os.path.join(os.path.dirname(os.path.dirname(__file__)), "saved_models", "imdb_sdpa")
     with pytest.raises(SystemExit):
         sweep.parse_args(["--card", model])
-    assert "a configuration `name` is required" in capsys.readouterr().err
+    assert "`--card` needs the configuration `name`" in capsys.readouterr().err
+
+
+def test_a_cards_seeds_outside_the_checkout_are_named_by_their_whole_path(tmp_path):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    shipped = os.path.join(root, "saved_models", "imdb_sdpa")
+    (tmp_path / "cmd").mkdir()
+    with open(os.path.join(shipped, "metrics.json")) as f:
+        run = json.load(f)
+    (tmp_path / "cmd" / "seed0.metrics.json").write_text(json.dumps(run))
+    report = sweep.seeds_report(str(tmp_path), "cmd", shipped)
+    assert report["files"] == str(tmp_path / "cmd")
+    inside = sweep.seeds_report(sweep.SEEDS_FOLDER, "command_family26", shipped)
+    assert inside["files"] == os.path.join(
+        "saved_models", "experiments", "seeds", "command_family26"
+    )
+    # A seed recorded before runs wrote their stages.
+    del run["stage_seconds"]
+    (tmp_path / "cmd" / "seed0.metrics.json").write_text(json.dumps(run))
+    with pytest.raises(ValueError, match="must record their `stage_seconds`"):
+        sweep.seeds_report(str(tmp_path), "cmd", shipped)

@@ -183,7 +183,7 @@ def _seeds_section(folder):
         report = json.load(f)
     rows = "\n".join(
         f"| {row['seed']} | {row['validation_accuracy']:.2%} | {row['test_accuracy']:.2%} "
-        f"| {row['minutes']:.1f} | {row['machine']} | {_short_commit(row['git_commit'])} |"
+        f"| {row['minutes']:.1f} | {row['machine']} | {_short_commit(row.get('git_commit'))} |"
         for row in report["seeds"]
     )
     test, validation = report["test_accuracy"], report["validation_accuracy"]

@@ -344,13 +344,13 @@ def _check_training(config):
         )
 
 
-def differing_flags(config, recorded, names, recorded_as):
-    """`--NAME (<recorded_as> X, received Y)` for each flag of `names` whose value in
+def differing_flags(config, recorded, names, recorded_as, received_as="received"):
+    """`--NAME (<recorded_as> X, <received_as> Y)` for each flag of `names` whose value in
     `recorded` (another run's saved config) is not `config`'s. A run recorded before a flag
     existed ran with the flag's first default."""
     recorded = {**FIRST_DEFAULTS, **recorded}
     return [
-        f"--{name} ({recorded_as} {recorded.get(name)!r}, received {getattr(config, name)!r})"
+        f"--{name} ({recorded_as} {recorded.get(name)!r}, {received_as} {getattr(config, name)!r})"
         for name in names
         if recorded.get(name) != getattr(config, name)
     ]

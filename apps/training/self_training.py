@@ -110,7 +110,7 @@ def teacher_log_odds(model, ids, batch_size):
 
 
 def _check_teacher(config, teacher):
-    differ = differing_flags(config, teacher, _SAME_VALIDATION, "teacher")
+    differ = differing_flags(config, teacher, _SAME_VALIDATION, "teacher", "this run")
     if differ:
         raise ValueError(
             "`--self_training_from` must be a run with this run's validation set (it may not "

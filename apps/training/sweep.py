@@ -32,15 +32,16 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SEEDS_FOLDER = os.path.join(ROOT, "saved_models", "experiments", "seeds")
+RUNS = "/tmp/keras_sdpa_sweep"
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(
-        prog="python -m apps.sweep", description=__doc__.split("\n")[0]
+        prog="python -m apps.sweep", description=__doc__.split("\n")[0], allow_abbrev=False
     )
     parser.add_argument("name", nargs="?", help="the configuration's name (a folder name)")
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--runs", default="/tmp/keras_sdpa_sweep", help="where the runs write")
+    parser.add_argument("--seeds", type=int, nargs="+", help="the seeds to run (default: 0 1 2)")
+    parser.add_argument("--runs", help=f"where the runs write (default: {RUNS})")
     parser.add_argument("--folder", default=SEEDS_FOLDER, help="where metrics.json files are kept")
     parser.add_argument("--table_only", action="store_true", help="only rewrite the table")
     parser.add_argument(
@@ -53,6 +54,10 @@ def parse_args(argv=None):
     )
     args, flags = parser.parse_known_args(argv)
     flags = [flag for flag in flags if flag != "--"]
+    if args.card:
+        _check_card(parser, args, flags)
+    args.seeds = [0, 1, 2] if args.seeds is None else args.seeds
+    args.runs = RUNS if args.runs is None else args.runs
     if args.compare:
         missing = [n for n in args.compare if not os.path.isdir(os.path.join(args.folder, n))]
         if missing:
@@ -60,8 +65,6 @@ def parse_args(argv=None):
         args.table_only = True
     if not args.table_only and not args.name:
         parser.error("a configuration `name` is required (or pass --table_only)")
-    if args.card:
-        _check_card(parser, args, flags, argv)
     if args.name and (os.sep in args.name or args.name.startswith(".")):
         parser.error(f"`name` must be a plain folder name. Received: name={args.name!r}")
     if "--seed" in flags or "--output" in flags:
@@ -69,25 +72,27 @@ def parse_args(argv=None):
     return args, flags
 
 
-def _check_card(parser, args, flags, argv):
+def _check_card(parser, args, flags):
     """`--card` reads configuration `name`'s recorded seeds, all of them, and runs nothing."""
     if not os.path.isfile(os.path.join(args.card, "metrics.json")):
         parser.error(f"`--card` must be a finished run's folder. Received: card={args.card!r}")
+    if not args.name:
+        parser.error("`--card` needs the configuration `name` whose seeds it writes")
     extra = [
         option
         for option, given in (
             ("--compare", args.compare),
             ("--table_only", args.table_only),
-            ("--seeds", "--seeds" in (argv if argv is not None else sys.argv)),
+            ("--seeds", args.seeds is not None),
+            ("--runs", args.runs is not None),
             ("training flags", flags),
         )
         if given
     ]
-    if not args.name or extra:
+    if extra:
         parser.error(
-            "`--card` takes a configuration `name` and writes every seed recorded for it; it "
-            f"runs nothing. Received: name={args.name!r}, with {', '.join(extra) or 'no other'} "
-            "options"
+            "`--card` writes every seed recorded for `name` and runs nothing, so it takes no "
+            f"{', '.join(extra)}. Received: name={args.name!r}"
         )
 
 
@@ -308,7 +313,7 @@ def seeds_report(folder, name, model):
 
     if any("stage_seconds" not in run for run in runs):
         raise ValueError(
-            f"The seeds of {name!r} must record their `stage_seconds` (runs since 2026-12-03 "
+            f"The seeds of {name!r} must record their `stage_seconds` (runs since 2026-12-05 "
             f"do). Received: name={name!r}"
         )
     rows = [
