@@ -1237,6 +1237,7 @@ LEVERS = [
     "word_dropout03",
     "ngrams500k",
     "len1024",
+    "len1024_selftrain_all",
 ]
 
 
@@ -1259,12 +1260,26 @@ def _training_seconds(run):
     return seconds
 
 
+def _command_seconds(run):
+    """A lever's seed's whole command, every stage; with self-training, its teacher's whole
+    command too (the command a user would run first)."""
+    seconds = sum(s for s in run["stage_seconds"].values() if s is not None)
+    record = run.get("self_training")
+    if record:
+        name = os.path.basename(os.path.dirname(record["teacher"]))
+        seed = run["config"]["seed"]
+        path = ROOT / f"saved_models/experiments/seeds/{name}/seed{seed}.metrics.json"
+        seconds += _command_seconds(json.loads(path.read_text()))
+    return seconds
+
+
 def test_app_page_levers_table_is_the_seed_files_and_the_default_follows_the_rule():
     """Issue #63's levers, each over seeds 0, 1 and 2 from its folder: the flags it adds to the
     README's command (its configs against today's defaults), validation and test as mean ± std,
     its training minutes (fine-tuning and pretraining, the mean, on the one CPU its seeds ran
     on), and its test mean against the command's with the bar, twice the larger std. The
-    command's own row has no flags, and no lever clears its bar (the rule that keeps it)."""
+    command's own row has no flags, and a lever that clears its bar would not keep the command
+    within 10 minutes (the rule that keeps it)."""
     import dataclasses
     import statistics
 
@@ -1301,7 +1316,12 @@ def test_app_page_levers_table_is_the_seed_files_and_the_default_follows_the_rul
         gain = statistics.fmean(tests) - statistics.fmean(default)
         bar = 2 * max(statistics.stdev(tests), statistics.stdev(default))
         assert row[5].strip() == f"{gain:+.2f} (bar {bar:.2f})", row[-1]
-        assert gain < bar, f"{row[-1]} clears the bar: it would be the default"
+        if gain >= bar:  # the default only if its command, every stage, fits 10 minutes
+            minutes = statistics.fmean(_command_seconds(run) for run in _seed_runs(row[-1])) / 60
+            assert minutes > 10, f"{row[-1]} clears the bar in {minutes:.1f} minutes: the default"
+            flat = " ".join(text.split())
+            assert f"(`{row[-1]}`), {gain:+.2f} on test against a bar of {bar:.2f}" in flat
+            assert f"{minutes:.1f} minutes in all on this CPU on average" in flat
 
 
 def test_decoder_figures_are_the_benchmarks():
