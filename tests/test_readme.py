@@ -1246,30 +1246,33 @@ def _training_seconds(run):
     folder its record names, on the same CPU)."""
     stages = run["stage_seconds"]
     seconds = stages["fine_tuning"] + (stages["pretraining"] or 0)
-    record = run.get("self_training")
-    if record:
-        seed = run["config"]["seed"]
-        # The teacher's sweep folder, as `python -m apps.sweep` named it: the same name's seeds.
-        name = os.path.basename(os.path.dirname(record["teacher"]))
-        path = ROOT / f"saved_models/experiments/seeds/{name}/seed{seed}.metrics.json"
-        teacher = json.loads(path.read_text())
-        assert teacher["test_accuracy"] == record["teacher_test_accuracy"], seed
-        assert _cpu(teacher["machine"]) == _cpu(run["machine"]), seed
+    teacher = _teacher(run)
+    if teacher:
         seconds += stages["self_training_labels"] + _training_seconds(teacher)
     return seconds
+
+
+def _teacher(run):
+    """A self-trained seed's teacher: the run of the same seed in the sweep folder its record
+    names, on the same CPU (None without self-training)."""
+    record = run.get("self_training")
+    if not record:
+        return None
+    seed = run["config"]["seed"]
+    # The teacher's sweep folder, as `python -m apps.sweep` named it: the same name's seeds.
+    name = os.path.basename(os.path.dirname(record["teacher"]))
+    path = ROOT / f"saved_models/experiments/seeds/{name}/seed{seed}.metrics.json"
+    teacher = json.loads(path.read_text())
+    assert teacher["test_accuracy"] == record["teacher_test_accuracy"], seed
+    assert _cpu(teacher["machine"]) == _cpu(run["machine"]), seed
+    return teacher
 
 
 def _command_seconds(run):
     """A lever's seed's whole command, every stage; with self-training, its teacher's whole
     command too (the command a user would run first)."""
-    seconds = sum(s for s in run["stage_seconds"].values() if s is not None)
-    record = run.get("self_training")
-    if record:
-        name = os.path.basename(os.path.dirname(record["teacher"]))
-        seed = run["config"]["seed"]
-        path = ROOT / f"saved_models/experiments/seeds/{name}/seed{seed}.metrics.json"
-        seconds += _command_seconds(json.loads(path.read_text()))
-    return seconds
+    teacher = _teacher(run)
+    return 60 * _minutes(run["stage_seconds"]) + (_command_seconds(teacher) if teacher else 0)
 
 
 def test_app_page_levers_table_is_the_seed_files_and_the_default_follows_the_rule():

@@ -1,8 +1,9 @@
 """The model card: a run folder's README.md, written from its own `metrics.json`.
 
 It also reads the folder's `serving.json` (`apps.serving.export.measure_serving`) and
-`faithfulness.json` (`apps.faithfulness`), so the training app, `python -m apps.runs` and
-`python -m apps.faithfulness` all rewrite it the same way.
+`faithfulness.json` (`apps.faithfulness`), `out_of_domain.json` (`apps.out_of_domain`) and
+`seeds.json` (`python -m apps.sweep NAME --card`), so every command that writes one of them
+rewrites the card the same way.
 """
 
 import json
@@ -69,6 +70,11 @@ def _order(stage):
     return order.index(stage) if stage in order else len(order)
 
 
+def command_minutes(stage_seconds):
+    """A run's whole command in minutes: every stage of its `stage_seconds` that ran."""
+    return sum(seconds for seconds in stage_seconds.values() if seconds is not None) / 60
+
+
 def _training_sections(metrics):
     """The card's sections between its usage and its epochs, in order."""
     return (
@@ -115,7 +121,7 @@ def _pretraining_section(metrics):
                 for name, seconds in sorted(stages.items(), key=lambda item: _order(item[0]))
                 if seconds is not None
             )
-            + f" (total {sum(s for s in stages.values() if s is not None) / 60:.1f} min).\n"
+            + f" (total {command_minutes(stages):.1f} min).\n"
         )
     record = metrics.get("pretraining")
     if not record:

@@ -293,6 +293,8 @@ def _configuration(config):
 def seeds_report(folder, name, model):
     """`seeds.json` for the run in `model`: configuration `name`'s recorded seeds, each of which
     trained the run's own configuration (a ValueError names the flags that differ)."""
+    from ..inspection import model_card
+
     runs = read_configurations(folder).get(name)
     if not runs:
         raise ValueError(f"No seeds are recorded for `name` in {folder}. Received: name={name!r}")
@@ -321,7 +323,7 @@ def seeds_report(folder, name, model):
             "seed": run["config"]["seed"],
             "validation_accuracy": run["validation_accuracy"],
             "test_accuracy": run["test_accuracy"],
-            "minutes": sum(s for s in run["stage_seconds"].values() if s is not None) / 60,
+            "minutes": model_card.command_minutes(run["stage_seconds"]),
             "machine": run.get("machine"),
             "git_commit": run.get("git_commit"),
         }
