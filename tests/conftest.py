@@ -42,6 +42,7 @@ if "TFDS_DATA_DIR" not in os.environ and os.path.isdir(_SHARED_TFDS):
 
 
 import fnmatch  # noqa: E402
+import gc  # noqa: E402
 import json  # noqa: E402
 import zlib  # noqa: E402
 
@@ -157,6 +158,18 @@ def pytest_itemcollected(item):
         if definition.scope == "module" and definition.func.__module__ == module:
             item.add_marker(pytest.mark.xdist_group(module.rsplit(".", 1)[-1]))
             return
+
+
+def pytest_collection_finish(session):
+    """Everything the test modules imported (TensorFlow, JAX, Keras, keras-hub: about 500,000
+    objects) leaves the garbage collector's view (`gc.freeze()`), so that a full collection
+    walks only what the tests made since. Keras runs one each time a layer deletes a variable
+    (`Layer.__delattr__`: 15 in a tiny BERT's `quantize("int8")`, 4.4 s against 0.03 s frozen),
+    and Python runs its own. The swap's harness on JAX took 226 s against 324 s. The objects
+    stay alive, as they would anyway; `gc.get_referrers` (the swap's scan for other holders of
+    a layer) no longer sees them, and no test module builds a layer as it is imported."""
+    gc.collect()
+    gc.freeze()
 
 
 # Tests that reach the tiny run by `request.getfixturevalue` (it is not in their fixturenames).
