@@ -165,10 +165,20 @@ def pytest_collection_finish(session):
     objects) leaves the garbage collector's view (`gc.freeze()`), so that a full collection
     walks only what the tests made since. Keras runs one each time a layer deletes a variable
     (`Layer.__delattr__`: 15 in a tiny BERT's `quantize("int8")`, 4.4 s against 0.03 s frozen),
-    and Python runs its own. The swap's harness on JAX took 226 s against 324 s. The objects
-    stay alive, as they would anyway; `gc.get_referrers` (the swap's scan for other holders of
-    a layer) no longer sees them, and no test module builds a layer as it is imported."""
+    and Python runs its own. The swap's harness on JAX took 226 s against 324 s.
+
+    Frozen objects are never collected (a cycle through one stays), and `gc.get_referrers`,
+    the swap's scan for other models that hold a layer, does not see them: no Keras layer may
+    exist yet (a test module that built one as it is imported would hide it from the scan)."""
     gc.collect()
+    if "keras" in sys.modules:
+        layer = sys.modules["keras"].layers.Layer
+        built = [obj for obj in gc.get_objects() if isinstance(obj, layer)]
+        if built:
+            raise pytest.UsageError(
+                "a test module built Keras layers as it was imported; build them in a test "
+                f"or a fixture (the session freezes what collection made). Received: {built[:3]}"
+            )
     gc.freeze()
 
 

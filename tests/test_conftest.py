@@ -193,13 +193,15 @@ def test_the_core_is_right_under_xlas_default_flags(tmp_path):
 
 def test_what_the_test_modules_imported_is_frozen_before_the_first_test():
     """`pytest_collection_finish` froze the objects of the imports (this module's globals
-    among them): a full collection then walks only what the tests made since."""
+    among them, and Keras's where a test module imported it): a full collection then walks
+    only what the tests made since."""
     import gc
 
     gc.collect()
     tracked = {id(obj) for obj in gc.get_objects()}
-    assert gc.get_freeze_count() > 10_000, gc.get_freeze_count()
     assert id(globals()) not in tracked and id(MODULE_OBJECTS) not in tracked
+    if "keras" in sys.modules:  # the whole suite, or a worker that collected a Keras module
+        assert id(vars(sys.modules["keras"])) not in tracked
     made_now = [[]]
     assert id(made_now) in {id(obj) for obj in gc.get_objects()}
 

@@ -5,6 +5,9 @@ with the same weights.
 Written on `keras.ops` and NumPy: `tests/test_jax_backend.py` runs this file on JAX too.
 """
 
+import json
+import subprocess
+import sys
 import threading
 
 import keras
@@ -335,6 +338,40 @@ def test_layers_shared_by_another_model_are_swapped_there_too(tmp_path):
     model_b.save(path)
     loaded = keras.saving.load_model(path)
     np.testing.assert_allclose(numpy(loaded(data)), numpy(model_b(data)), atol=1e-5)
+
+
+FROZEN_HOLDER = """
+import gc, json, keras, keras_sdpa
+x = keras.Input((5, 8))
+shared = keras.layers.MultiHeadAttention(num_heads=2, key_dim=4, name="shared")
+hidden = shared(x, x)
+model_a = keras.Model(x, keras.layers.Dense(1)(hidden), name="model_a")
+model_b = keras.Model(x, keras.layers.Dense(2)(hidden), name="model_b")
+if {freeze}:
+    gc.freeze()
+report = keras_sdpa.replace_attention(model_a)
+kinds = lambda model: [type(layer).__name__ for layer in model.layers if "shared" in layer.name]
+print(json.dumps([report.shared, kinds(model_a), kinds(model_b)]))
+"""
+
+
+@pytest.mark.large  # two processes of their own
+def test_a_model_frozen_out_of_the_collectors_view_is_not_found_as_the_docs_say():
+    """What `replace_attention`'s docstring and docs/keras-hub.md say of `gc.freeze()`: the
+    scan for other holders (`gc.get_referrers`) does not see frozen objects, so a model that
+    shares the layers, frozen before the swap, keeps the old one. (In processes of their own:
+    this session freezes what its collection imported.)"""
+    results = []
+    for freeze in (False, True):
+        script = FROZEN_HOLDER.format(freeze=freeze)
+        done = subprocess.run(
+            [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        results.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    sdpa, mha = ["ScaledDotProductAttention"], ["MultiHeadAttention"]
+    assert results[0] == [[["model_b", "model_a/shared"]], sdpa, sdpa]
+    assert results[1] == [[], sdpa, mha]
 
 
 # 7. Functions traced before the swap are traced again, also around a swapped backbone.
