@@ -267,14 +267,11 @@ def replace_attention(model, flash_attention=None, **layer_options):
     `compile` again before `fit` (its optimizer holds the old variables).
 
     A swapped layer that a layer outside `model` holds too (another model built on the same
-    layers) is swapped there as well, so the two stay tied. (It is found by a scan of the
-    objects Python's garbage collector tracks: one frozen out of its view by `gc.freeze()`, as
-    a server may do before it forks, is not found; swap before freezing.) Keras's and
+    layers, unless `gc.freeze()` hid it from the scan) is swapped there as well. Keras's and
     keras-hub's compiled functions (`train_function`, `test_function`, `predict_function`,
-    `generate_function`) of `model`, of every layer inside it and of every model around it
-    (the task around a backbone) are traced again on their next call; a function of your own
-    traced before the swap (a `tf.function`, a `jax.jit`) still runs the old layers. Both are
-    in the report.
+    `generate_function`) of `model`, of every layer in it and of every model around it (the
+    task around a backbone) are traced again on their next call; a function of your own traced
+    before the swap (`tf.function`, `jax.jit`) still runs the old layers. Both are reported.
 
     Subclasses of those classes and a model's own attention classes are left as they are and
     named in the report. A functional graph's config records the new layers, so its `.keras`
