@@ -764,9 +764,9 @@ def test_development_page_quotes_the_tiers_as_measured():
     tiers = json.loads((ROOT / "benchmarks" / "tiers.json").read_text())
     text = " ".join((DOCS / "development.md").read_text().split())
     default, large = tiers["default"], tiers["large"]
-    cpu = tiers["cpu"].split(",")[0]
+    cpu = re.sub(r", \d+ logical CPUs.*", "", tiers["cpu"])  # its name, family and model
     assert (
-        f"On a {tiers['cores']}-core {cpu} (`benchmarks/tiers.json`) the default tier "
+        f"On a {tiers['cores']}-core {cpu}, from `benchmarks/tiers.json`, the default tier "
         f"collects {default['collected']} tests and runs in {default['seconds']} s "
         f"({default['seconds_with_coverage']} s with coverage, as CI runs it: "
         f"{default['coverage_percent']['keras_sdpa']:.0f}% of `keras_sdpa/`, "
