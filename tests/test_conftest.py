@@ -145,6 +145,24 @@ def test_two_tiers_split_a_grid_and_skip_large_tests_unless_asked(tmp_path):
     assert one.returncode == 0, one.stdout[-2000:] + one.stderr[-2000:]
 
 
+@pytest.mark.large  # a session that imports Keras
+def test_a_layer_built_as_a_test_module_is_imported_stops_the_session(tmp_path):
+    """What collection made is frozen out of the garbage collector's view, and with it out of
+    the swap's scan for other holders of a layer: a test module that builds a Keras layer as
+    it is imported is refused, naming it; built in the test, it runs."""
+    shutil.copy(os.path.join(ROOT, "tests", "conftest.py"), tmp_path / "conftest.py")
+    module = "import keras\n{}\n\ndef test_it():\n    {}\n"
+    built_early = "LAYER = keras.layers.Dense(1, name='built_early')"
+    (tmp_path / "test_early.py").write_text(module.format(built_early, "assert LAYER"))
+    early = _session(tmp_path, "test_early.py")
+    assert early.returncode == pytest.ExitCode.USAGE_ERROR, early.stdout[-2000:]
+    assert "a test module built Keras layers as it was imported" in early.stderr
+    assert "built_early" in early.stderr
+    (tmp_path / "test_early.py").write_text(module.format("", "assert keras.layers.Dense(1)"))
+    late = _session(tmp_path, "test_early.py")
+    assert late.returncode == 0, late.stdout[-2000:] + late.stderr[-2000:]
+
+
 @pytest.mark.large  # the core's default cases again, compiled as a user's programs are
 def test_the_core_is_right_under_xlas_default_flags(tmp_path):
     """The tiers compile with flags that compile faster (`pytest_configure`); a user's

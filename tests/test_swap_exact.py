@@ -2,10 +2,12 @@
 other answers than the stock model, without an error (issue #54), each against the stock model
 with the same weights.
 
-Written on `keras.ops` and NumPy: `tests/test_jax_backend.py` runs this file on JAX too.
+Written on `keras.ops` and NumPy: `tests/test_jax_backend.py` runs this file's default cases on
+JAX too.
 """
 
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -22,6 +24,7 @@ from test_swap import gpt2_lm
 import keras_sdpa
 from keras_sdpa import ScaledDotProductAttention, _stand_in
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 B, T, E, VOCAB = 2, 7, 16, 53
 
 
@@ -365,7 +368,7 @@ def test_a_model_frozen_out_of_the_collectors_view_is_not_found_as_the_docs_say(
     for freeze in (False, True):
         script = FROZEN_HOLDER.format(freeze=freeze)
         done = subprocess.run(
-            [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
+            [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300
         )
         assert done.returncode == 0, done.stderr[-3000:]
         results.append(json.loads(done.stdout.strip().splitlines()[-1]))
