@@ -215,13 +215,13 @@ def test_what_the_test_modules_imported_is_frozen_before_the_first_test():
     only what the tests made since."""
     import gc
 
+    made_now = [[]]
     gc.collect()
     tracked = {id(obj) for obj in gc.get_objects()}
+    assert id(made_now) in tracked
     assert id(globals()) not in tracked and id(MODULE_OBJECTS) not in tracked
     if "keras" in sys.modules:  # the whole suite, or a worker that collected a Keras module
         assert id(vars(sys.modules["keras"])) not in tracked
-    made_now = [[]]
-    assert id(made_now) in {id(obj) for obj in gc.get_objects()}
 
 
 MODULE_OBJECTS = [[], {}]  # made as the module is imported, at collection
