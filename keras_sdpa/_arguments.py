@@ -6,6 +6,7 @@ Every error names the argument and the received value, as Keras's layers do.
 import types
 
 import keras
+from keras.src.backend import AutocastScope  # no public name
 
 from keras_sdpa import _request, mods
 from keras_sdpa._rank_n import normalize_axes
@@ -253,5 +254,16 @@ def bias_past_autocast(layer, base, args, kwargs):
 
 
 def bias_value(bias):
-    """The bias `bias_past_autocast` wrapped, or `bias`."""
-    return bias.value if isinstance(bias, KeptPrecision) else bias
+    """The bias `bias_past_autocast` wrapped, or `bias`; a Keras variable read in its own
+    dtype.
+
+    Inside a layer's call Keras reads a float variable in the compute dtype (its autocast
+    scope, the caller's too where a wrapping layer passes its own weight): read so, a float32
+    bias near 3,000 rounds to bfloat16's steps of 16. Read here without the scope, it stays
+    float32, and its gradient flows to the variable as through any read of it.
+    """
+    bias = bias.value if isinstance(bias, KeptPrecision) else bias
+    if isinstance(bias, keras.Variable):
+        with AutocastScope(None):  # Keras's own switch: no cast of variables inside it
+            return bias.value
+    return bias

@@ -18,7 +18,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The test files written on keras.ops and NumPy, which hold on both backends: this package's
 # (default tier), and Keras's MHA and GQA suites and the swap into keras-hub's models (GPT-2's
 # greedy tokens) (large tier: on two cores the default tier cannot hold them twice).
-ON_BOTH = ["tests/test_on_both_backends.py"]
+ON_BOTH = ["tests/test_on_both_backends.py", "tests/test_layer_bias.py"]
 KERAS_AND_SWAP = [
     "tests/test_keras_suites.py",
     "tests/test_swap.py",
@@ -92,8 +92,8 @@ def _pytest_on_jax(files, at_least, *options, env=None, timeout=1200):
 
 
 def test_the_backend_neutral_tests_pass_on_jax():
-    """`tests/test_on_both_backends.py`, under JAX in its default float32 mode."""
-    _pytest_on_jax(ON_BOTH, 38)
+    """`tests/test_on_both_backends.py` and the bias tests, under JAX in its default float32 mode."""
+    _pytest_on_jax(ON_BOTH, 64)
 
 
 @pytest.mark.large  # a second run of Keras's suites and the swap tests, on JAX

@@ -8,7 +8,7 @@ with the layer's own weights. Sizes are pairwise distinct but for `B == N` in on
 import keras
 import numpy as np
 import pytest
-from on_backend import numpy, tensor
+from on_backend import gradient_to_variable, numpy, tensor
 
 from keras_sdpa import ScaledDotProductAttention
 
@@ -132,3 +132,219 @@ def test_a_subclass_call_receives_the_bias_as_a_tensor():
     bias = random((N, T, S), 3)
     got = layer(query, value, attention_bias=tensor(bias))
     np.testing.assert_allclose(numpy(got), layer_numpy(layer, query, value, 2 * bias), atol=1e-5)
+
+
+# A learned bias (ALiBi-like: a slope per head times the key position, on a large offset)
+# that rounding to half precision destroys: bfloat16 steps by 16 near 3,000, float16 by 2.
+def slope_bias(offset=3000.0):
+    slopes = np.array([0.25, 0.5], "float32")[:N, None, None]  # (N, 1, 1)
+    return (offset + slopes * np.arange(S, dtype="float32")).astype("float32")  # (N, 1, S)
+
+
+def weights_numpy(layer, query, value, bias):
+    """The float64 reference's attention weights `(B, N, T, S)` with `bias` added."""
+    wq, bq, wk, bk = (w.astype("float64") for w in layer.get_weights()[:4])
+    q = np.einsum("bte,enh->bnth", query, wq) + bq[None, :, None]  # (B, N, T, H)
+    k = np.einsum("bse,enh->bnsh", value, wk) + bk[None, :, None]  # (B, N, S, H)
+    logits = np.einsum("bnth,bnsh->bnts", q, k) / np.sqrt(H)  # (B, N, T, S)
+    logits = logits + np.asarray(bias, "float64")
+    weights = np.exp(logits - logits.max(-1, keepdims=True))
+    return weights / weights.sum(-1, keepdims=True)
+
+
+def bias_gradient_numpy(weights, upstream):
+    """d sum(weights * upstream) / d bias for a `(N, 1, S)` bias, from the softmax's
+    derivative in float64: `P (R - sum(P R))`, summed over the axes the bias broadcasts."""
+    weights, upstream = weights.astype("float64"), upstream.astype("float64")
+    dlogits = weights * (upstream - (weights * upstream).sum(-1, keepdims=True))  # (B, N, T, S)
+    return dlogits.sum(axis=(0, 2))[:, None, :]  # (N, 1, S)
+
+
+class RelativeBias(keras.layers.Layer):
+    """A wrapping layer that passes its own float32 weight as the attention bias (a learned
+    position table, T5-style); `autocast=True` is the default of `add_weight`."""
+
+    def __init__(self, implementation="auto", **kwargs):
+        super().__init__(**kwargs)
+        self.attention = ScaledDotProductAttention(
+            num_heads=N, key_dim=H, implementation=implementation, dtype=self.dtype_policy
+        )
+
+    def build(self, query_shape, value_shape):
+        self.attention.build(query_shape, value_shape)
+        self.table = self.add_weight(shape=(N, 1, S), initializer="zeros", name="table")
+
+    def call(self, query, value):
+        return self.attention(
+            query, value, attention_bias=self.table, return_attention_scores=True
+        )[1]
+
+
+def carrier_inputs():
+    return random((B, T, E), 1, 0.5), random((B, S, E), 2, 0.5)
+
+
+def wrapped(policy, implementation="auto"):
+    """A `RelativeBias` under `policy` with the slope bias in its table, and the layer's
+    weights perturbed as `built_layer` does."""
+    model = RelativeBias(implementation, dtype=policy)
+    query, value = carrier_inputs()
+    model(query, value)
+    rng = np.random.default_rng(0)
+    model.attention.set_weights(
+        [w + 0.3 * rng.normal(size=w.shape).astype(w.dtype) for w in model.attention.get_weights()]
+    )
+    model.table.assign(slope_bias())
+    return model
+
+
+POLICIES = ["mixed_bfloat16", "mixed_float16"]
+
+
+@pytest.mark.parametrize("implementation", ["dense", "chunked"])
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_float32_variable_as_the_bias_is_not_rounded(policy, implementation):
+    """A `keras.Variable` at the top level: Keras reads a float variable in the compute dtype
+    inside a layer's call (its autocast scope); rounded, this bias missed the float32 weights
+    by 0.95."""
+    layer = built_layer(dtype=policy, implementation=implementation)
+    variable = keras.Variable(slope_bias(), dtype="float32")
+    query, value = carrier_inputs()
+    _, got = layer(query, value, attention_bias=variable, return_attention_scores=True)
+    want = weights_numpy(layer, query, value, slope_bias())
+    np.testing.assert_allclose(numpy(got, "float32"), want, atol=1e-2)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_wrapping_layers_float32_weight_is_not_rounded_eager_or_in_predict(policy):
+    """The table a wrapping layer owns, passed as it is: eager, and in a compiled model's
+    `predict` (traced: `tf.function`, `jax.jit`)."""
+    model = wrapped(policy)
+    query, value = carrier_inputs()
+    want = weights_numpy(model.attention, query, value, slope_bias())
+    np.testing.assert_allclose(numpy(model(query, value), "float32"), want, atol=1e-2)
+    q, v = keras.Input((T, E)), keras.Input((S, E))
+    functional = keras.Model([q, v], model(q, v))
+    functional.compile(jit_compile=True)
+    got = functional.predict([query, value], verbose=0)
+    np.testing.assert_allclose(np.asarray(got, "float32"), want, atol=1e-2)
+
+
+@pytest.mark.parametrize("implementation", ["dense", "chunked"])
+@pytest.mark.parametrize("policy", POLICIES)
+def test_the_bias_variables_gradient_is_the_float32_biases(policy, implementation):
+    """The gradient reaches the variable from the float32 bias: rounded, it was 44-100% off."""
+    model = wrapped(policy, implementation)
+    query, value = carrier_inputs()
+    upstream = random((B, N, T, S), 4)
+
+    def loss():
+        weights = keras.ops.cast(model(query, value), "float32")
+        return keras.ops.sum(weights * upstream)
+
+    got = gradient_to_variable(loss, model.table)
+    weights = weights_numpy(model.attention, query, value, slope_bias())
+    want = bias_gradient_numpy(weights, upstream)
+    np.testing.assert_allclose(got, want, atol=2e-2 * np.abs(want).max())
+
+
+def test_fit_updates_the_bias_from_its_float32_gradient():
+    """One step of `fit` (plain SGD, rate 1) moves the table by the float32 bias's gradient."""
+    model = wrapped("mixed_bfloat16")
+    query, value = carrier_inputs()
+    upstream = random((B, N, T, S), 4)
+    weights = weights_numpy(model.attention, query, value, slope_bias())
+    want = slope_bias() - bias_gradient_numpy(weights, upstream)
+    model.attention.trainable = False  # the table alone learns
+    q, v = keras.Input((T, E)), keras.Input((S, E))
+    functional = keras.Model([q, v], model(q, v))
+    functional.compile(
+        optimizer=keras.optimizers.SGD(1.0),
+        loss=lambda target, weights: keras.ops.sum(keras.ops.cast(weights, "float32") * target),
+        jit_compile=True,
+    )
+    functional.fit([query, value], upstream, batch_size=B, verbose=0)
+    np.testing.assert_allclose(numpy(model.table), want, atol=2e-2)
+
+
+def test_a_cached_call_takes_a_variable_bias_in_float32():
+    """The cached path (one new row a call) reads a variable bias in float32 too."""
+    layer = built_layer(dtype="mixed_bfloat16")
+    x = random((B, S, E), 4, 0.5)
+    bias = np.broadcast_to(slope_bias(), (N, S, S))  # the same slope bias for every row
+    cache = keras.ops.zeros((B, 2, S, N, H), "bfloat16")
+    variable = keras.Variable(bias[:, -1:], dtype="float32")  # (N, 1, S)
+    for position in range(S):
+        row = x[:, position : position + 1]
+        _, weights, cache = layer(
+            row,
+            row,
+            attention_bias=variable,
+            cache=cache,
+            cache_update_index=position,
+            use_causal_mask=True,
+            return_attention_scores=True,
+        )
+    want = weights_numpy(layer, x, x, bias)[:, :, -1:]  # the last row attends to every key
+    np.testing.assert_allclose(numpy(weights, "float32"), want, atol=1e-2)
+
+
+@pytest.mark.tensorflow_only("a TensorFlow variable, and TensorFlow's SavedModel")
+def test_a_tf_variable_and_a_saved_model_keep_the_bias_in_float32(tmp_path):
+    """A `tf.Variable` as the bias, and the wrapping layer exported as a SavedModel and
+    loaded back with plain TensorFlow."""
+    import tensorflow as tf
+
+    model = wrapped("mixed_bfloat16")
+    query, value = carrier_inputs()
+    want = weights_numpy(model.attention, query, value, slope_bias())
+    _, got = model.attention(
+        query, value, attention_bias=tf.Variable(slope_bias()), return_attention_scores=True
+    )
+    np.testing.assert_allclose(numpy(got, "float32"), want, atol=1e-2)
+    export = keras.export.ExportArchive()
+    export.track(model)
+    export.add_endpoint(
+        "weights",
+        lambda q, v: model(q, v),
+        input_signature=[tf.TensorSpec((B, T, E), "float32"), tf.TensorSpec((B, S, E), "float32")],
+    )
+    export.write_out(str(tmp_path / "bias"), verbose=False)
+    loaded = tf.saved_model.load(str(tmp_path / "bias"))
+    np.testing.assert_allclose(numpy(loaded.weights(query, value), "float32"), want, atol=1e-2)
+
+
+class GatheredBias(keras.layers.Layer):
+    """A T5-style table gathered inside this layer's own call: Keras has read the weight
+    before the attention layer sees the gathered bias, so only the weight's own
+    `autocast=False` keeps it in float32 (docs/layer.md's recipe)."""
+
+    def __init__(self, autocast_table, **kwargs):
+        super().__init__(**kwargs)
+        self.autocast_table = autocast_table
+        self.attention = ScaledDotProductAttention(num_heads=N, key_dim=H, dtype=self.dtype_policy)
+
+    def build(self, query_shape, value_shape):
+        self.attention.build(query_shape, value_shape)
+        self.table = self.add_weight(
+            shape=(S, N), initializer="zeros", autocast=self.autocast_table, name="table"
+        )
+
+    def call(self, query, value):
+        bias = keras.ops.take(self.table, np.arange(S), axis=0)  # (S, N): one row per key
+        bias = keras.ops.transpose(bias)[:, None, :]  # (N, 1, S)
+        return self.attention(query, value, attention_bias=bias, return_attention_scores=True)[1]
+
+
+@pytest.mark.parametrize("autocast_table", [False, True], ids=["recipe", "autocast"])
+def test_a_table_gathered_in_another_layer_keeps_float32_only_by_the_recipe(autocast_table):
+    layer = GatheredBias(autocast_table, dtype="mixed_bfloat16")
+    query, value = carrier_inputs()
+    layer(query, value)
+    layer.table.assign(np.transpose(slope_bias()[:, 0]))  # (S, N)
+    want = weights_numpy(layer.attention, query, value, slope_bias())
+    error = np.abs(numpy(layer(query, value), "float32") - want).max()
+    if autocast_table:  # rounded by Keras in this layer's call: the layer cannot know
+        assert error > 0.1
+    else:
+        assert error < 1e-2
