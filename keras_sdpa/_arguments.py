@@ -3,9 +3,12 @@
 Every error names the argument and the received value, as Keras's layers do.
 """
 
+import functools
+import inspect
 import types
 
 import keras
+import numpy as np
 from keras.src.backend import AutocastScope  # no public name
 
 from keras_sdpa import _request, mods
@@ -56,6 +59,28 @@ _SERIALIZERS = types.MappingProxyType(
         "mask_mod": lambda mod: serialize_mod("mask_mod", mod),
     }
 )
+
+
+def plain_numbers(init):
+    """`init` with its NumPy scalars (`np.int64(2)`, `np.float32(0.1)`, `np.True_`, in lists
+    and tuples too) as Python numbers: Keras's layers take sizes computed from arrays, and
+    `get_config()` stays JSON."""
+
+    def plain(value):
+        if isinstance(value, np.generic):
+            return value.item()
+        if isinstance(value, (list, tuple)):
+            return type(value)(plain(item) for item in value)
+        return value
+
+    @functools.wraps(init)
+    def wrapped(self, *args, **kwargs):
+        args = [plain(value) for value in args]
+        init(self, *args, **{name: plain(value) for name, value in kwargs.items()})
+
+    # Keras reads the constructor's arguments from its signature (`Operation.__new__`).
+    wrapped.__signature__ = inspect.signature(init)
+    return wrapped
 
 
 def check(

@@ -23,6 +23,7 @@ import types
 
 from keras import ops
 
+from keras_sdpa import _request
 from keras_sdpa import ops as core
 from keras_sdpa._call_kernels import CALL_FAMILIES, CallFamily, core_options
 
@@ -211,6 +212,41 @@ def family_of(layer):
     cls = type(layer)
     path = f"{cls.__module__}.{cls.__qualname__}"
     return FAMILIES.get(path) or CALL_FAMILIES.get(path)
+
+
+def options(flash_attention, layer_options):
+    """The core's `implementation` and `chunk_size` for a kernel swap; the other layer
+    options are the swapped layer's own and are refused there."""
+    others = sorted(set(layer_options) - {"implementation", "chunk_size"})
+    if others:
+        raise ValueError(
+            "A kernel-swapped attention class (Llama's, Gemma's, ...) keeps its own settings; "
+            "only `flash_attention`, `implementation` and `chunk_size` reach its kernel. "
+            f"Received: {', '.join(others)}"
+        )
+    implementation = {True: "chunked", False: "dense"}.get(flash_attention, "auto")
+    return {
+        "implementation": layer_options.get("implementation", implementation),
+        "chunk_size": layer_options.get("chunk_size"),
+    }
+
+
+def why_left(layer):
+    """Why a family's layer keeps its stock kernel, or None: settings the class accepts and
+    the core refuses (Gemma's `logit_soft_cap=0.0`, which makes every stock logit `0 *
+    tanh(s / 0)`: 0, or NaN where `s` is 0), checked as the core checks a call."""
+    family = family_of(layer)
+    if isinstance(family, CallFamily):
+        return None
+    try:
+        scale = family.scale(layer)
+    except AttributeError:  # set in `build` (Llama's), unknown to a scope at construction
+        scale = None
+    try:
+        _request.Request(scale=scale, attn_logits_soft_cap=family.soft_cap(layer))
+    except ValueError as error:
+        return f"its settings are outside what the core computes: {error}"
+    return None
 
 
 def swap(layer, implementation="auto", chunk_size=None):

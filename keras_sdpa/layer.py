@@ -116,6 +116,7 @@ class ScaledDotProductAttention(keras.layers.Layer):
     ((4, 10, 16), (4, 4, 10, 10))
     """
 
+    @_arguments.plain_numbers
     def __init__(
         self,
         num_heads=1,

@@ -142,7 +142,9 @@ def _why_kept(layer_class, config):
 
 
 def _why_left(layer, swappable):
-    """Why `layer` stays as it is, or None: a swappable layer, or no attention at all."""
+    """Why `layer` stays as it is, or None: a swappable layer or kernel, or no attention."""
+    if _kernels.family_of(layer) is not None:
+        return _kernels.why_left(layer)
     if type(layer) in swappable:
         return _why_kept(type(layer), layer.get_config())
     for base in type(layer).__mro__:  # the nearest swappable base
@@ -204,23 +206,6 @@ def _swap(old, extra):
     for before, after in zip(old.weights, new.weights):
         after.trainable = before.trainable
     return new
-
-
-def _kernel_options(flash_attention, layer_options):
-    """The core's `implementation` and `chunk_size` for a kernel swap; the other layer
-    options are the swapped layer's own and are refused there."""
-    others = sorted(set(layer_options) - {"implementation", "chunk_size"})
-    if others:
-        raise ValueError(
-            "A kernel-swapped attention class (Llama's, Gemma's, ...) keeps its own settings; "
-            "only `flash_attention`, `implementation` and `chunk_size` reach its kernel. "
-            f"Received: {', '.join(others)}"
-        )
-    implementation = {True: "chunked", False: "dense"}.get(flash_attention, "auto")
-    return {
-        "implementation": layer_options.get("implementation", implementation),
-        "chunk_size": layer_options.get("chunk_size"),
-    }
 
 
 def _adapted_projections(old):
@@ -314,7 +299,7 @@ def replace_attention(model, flash_attention=None, **layer_options):
     extra = _overrides(flash_attention, layer_options)
     swappable, report = _swappable(), AttentionReport()
     found, visited, kernels = _find(model, swappable, report)
-    kernel_options = _kernel_options(flash_attention, layer_options) if kernels else {}
+    kernel_options = _kernels.options(flash_attention, layer_options) if kernels else {}
     olds = {id(old): (old, path) for _, old, path in found}
     # Where else they are held (another model built on the same layers): `(holder, old,
     # path)`. Every place is checked, and every new layer made, before anything changes.
@@ -358,7 +343,7 @@ def _find(model, swappable, report):
         for child in _references.sublayers(parent):
             where = f"{path}/{child.name}"
             why = _why_left(child, swappable)
-            if _kernels.family_of(child) is not None:
+            if _kernels.family_of(child) is not None and why is None:
                 if not _kernels.is_swapped(child):
                     report.kernels.append((where, type(child).__name__))
                 kernels.append(child)  # swapped before: this call's options replace its own
@@ -487,10 +472,14 @@ def _scope_kernel(layer, options):
     """Swaps the kernel of a family's attention class constructed in a scope, with the
     scope's `flash_attention`, `implementation` and `chunk_size` (its other options are
     `ScaledDotProductAttention`'s, which that class does not become)."""
+    why = _kernels.why_left(layer)
+    if why:
+        warnings.warn(f"sdpa_scope left {layer.name!r} as it is: {why}", stacklevel=4)
+        return
     options = dict(options)
     flash_attention = options.pop("flash_attention", None)
     known = {name: options[name] for name in ("implementation", "chunk_size") if name in options}
-    _kernels.swap(layer, **_kernel_options(flash_attention, known))
+    _kernels.swap(layer, **_kernels.options(flash_attention, known))
 
 
 def _scope_arguments(layer_class, args, kwargs):

@@ -92,7 +92,7 @@ def _pytest_on_jax(files, at_least, *options, env=None, timeout=1200):
 
 
 def test_the_backend_neutral_tests_pass_on_jax():
-    """`tests/test_on_both_backends.py` and the bias tests, under JAX in its default float32 mode."""
+    """The backend-neutral files (`ON_BOTH`), under JAX in its default float32 mode."""
     _pytest_on_jax(ON_BOTH, 64)
 
 

@@ -1,5 +1,6 @@
 """The layer against keras.layers.MultiHeadAttention with the same weights, and Keras plumbing."""
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -237,6 +238,31 @@ def test_get_config_round_trip():
     assert isinstance(restored, ScaledDotProductAttention)
 
 
+def test_numpy_scalars_are_taken_as_keras_takes_them_and_kept_as_python_numbers():
+    """Sizes computed from arrays (`hidden // heads`), as Keras's layers take them: the
+    layer computes as with Python numbers, and its config is JSON."""
+    query, value, key = inputs()
+    plain = ScaledDotProductAttention(3, 5, value_dim=2, dropout=0.0, use_bias=True, scale=0.5)
+    sized = ScaledDotProductAttention(
+        np.int64(3),
+        np.int32(5),
+        value_dim=np.int64(2),
+        dropout=np.float32(0.0),
+        use_bias=np.True_,
+        scale=np.float32(0.5),
+        attention_axes=(np.int64(1),),
+    )
+    want = plain(query, value, key)
+    sized(query, value, key)
+    sized.set_weights(plain.get_weights())
+    np.testing.assert_allclose(numpy(sized(query, value, key)), numpy(want), atol=1e-6)
+    config = sized.get_config()
+    assert json.loads(json.dumps(config))["num_heads"] == 3
+    for name in ("num_heads", "key_dim", "value_dim", "dropout", "use_bias", "scale"):
+        assert type(config[name]) is type(plain.get_config()[name]), name
+    assert config["attention_axes"] == (1,) and type(config["attention_axes"][0]) is int
+
+
 def test_keras_file_round_trip(tmp_path):
     model = small_model()
     path = tmp_path / "model.keras"
@@ -423,6 +449,9 @@ def test_mixed_precision(policy):
         (dict(scale=0.0), r"`scale` must be a positive finite number or None. Received: scale=0.0"),
         (dict(scale=float("nan")), r"scale=nan"),
         (dict(scale="1"), r"scale='1'"),
+        # NumPy scalars are taken as Python numbers, and refused with the same messages.
+        (dict(num_heads=np.int64(0)), r"expected a positive integer. Received: num_heads=0"),
+        (dict(dropout=np.float32(1.5)), r"`dropout` must be in \[0, 1\). Received: dropout=1.5"),
     ],
 )
 def test_bad_constructor_arguments(kwargs, match):

@@ -6,6 +6,8 @@ model's outputs, with its weights in the same count, order and shapes. Nothing i
 keras-hub's models are built from small random configurations.
 """
 
+import json
+
 import keras
 import numpy as np
 import pytest
@@ -457,3 +459,33 @@ def test_bad_arguments_name_what_was_received():
     with pytest.raises(ValueError, match=r"Unknown .*\['heads'\]"):
         with keras_sdpa.sdpa_scope(heads=2):
             pass
+
+
+def numpy_sized_gqa():
+    """A functional model whose GroupQueryAttention has NumPy sizes (`hidden // heads`)."""
+    return functional(
+        keras.layers.GroupQueryAttention(
+            head_dim=np.int64(4), num_query_heads=np.int64(4), num_key_value_heads=np.int64(2)
+        ),
+        value_width=12,
+    )
+
+
+def test_numpy_sizes_swap_and_build_in_the_scope_as_keras_takes_them():
+    """Keras's layers take NumPy integers as sizes; so do the swap and the scope, and the new
+    layer keeps Python ints, so that its config stays JSON."""
+    stock, ours = twins(numpy_sized_gqa)
+    assert len(replace(ours).swapped) == 1
+    with keras_sdpa.sdpa_scope():
+        keras.utils.set_random_seed(1)
+        scoped = numpy_sized_gqa()
+    scoped.set_weights(stock.get_weights())
+    rng = np.random.default_rng(0)
+    inputs = [rng.random((B, T, 12)).astype("float32"), rng.random((B, 5, 12)).astype("float32")]
+    want = stock.predict(inputs, verbose=0)
+    for model in (ours, scoped):
+        assert attention_kinds(model) == ["ScaledDotProductAttention"]
+        np.testing.assert_allclose(model.predict(inputs, verbose=0), want, atol=1e-5)
+        (layer,) = [x for x in model._flatten_layers() if isinstance(x, ScaledDotProductAttention)]
+        assert type(layer.num_heads) is int and type(layer.key_dim) is int
+        json.dumps(layer.get_config())

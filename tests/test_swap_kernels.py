@@ -392,3 +392,24 @@ def test_under_mixed_bfloat16_the_swap_is_within_the_stock_models_own_error(name
             error = np.max(np.abs(keras.ops.convert_to_numpy(got) - want))
             assert stock_error > 0, "the stock model did not round in bfloat16"
             assert error <= 2 * stock_error + 0.01 * scale, (case, error, stock_error, scale)
+
+
+def test_a_zero_soft_cap_is_left_with_its_reason_and_computes_as_stock(core_calls):
+    """keras-hub takes Gemma's `attention_logit_soft_cap=0.0` (every stock logit becomes
+    `0 * tanh(s / 0)`); the core refuses a cap of 0, so `replace_attention` and `sdpa_scope`
+    leave the class's kernel and say why, and the model computes as stock does."""
+    build = partial(GemmaBackbone, **dict(GEMMA2, attention_logit_soft_cap=0.0))
+    stock, ours = twins(build)
+    report = keras_sdpa.replace_attention(ours)
+    assert report.kernels == [] and len(report.left) == DECODER["num_layers"], str(report)
+    assert all("attn_logits_soft_cap" in why and "0.0" in why for _, _, why in report.left)
+    with pytest.warns(UserWarning, match="sdpa_scope left .*attn_logits_soft_cap"):
+        with keras_sdpa.sdpa_scope():
+            scoped = build()
+    scoped.set_weights(stock.get_weights())
+    assert not _kernel_swapped_layers(ours) and not _kernel_swapped_layers(scoped)
+    inputs = feed(stock, PADDING["padding"])
+    want = stock(inputs)
+    assert_same_outputs(ours(inputs), want)
+    assert_same_outputs(scoped(inputs), want)
+    assert core_calls == []
