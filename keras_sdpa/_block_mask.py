@@ -81,7 +81,7 @@ def _block_kinds(tensors, variable_values=(), *, template, B, N, K, T, S, C):
     mask_mod = mod_calls.reading(mask_mod, tuple(zip(mods.variables_of(template), variable_values)))
     b_index = layout.batch_index(B)
     # T and S as ints: JAX sizes the array of block kinds while tracing.
-    return _blocks.kinds_of_blocks(mask_mod, b_index, N, K, T, S, C)
+    return _blocks.kinds_of_blocks(mask_mod, b_index, N, K, T, S, (C, C))
 
 
 _block_kinds_xla = _backend.compile(

@@ -17,15 +17,20 @@ class Blocking:
     """One call's block geometry and masks: what every block of every loop reads."""
 
     def __init__(self, q, k, plan, tensors):
-        c = plan.chunk_size
+        cq, ck = self.sizes = plan.query_chunk_size, plan.chunk_size  # C_q, C_k
         self.plan, self.tensors = plan, tensors
         self.groups, self.num_kv_heads = q.shape[2], q.shape[1]  # G, K
         self.t, self.s = ops.shape(q)[3], ops.shape(k)[2]
-        self.num_q, self.num_k = (self.t + c - 1) // c, (self.s + c - 1) // c
+        self.num_q, self.num_k = (self.t + cq - 1) // cq, (self.s + ck - 1) // ck
         self.mask_grid = None
         if tensors.mask is not None:
-            self.mask_grid = grid_of(tensors.mask, plan.mask_pattern, self.num_q, self.num_k, c)
-        self.offsets = ops.arange(c, dtype="int32")
+            self.mask_grid = grid_of(
+                tensors.mask, plan.mask_pattern, self.num_q, self.num_k, self.sizes
+            )
+        self.q_offsets, self.k_offsets = (
+            ops.arange(cq, dtype="int32"),
+            ops.arange(ck, dtype="int32"),
+        )
         self.b_index = layout.batch_index(ops.shape(q)[0])
         self.kinds = tensors.block_kinds
         if tensors.mask_mod is not None and self.kinds is None:
@@ -36,7 +41,7 @@ class Blocking:
                 self.num_kv_heads,
                 self.t,
                 self.s,
-                c,
+                self.sizes,
             )
         if self.mask_grid is not None and all(plan.mask_pattern[2:]):
             self.kinds = empty_where_masked(self.kinds, self.mask_grid, self.num_q, self.num_k)
@@ -44,18 +49,25 @@ class Blocking:
 
     def positions(self, i, j):
         """The block's absolute positions, the padding clamped to the last one."""
-        c, offsets = self.plan.chunk_size, self.offsets
-        return ops.minimum(i * c + offsets, self.t - 1), ops.minimum(j * c + offsets, self.s - 1)
+        (cq, ck), t, s = self.sizes, self.t, self.s
+        return ops.minimum(i * cq + self.q_offsets, t - 1), ops.minimum(
+            j * ck + self.k_offsets, s - 1
+        )
 
     def allowed(self, i, j, with_mod=True):
-        """The "may attend" block of query block i and key block j, 5-D, broadcastable."""
-        plan, c = self.plan, self.plan.chunk_size
-        keys = j * c + self.offsets  # (C,)
-        result = (keys < self.s)[None, :]  # (1, C): padded keys never
-        band = softmax.band(i * c + self.offsets, keys, plan.is_causal, plan.window)  # (C|1, C)
-        result = softmax.combine(result, band)[None, None, None]
+        """The "may attend" block of query block i and key block j, 5-D, broadcastable; None
+        where every key may be attended (no mask, and no padding: `S` a known multiple of
+        `C_k`), so that the paths add nothing."""
+        plan, (cq, ck) = self.plan, self.sizes
+        keys = j * ck + self.k_offsets  # (C_k,)
+        result = None
+        if not isinstance(self.s, int) or self.s % ck:
+            result = (keys < self.s)[None, :]  # (1, C_k): padded keys never
+        band = softmax.band(i * cq + self.q_offsets, keys, plan.is_causal, plan.window)
+        result = softmax.combine(result, band)
+        result = None if result is None else result[None, None, None]
         if self.mask_grid is not None:
-            result = ops.logical_and(result, block(self.mask_grid, plan.mask_pattern, i, j))
+            result = softmax.combine(result, block(self.mask_grid, plan.mask_pattern, i, j))
         if self.tensors.mask_mod is not None and with_mod:
             mod = mod_calls.mod_mask(
                 self.tensors.mask_mod,
@@ -64,8 +76,13 @@ class Blocking:
                 self.num_kv_heads,
                 *self.positions(i, j),
             )
-            result = ops.logical_and(result, mod)
+            result = softmax.combine(result, mod)
         return result
+
+    def penalty(self, i, j, with_mod=True):
+        """`allowed` in additive form (`softmax.additive`): 0, or `MASK_PENALTY` on a masked
+        key, in the compute dtype."""
+        return softmax.additive(self.allowed(i, j, with_mod), self.plan.compute)[0]
 
     def visit(self, i, j, carried, compute):
         """`compute(with_mod)` on block (i, j), or `carried` where the mask_mod empties it."""
@@ -90,7 +107,9 @@ class Blocking:
     def key_range(self, i):
         """The key blocks `[lo, hi)` query block `i` visits."""
         plan = self.plan
-        lo, hi = key_block_range(i, self.num_k, plan.chunk_size, plan.is_causal, plan.window)
+        lo, hi = key_block_range(
+            i, self.num_k, self.sizes, plan.is_causal, plan.window, (self.t, self.s)
+        )
         if self.spans is not None:  # and within the row's first and last non-empty block
             lo, hi = ops.maximum(lo, self.spans[0][i]), ops.minimum(hi, self.spans[1][i])
         return lo, hi
@@ -98,7 +117,9 @@ class Blocking:
     def query_range(self, j):
         """The query blocks `[lo, hi)` that visit key block `j`."""
         plan = self.plan
-        lo, hi = query_block_range(j, self.num_q, plan.chunk_size, plan.is_causal, plan.window)
+        lo, hi = query_block_range(
+            j, self.num_q, self.sizes, plan.is_causal, plan.window, (self.t, self.s)
+        )
         if self.spans is not None:
             lo, hi = ops.maximum(lo, self.spans[2][j]), ops.minimum(hi, self.spans[3][j])
         return lo, hi
@@ -127,23 +148,23 @@ class Blocking:
 EMPTY, PARTIAL, FULL = 0, 1, 2
 
 
-def kinds_of_blocks(mask_mod, b_index, num_heads, num_kv_heads, t, s, chunk_size):
-    """`(ceil(T / C), ceil(S / C))` int32: each block's kind (`EMPTY`, `PARTIAL`, `FULL`).
+def kinds_of_blocks(mask_mod, b_index, num_heads, num_kv_heads, t, s, sizes):
+    """`(ceil(T / C_q), ceil(S / C_k))` int32 for block `sizes` `(C_q, C_k)`: each block's
+    kind (`EMPTY`, `PARTIAL`, `FULL`).
 
     A block is `EMPTY` when `mask_mod` allows no key of it for any example, head and (real)
     query, `FULL` when it allows every key for all of them and no key is padding, and
-    `PARTIAL` otherwise. Computed one `(B|1, N|1, C, C)` block at a time, inside the
+    `PARTIAL` otherwise. Computed one `(B|1, N|1, C_q, C_k)` block at a time, inside the
     compiled program, for the actual lengths: nothing of size `T x S` is formed.
     """
-    shim = _backend.get()
-    c = chunk_size
-    num_q, num_k = (t + c - 1) // c, (s + c - 1) // c
-    offsets = ops.arange(c, dtype="int32")
+    shim, (cq, ck) = _backend.get(), sizes
+    num_q, num_k = (t + cq - 1) // cq, (s + ck - 1) // ck
 
     def kind(n, kinds):
         i, j = n // num_k, n % num_k
-        queries, keys = i * c + offsets, j * c + offsets
-        real_q, real_k = (queries < t)[:, None], (keys < s)[None, :]  # (C, 1), (1, C)
+        queries = i * cq + ops.arange(cq, dtype="int32")
+        keys = j * ck + ops.arange(ck, dtype="int32")
+        real_q, real_k = (queries < t)[:, None], (keys < s)[None, :]  # (C_q, 1), (1, C_k)
         allowed = mod_calls.mod_mask(
             mask_mod,
             b_index,
@@ -199,32 +220,36 @@ def nonempty_spans(kinds):
     return row_lo, row_hi, col_lo, col_hi
 
 
-def key_block_range(i, num_k, chunk_size, is_causal, window):
-    """Key blocks `[lo, hi)` that some query of query block `i` may see.
+def key_block_range(i, num_k, sizes, is_causal, window, lengths):
+    """Key blocks `[lo, hi)` (of `C_k` keys, `sizes = (C_q, C_k)`, `lengths = (T, S)`) that
+    some real query of query block `i` may see.
 
-    Causal: keys `s <= t` end at block `i`. Window: keys with `|t - s| < W` for the
-    block's queries `t` in `[i C, i C + C - 1]` lie in `[i C - W + 1, i C + C + W - 2]`.
+    The block's queries are `first = i C_q` to `last = min(i C_q + C_q, T) - 1`. Causal:
+    keys `s <= last`. Window: keys in `[first - W + 1, last + W - 1]`.
     """
-    c = chunk_size
-    lo, hi = ops.convert_to_tensor(0, "int32"), ops.convert_to_tensor(num_k, "int32")
-    if is_causal:
-        hi = ops.minimum(hi, i + 1)
-    if window is not None:
-        lo = ops.maximum(0, i * c - window + 1) // c
-        hi = ops.minimum(hi, (i * c + c - 1 + window - 1) // c + 1)
-    return lo, hi
+    (cq, _), (t, _) = sizes, lengths
+    first, last = i * cq, ops.minimum(i * cq + cq, t) - 1
+    return _blocks_between(0, lengths[1] - 1, first, last, sizes[1], is_causal, window, True)
 
 
-def query_block_range(j, num_q, chunk_size, is_causal, window):
-    """Query blocks `[lo, hi)` of which some query may see key block `j`."""
-    c = chunk_size
-    lo, hi = ops.convert_to_tensor(0, "int32"), ops.convert_to_tensor(num_q, "int32")
+def query_block_range(j, num_q, sizes, is_causal, window, lengths):
+    """Query blocks `[lo, hi)` of which some real query may see key block `j`."""
+    (_, ck), (_, s) = sizes, lengths
+    first, last = j * ck, ops.minimum(j * ck + ck, s) - 1
+    return _blocks_between(0, lengths[0] - 1, first, last, sizes[0], is_causal, window, False)
+
+
+def _blocks_between(lo, hi, first, last, size, is_causal, window, keys):
+    """The blocks of `size` that hold the positions in `[lo, hi]` which meet one of
+    `[first, last]` on the other axis (`keys`: the positions are keys, the others queries):
+    causal (a key at most its query) and within the window. Empty as `(lo, lo)`."""
     if is_causal:
-        lo = ops.convert_to_tensor(j, "int32")
+        lo, hi = (lo, ops.minimum(hi, last)) if keys else (ops.maximum(lo, first), hi)
     if window is not None:
-        lo = ops.maximum(lo, ops.maximum(0, j * c - window + 1) // c)
-        hi = ops.minimum(hi, (j * c + c - 1 + window - 1) // c + 1)
-    return lo, hi
+        lo, hi = ops.maximum(lo, first - window + 1), ops.minimum(hi, last + window - 1)
+    lo_block = ops.convert_to_tensor(lo // size, "int32")
+    hi_block = ops.convert_to_tensor(hi // size + 1, "int32")
+    return lo_block, ops.where(hi < lo, lo_block, hi_block)
 
 
 def to_blocks(x, num, chunk_size, axis):
@@ -249,20 +274,21 @@ def from_blocks(blocks, length):
     return x[:, :, :, :length]
 
 
-def grid_of(x, pattern, num_q, num_k, chunk_size):
-    """A 5-D mask or bias `(…, T|1, S|1)` as blocks `(nq|1, nk|1, …, C|1, C|1)`.
+def grid_of(x, pattern, num_q, num_k, sizes):
+    """A 5-D mask or bias `(…, T|1, S|1)` as blocks `(nq|1, nk|1, …, C_q|1, C_k|1)` of
+    `sizes = (C_q, C_k)`.
 
     Padding is False for a mask and 0 for a bias; padded keys are masked anyway.
     """
     if pattern[3]:  # full along S: blocks of keys
-        x = to_blocks(x, num_k, chunk_size, axis=4)  # (nk, …, T|1, C)
+        x = to_blocks(x, num_k, sizes[1], axis=4)  # (nk, …, T|1, C_k)
     else:
         x = x[None]  # (1, …, T|1, 1)
     if pattern[2]:  # full along T: blocks of queries
-        x = to_blocks(x, num_q, chunk_size, axis=4)  # (nq, nk|1, …, C, C|1)
+        x = to_blocks(x, num_q, sizes[0], axis=4)  # (nq, nk|1, …, C_q, C_k|1)
     else:
         x = x[None]
-    return x  # (nq|1, nk|1, B|1, K|1, G|1, C|1, C|1)
+    return x  # (nq|1, nk|1, B|1, K|1, G|1, C_q|1, C_k|1)
 
 
 def take(blocks, i):

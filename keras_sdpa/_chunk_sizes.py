@@ -1,14 +1,21 @@
-"""The chunked path's block size, as the plan sets it: the defaults, smaller blocks where a
-mask leaves blocks to skip, and the size evened out over the lengths."""
+"""The chunked path's block sizes, as the plan sets them: the path's threshold, the blocks
+sized to what one step of the loops holds, a window's, and the sizes evened out over the
+lengths (queries and keys apart: `(C_q, C_k)`)."""
 
 import math
 
-# Blocks of 2048: at T=4096 on 2 CPU cores, 1.08x the dense time (1024 blocks: 1.34x).
+# The threshold of the "auto" path (a sequence longer than a block) and the largest default
+# block: 2048, or 512 with a causal mask or a mask_mod, as before the blocks were sized.
 DEFAULT_CHUNK_SIZE = 2048
-# Causal, or with a mask_mod: smaller blocks, so that more of them are skipped. At T=8192
-# on 2 CPU cores, causal forward plus backward took 0.51x the unmasked time in blocks of 512,
-# 0.60x in 1024 and 0.63x in 2048 (unmasked: 1024 and 2048 within noise of each other).
 MASKED_CHUNK_SIZE = 512
+# The default blocks hold about this many bytes of float32 scores per step of the loops
+# (`B * N * C * C * 4`), a power of two from 256 to 2048: each step's products and its
+# softmax's passes then stay in the caches. On an Intel Xeon (family 6, model 143, 2 cores),
+# forward plus backward at T=S=8,192: N=4 in blocks of 1024 took 1,488 ms, of 512 1,545 and
+# of 2048 1,731; N=8 in blocks of 512 2,889 ms, of 1024 3,000 and of 2048 3,381; causal,
+# N=4: 1024 792 ms, 512 834, 256 1,043 (BENCHMARKS.md's "Block sizes").
+SCORE_BYTES_PER_BLOCK = 16 * 2**20
+SMALLEST_BLOCK = 256
 
 
 def blocked_mask(mask_pattern, query, key):
@@ -24,23 +31,38 @@ def blocked_mask(mask_pattern, query, key):
 
 
 def chosen(chunk_size, sliding_window, mask_mod, masked):
-    """The chunk size given or its default (smaller blocks when `masked`, so that more are
-    skipped), and whether a default may be evened out over the lengths
-    (`balanced_chunk_size`)."""
+    """The chunk size given, or the path's threshold (`default_chunk_size`), and whether the
+    default blocks are sized and evened out (`fitted`)."""
     balance = chunk_size is None and sliding_window is None and mask_mod is None
     if chunk_size is None:
         chunk_size = default_chunk_size(sliding_window, masked)
     return chunk_size, balance
 
 
-def fitted(chunk_size, query, key, balance):
-    """One block of the sequence, not of `chunk_size`: blocks of 2048 padded a T=512 batch
-    of 256 to 24 GiB of scores (the dense path needs 0.5 GiB)."""
+def fitted(chunk_size, query, key, balance, compute_bytes=4):
+    """`(C_q, C_k)`: blocks of queries and of keys, each no longer than its sequence (blocks
+    of 2048 padded a T=512 batch of 256 to 24 GiB of scores, the dense path needing 0.5
+    GiB; 64 queries against 16,384 keys padded the queries 32-fold). With `balance` (no
+    size given, no window, no mask_mod) the default is first sized to the batch and heads
+    (`sized`), then evened out over each length (`balanced_chunk_size`)."""
     lengths = (known(query.shape[1]), known(key.shape[1]))
     if None in lengths or not max(lengths):
-        return chunk_size
-    chunk_size = min(chunk_size, max(lengths))
-    return balanced_chunk_size(max(lengths), chunk_size) if balance else chunk_size
+        return chunk_size, chunk_size
+    if balance:
+        chunk_size = sized(known(query.shape[0]), query.shape[2], compute_bytes)
+    sizes = [min(chunk_size, max(length, 1)) for length in lengths]
+    if balance:
+        sizes = [balanced_chunk_size(max(n, 1), c) for n, c in zip(lengths, sizes)]
+    return tuple(sizes)
+
+
+def sized(batch, heads, compute_bytes=4):
+    """The largest power of two from `SMALLEST_BLOCK` to `DEFAULT_CHUNK_SIZE` whose scores,
+    `B * N * C * C` of `compute_bytes` (an unknown batch counted as 1), fit
+    `SCORE_BYTES_PER_BLOCK`."""
+    per_row = (batch or 1) * heads * compute_bytes
+    size = 1 << max(0, int(math.log2(math.sqrt(SCORE_BYTES_PER_BLOCK / per_row))))
+    return min(DEFAULT_CHUNK_SIZE, max(SMALLEST_BLOCK, size))
 
 
 def balanced_chunk_size(length, chunk_size):

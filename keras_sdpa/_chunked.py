@@ -71,14 +71,15 @@ def attend(q, k, v, plan, tensors, count_visits=False):
     them called the mask_mod (then without the custom gradient: the counters are for tests).
     """
     blocking = Blocking(q, k, plan, tensors)
-    c, num_q, num_k = plan.chunk_size, blocking.num_q, blocking.num_k
+    (cq, ck), num_q, num_k = blocking.sizes, blocking.num_q, blocking.num_k
     blocks = _Blocks(
-        q=to_blocks(q, num_q, c, axis=3),  # (nq, B, K, G, C, H)
-        k=to_blocks(k, num_k, c, axis=2),  # (nk, B, K, C, H)
-        v=to_blocks(v, num_k, c, axis=2),  # (nk, B, K, C, Hv)
+        q=to_blocks(q, num_q, cq, axis=3),  # (nq, B, K, G, C_q, H)
+        k=to_blocks(k, num_k, ck, axis=2),  # (nk, B, K, C_k, H)
+        v=to_blocks(v, num_k, ck, axis=2),  # (nk, B, K, C_k, Hv)
     )
-    if tensors.bias is not None:  # (nq|1, nk|1, B|1, K|1, G|1, C|1, C|1)
-        blocks = blocks._replace(bias=grid_of(tensors.bias, plan.bias_pattern, num_q, num_k, c))
+    if tensors.bias is not None:  # (nq|1, nk|1, B|1, K|1, G|1, C_q|1, C_k|1)
+        bias = grid_of(tensors.bias, plan.bias_pattern, num_q, num_k, blocking.sizes)
+        blocks = blocks._replace(bias=bias)
     if count_visits:  # the forward alone, with its counters (for tests)
         out_blocks, _, visits = _forward(blocking, blocks)
         return from_blocks(out_blocks, blocking.t), visits
@@ -102,6 +103,11 @@ def attend(q, k, v, plan, tensors, count_visits=False):
     inputs = [blocks.q, blocks.k, blocks.v, *([blocks.bias] if has_bias else []), *params]
     out_blocks = _backend.get().custom_gradient(attend_blocks)(*inputs)
     return from_blocks(out_blocks, blocking.t), None  # (B, K, G, T, Hv)
+
+
+def _penalized(scores, penalty):
+    """`scores + penalty`, or `scores` where no key of the block is masked (None)."""
+    return scores if penalty is None else scores + penalty
 
 
 class _Blocks(typing.NamedTuple):
@@ -155,7 +161,7 @@ def _forward_query_block(blocking, blocks, i, outs, lses, visits):
     _, m, total, acc, visits = ops.while_loop(
         lambda j, *_: j < hi, key_block, (lo, row + softmax.MASKED_SCORE, row, acc, visits)
     )
-    seen = total > 0.0  # False on fully masked rows: zero output
+    seen = m > 0.5 * softmax.MASK_PENALTY  # False on fully masked rows: zero output
     safe_total = ops.where(seen, total, 1.0)
     outs = shim.write_block(outs, i, acc * ops.where(seen, 1.0 / safe_total, 0.0))
     lses = shim.write_block(lses, i, ops.where(seen, m + ops.log(safe_total), 0.0))
@@ -165,11 +171,15 @@ def _forward_query_block(blocking, blocks, i, outs, lses, visits):
 def _forward_key_block(blocking, blocks, i, j, q_i, m, total, acc, visits, with_mod):
     """Key block `j` into the running maximum `m`, row sum `total` and output `acc`."""
     shim = _backend.get()
+    # Masked keys get `MASK_PENALTY` added, the dense path's form: one add that XLA fuses
+    # into the softmax's passes, where selecting before and after the exp made two more
+    # passes over the block. A row with no allowed key yet takes weights among its masked
+    # keys, which the first allowed key's correction `exp(m - m_new)` (exp(-1e30)) zeroes;
+    # one that never sees one is zeroed at the end (its maximum stays near MASK_PENALTY).
     scores = blocking.logits(blocks, i, j, q_i)  # (B, K, G, C, C)
-    ok = blocking.allowed(i, j, with_mod)
-    scores = ops.where(ok, scores, softmax.MASKED_SCORE)
+    scores = _penalized(scores, blocking.penalty(i, j, with_mod))
     m_new = ops.maximum(m, ops.max(scores, axis=-1, keepdims=True))
-    p = ops.where(ok, ops.exp(scores - m_new), 0.0)  # (B, K, G, C, C)
+    p = ops.exp(scores - m_new)  # (B, K, G, C, C)
     correction = ops.exp(m - m_new)  # (B, K, G, C, 1)
     total_new = total * correction + ops.sum(p, axis=-1, keepdims=True)
     p = softmax.dropped(p, blocking.keep(i, j, ops.shape(p)), blocking.plan.dropout_rate)
@@ -199,6 +209,10 @@ def _grad(blocking, blocks, params, variables):
     # under an outer XLA program a TensorArray's size must be a compile-time constant
     # (and JAX sizes its arrays while tracing).
     num_q, num_k = ops.shape(blocks.d_out)[0], ops.shape(blocks.k)[0]
+    if blocks.bias is None and blocking.tensors.score_mod is None:  # nothing but dq, dk, dv
+        d_params = [ops.zeros_like(x) for x in params]
+        d_vars = [ops.zeros(x.shape, x.dtype) for x in variables]
+        return _grad_one_pass(blocking, blocks, num_k) + d_params, d_vars
     # Without a bias, a scalar stands in for its gradient in the loop state.
     d_bias = ops.zeros((), compute) if blocks.bias is None else ops.zeros_like(blocks.bias)
     variables = list(variables)
@@ -230,6 +244,30 @@ def _grad(blocking, blocks, params, variables):
     if blocks.bias is not None:
         grads.append(d_bias)
     return grads + list(d_params), list(d_vars)
+
+
+def _grad_one_pass(blocking, blocks, num_k):
+    """`[dq, dk, dv]` in one pass over the key blocks (FlashAttention-2's backward): each
+    block's weights and logit gradient are computed once, for `dk_j`, `dv_j` and, added into
+    its row of a `(nq, 1, B, K, G, C, H)` array, `dq_i`. The two-pass form recomputes them
+    for `dq`: 2 exponentials and 7 products a block against 1 and 5 here."""
+    shim, compute = _backend.get(), blocking.plan.compute
+    d_q = ops.zeros((ops.shape(blocks.q)[0], 1, *ops.shape(blocks.q)[1:]), compute)
+    _, d_q, d_ks, d_vs = ops.while_loop(
+        lambda j, *_: j < num_k,
+        lambda j, d_q, d_ks, d_vs: _d_key_block(blocking, blocks, j, d_ks, d_vs, d_q),
+        (
+            ops.convert_to_tensor(0, "int32"),
+            d_q,
+            shim.block_array(num_k, ops.shape(blocks.k)[1:], compute),
+            shim.block_array(num_k, ops.shape(blocks.v)[1:], compute),
+        ),
+    )
+    return [
+        ops.cast(layout.scaled(d_q[:, 0], blocking.plan.logit_scale), blocks.q.dtype),
+        ops.cast(shim.stack_blocks(d_ks), blocks.k.dtype),
+        ops.cast(shim.stack_blocks(d_vs), blocks.v.dtype),
+    ]
 
 
 def _d_query_block(blocking, blocks, params, variables, i, d_qs, d_bias, d_params, d_vars):
@@ -264,7 +302,7 @@ def _d_query_key_block(
     q_i, d_out_i, lse_i, row_dot_i = row_i
     raw = blocking.raw_logits(blocks, j, q_i)
     scores = blocking.logits(blocks, i, j, q_i, raw)
-    p = ops.where(blocking.allowed(i, j, with_mod), ops.exp(scores - lse_i), 0.0)
+    p = ops.exp(_penalized(scores, blocking.penalty(i, j, with_mod)) - lse_i)  # masked: 0
     d_p = layout.from_rows(
         blocking.matmul(layout.to_rows(d_out_i), take(blocks.v, j), transpose_b=True),
         blocking.groups,
@@ -295,54 +333,63 @@ def _d_query_key_block(
     return d_q_new, new_bias, new_params, new_vars
 
 
-def _d_key_block(blocking, blocks, j, d_ks, d_vs):
-    """`dk_j = sum_i dS_ij^T q_i` and `dv_j = sum_i P_ij^T dO_i`."""
+def _d_key_block(blocking, blocks, j, d_ks, d_vs, d_q=None):
+    """`dk_j = sum_i dS_ij^T q_i` and `dv_j = sum_i P_ij^T dO_i`; with `d_q` (the one-pass
+    form's `(nq, 1, …)` array), `dS_ij k_j` added into its row `i` too."""
     shim, compute = _backend.get(), blocking.plan.compute
     k_j, v_j = take(blocks.k, j), take(blocks.v, j)
     share = _modded_block if blocking.tensors.score_mod is not None else _transposed_block
 
-    def query_block(i, d_k, d_v):
+    def query_block(i, *carried):
         def compute_block(with_mod):
-            return share(blocking, blocks, i, j, k_j, v_j, d_k, d_v, with_mod)
+            return share(blocking, blocks, i, j, k_j, v_j, *carried, with_mod)
 
-        return (i + 1, *blocking.visit(i, j, (d_k, d_v), compute_block))
+        return (i + 1, *blocking.visit(i, j, carried, compute_block))
 
     lo, hi = blocking.query_range(j)
-    _, d_k, d_v = ops.while_loop(
-        lambda i, *_: i < hi,
-        query_block,
-        (lo, ops.zeros_like(k_j, dtype=compute), ops.zeros_like(v_j, dtype=compute)),
+    zeros = (ops.zeros_like(k_j, dtype=compute), ops.zeros_like(v_j, dtype=compute))
+    _, d_k, d_v, *d_q = ops.while_loop(
+        lambda i, *_: i < hi, query_block, (lo, *zeros, *([] if d_q is None else [d_q]))
     )
     d_ks = shim.write_block(d_ks, j, layout.scaled(d_k, blocking.plan.logit_scale))
-    return j + 1, d_ks, shim.write_block(d_vs, j, d_v)
+    return j + 1, *d_q, d_ks, shim.write_block(d_vs, j, d_v)
 
 
-def _transposed_block(blocking, blocks, i, j, k_j, v_j, d_k, d_v, with_mod):
+def _transposed_block(blocking, blocks, i, j, k_j, v_j, d_k, d_v, *d_q_and_mod):
     """Block (i, j)'s share of `dk_j` and `dv_j`, in the (keys, group, queries) layout, so
-    that no product reads a block transposed (XLA's CPU matmul is slow at that)."""
-    plan, c, shim = blocking.plan, blocking.plan.chunk_size, _backend.get()
+    that no product reads a block transposed (XLA's CPU matmul is slow at that); and with the
+    one-pass form's `d_q` (before `with_mod`), of `dq_i`, the one product that does."""
+    *d_q, with_mod = d_q_and_mod
+    plan, (cq, ck), shim = blocking.plan, blocking.sizes, _backend.get()
     q_i, d_out_i = take(blocks.q, i), take(blocks.d_out, i)
     rows_q, rows_d_out = layout.to_rows(q_i), layout.to_rows(d_out_i)
     lse_t = layout.keys_first(take(blocks.lse, i))  # (B, K, 1, G, C)
     raw_t = blocking.matmul(k_j, rows_q, transpose_b=True)  # (B, K, C_k, G * C_q)
     raw_t = layout.scaled(raw_t, plan.logit_scale)
-    shape_t = (*ops.shape(raw_t)[:3], blocking.groups, c)
+    shape_t = (*ops.shape(raw_t)[:3], blocking.groups, cq)
     bias_t = None
     if blocks.bias is not None:
         bias_t = layout.keys_first(block(blocks.bias, plan.bias_pattern, i, j))
     scores_t = softmax.logits(ops.reshape(raw_t, shape_t), bias_t, plan.cap)
-    ok_t = layout.keys_first(blocking.allowed(i, j, with_mod))
-    p_t = ops.where(ok_t, ops.exp(scores_t - lse_t), 0.0)  # (B, K, C_k, G, C_q)
-    keep_t = layout.keys_first(blocking.keep(i, j, (*shape_t[:2], blocking.groups, c, c)))
+    penalty_t = layout.keys_first(blocking.penalty(i, j, with_mod))
+    p_t = ops.exp(_penalized(scores_t, penalty_t) - lse_t)  # (B, K, C_k, G, C_q); masked: 0
+    keep_t = layout.keys_first(blocking.keep(i, j, (*shape_t[:2], blocking.groups, cq, ck)))
     applied_t = softmax.dropped(p_t, keep_t, plan.dropout_rate)
     d_v_new = d_v + blocking.matmul(ops.reshape(applied_t, ops.shape(raw_t)), rows_d_out)
     d_p_t = ops.reshape(blocking.matmul(v_j, rows_d_out, transpose_b=True), shape_t)
     d_p_t = softmax.dropped(d_p_t, keep_t, plan.dropout_rate)
     row_dot_t = layout.keys_first(take(blocks.row_dot, i))
     d_scores_t = softmax.d_logits(p_t, d_p_t, row_dot_t, scores_t, plan.cap)
-    d_k_new = d_k + blocking.matmul(ops.reshape(d_scores_t, ops.shape(raw_t)), rows_q)
+    d_scores_t = ops.reshape(d_scores_t, ops.shape(raw_t))  # (B, K, C_k, G * C_q)
+    d_k_new = d_k + blocking.matmul(d_scores_t, rows_q)
     # as they entered the loop (see the forward)
-    return shim.with_static_shape(d_k_new, d_k.shape), shim.with_static_shape(d_v_new, d_v.shape)
+    news = [shim.with_static_shape(d_k_new, d_k.shape), shim.with_static_shape(d_v_new, d_v.shape)]
+    if d_q:  # dq_i += dS_ij k_j
+        d_q_i = layout.from_rows(
+            blocking.matmul(d_scores_t, k_j, transpose_a=True), blocking.groups
+        )
+        news.append(shim.add_to_block(d_q[0], i, 0, d_q_i))
+    return tuple(news)
 
 
 def _modded_block(blocking, blocks, i, j, k_j, v_j, d_k, d_v, with_mod):
@@ -355,7 +402,7 @@ def _modded_block(blocking, blocks, i, j, k_j, v_j, d_k, d_v, with_mod):
     rows_q, rows_d_out = layout.to_rows(q_i), layout.to_rows(d_out_i)
     raw = blocking.raw_logits(blocks, j, q_i)
     scores = blocking.logits(blocks, i, j, q_i, raw)
-    p = ops.where(blocking.allowed(i, j, with_mod), ops.exp(scores - lse_i), 0.0)
+    p = ops.exp(_penalized(scores, blocking.penalty(i, j, with_mod)) - lse_i)  # masked: 0
     keep = blocking.keep(i, j, ops.shape(p))
     applied = softmax.dropped(p, keep, plan.dropout_rate)
     d_p = layout.from_rows(blocking.matmul(rows_d_out, v_j, transpose_b=True), blocking.groups)

@@ -79,7 +79,8 @@ class Plan:
     num_kv_heads: int
     dtype: str
     scale: float
-    chunk_size: int
+    chunk_size: int  # the chunked path's key blocks `C_k` (and the "auto" path's threshold)
+    query_chunk_size: int = None  # its query blocks `C_q`; `chunk_size` where None
     mask_pattern: tuple = None
     bias_pattern: tuple = None
     is_causal: bool = False
@@ -93,6 +94,10 @@ class Plan:
 
     def replace(self, **changes):
         return dataclasses.replace(self, **changes)
+
+    def __post_init__(self):
+        if self.query_chunk_size is None:
+            object.__setattr__(self, "query_chunk_size", self.chunk_size)
 
     @property
     def groups(self):
@@ -161,8 +166,11 @@ def make(query, key, value, mask=None, bias=None, request=_request.DEFAULT):
     path = _path(implementation, query, key, return_weights, chunk_size, request.score_mod)
     if path == "decode" and dropout_rate > 0.0:
         path = "dense"  # the decode path serves inference; dropout's mask is the dense path's
+    query_chunk_size = chunk_size
     if path == "chunked" and block_kinds is None:
-        chunk_size = _chunk_sizes.fitted(chunk_size, query, key, balance)
+        compute_bytes = 8 if keras.backend.standardize_dtype(query.dtype) == "float64" else 4
+        sizes = _chunk_sizes.fitted(chunk_size, query, key, balance, compute_bytes)
+        query_chunk_size, chunk_size = sizes
     seed = _checks._as_seed(request.seed) if dropout_rate > 0.0 else None
     block_kinds = block_kinds if path == "chunked" else None  # only that path has blocks
     call, score_template, mask_template = _call_tensors(
@@ -177,6 +185,7 @@ def make(query, key, value, mask=None, bias=None, request=_request.DEFAULT):
         dtype=keras.backend.standardize_dtype(query.dtype),
         scale=request.scale_for(query.shape[-1]),
         chunk_size=chunk_size,
+        query_chunk_size=query_chunk_size,
         mask_pattern=mask_pattern,
         bias_pattern=bias_pattern,
         is_causal=bool(is_causal),

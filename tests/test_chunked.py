@@ -173,20 +173,20 @@ def test_auto_picks_chunked_only_for_large_scores_without_weights():
 
 
 @pytest.mark.parametrize(
-    "length, chunked, chunk_size", [(1024, False, None), (4096, True, 512)], ids=["T1024", "T4096"]
+    "length, chunked, chunk_size", [(1024, False, None), (4096, True, 256)], ids=["T1024", "T4096"]
 )
 def test_a_mask_tensor_takes_small_blocks_only_past_one_default_block(length, chunked, chunk_size):
     """A `(T, S)` mask (B=16, N=8: 512 MiB of scores at T=1,024) keeps "auto"'s choice as
     without it up to one default block, dense at T=1,024 (blocks of 512 took 1.66x its time
-    on an unstructured mask), and past it runs the chunked path in blocks of 512, which skip
-    what the mask empties."""
+    on an unstructured mask), and past it runs the chunked path in blocks sized to the batch
+    and heads (16 MiB of scores a step: 256 here), which skip what the mask empties."""
     q = ops.zeros((16, length, 8, 1))
     mask = np.tril(np.ones((length, length), bool))[None, None]
     plan, _ = _plan.make(q, q, q, mask)
     taken = bool(_plan.chunked_by_size(plan, q, q)) if plan.by_size else plan.path == "chunked"
     assert taken == chunked
     if chunked:
-        assert plan.chunk_size == chunk_size
+        assert (plan.query_chunk_size, plan.chunk_size) == (chunk_size, chunk_size)
 
 
 def test_dropout_and_weights_fall_back_to_dense():
@@ -280,7 +280,7 @@ def test_default_blocks_are_evened_out_over_the_length(monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(ops_module, "_attention_xla", spy)
-    monkeypatch.setattr(_chunk_sizes, "default_chunk_size", lambda *args, **kwargs: 512)
+    monkeypatch.setattr(_chunk_sizes, "sized", lambda *args, **kwargs: 512)
     rng = np.random.default_rng(0)
     q, k, v = (tensor(rng.standard_normal((1, 520, 1, 8)), "float32") for _ in range(3))
     got = scaled_dot_product_attention(q, k, v, implementation="chunked")
@@ -289,6 +289,61 @@ def test_default_blocks_are_evened_out_over_the_length(monkeypatch):
     want = scaled_dot_product_attention(q, k, v, implementation="dense")
     np.testing.assert_allclose(numpy(got), numpy(want), atol=1e-5)
     np.testing.assert_allclose(numpy(given), numpy(want), atol=1e-5)
+
+
+def test_default_blocks_hold_16_mib_of_scores_a_step():
+    """The default block `C` is the largest power of two (256 to 2048) with `B N C^2` scores
+    of 16 MiB at most: blocks of 1024 at B=1, N=4, of 512 at N=8 (float64: 256 at N=4)."""
+    assert _chunk_sizes.sized(1, 4) == 1024
+    assert _chunk_sizes.sized(1, 8) == 512
+    assert _chunk_sizes.sized(None, 8) == 512  # a batch unknown while tracing counts as 1
+    assert _chunk_sizes.sized(1, 4, compute_bytes=8) == 512
+    assert _chunk_sizes.sized(16, 8) == 256 and _chunk_sizes.sized(1, 1) == 2048
+
+
+def test_short_queries_against_long_keys_take_short_query_blocks():
+    """64 queries against 16,384 keys: query blocks of 64, not 64 padded to a key block."""
+    q, k = ops.zeros((1, 64, 4, 8)), ops.zeros((1, 16384, 4, 8))
+    plan, _ = _plan.make(q, k, k, request=_plan._request.Request(implementation="chunked"))
+    assert (plan.query_chunk_size, plan.chunk_size) == (64, 1024)
+
+
+RECTANGLES = {
+    "causal": dict(is_causal=True),
+    "window": dict(sliding_window=70),
+    "causal_window_gqa": dict(is_causal=True, sliding_window=50),
+    "mask_bias": {},
+}
+
+
+@pytest.mark.parametrize("case", list(RECTANGLES), ids=list(RECTANGLES))
+def test_rectangular_blocks_give_the_dense_result_and_gradients(case, monkeypatch):
+    """Query blocks of 96 against key blocks of 160 (neither divides the other, nor the
+    lengths): the blocks a causal mask or a window empties are found and skipped on both
+    axes, and outputs and gradients are the dense path's."""
+    monkeypatch.setattr(_chunk_sizes, "fitted", lambda *args, **kwargs: (96, 160))
+    rng = np.random.default_rng(2)
+    t, s, kv_heads = 350, 500 if case == "mask_bias" else 350, 1 if "gqa" in case else 2
+    q = tensor(rng.standard_normal((1, t, 2, 8)), "float32")
+    k, v = (tensor(rng.standard_normal((1, s, kv_heads, 8)), "float32") for _ in range(2))
+    kwargs = dict(RECTANGLES[case])
+    if case == "mask_bias":
+        kwargs.update(
+            mask=tensor(rng.random((1, 1, t, s)) > 0.3),
+            bias=tensor(rng.standard_normal((1, 2, 1, s)), "float32"),
+        )
+
+    def run(implementation):
+        def loss(q, k, v):
+            out = scaled_dot_product_attention(q, k, v, implementation=implementation, **kwargs)
+            weights = ops.cos(ops.arange(t, dtype="float32"))[None, :, None, None]
+            return ops.sum(out * weights), out
+
+        out, grads = outputs_and_gradients(loss, q, k, v)
+        return [out, *grads]
+
+    for got, want in zip(run("chunked"), run("dense")):
+        np.testing.assert_allclose(got, want, atol=2e-5)
 
 
 @pytest.mark.parametrize(

@@ -238,35 +238,41 @@ def test_grouped_keys_are_not_repeated_in_memory(path):
     assert f"f32[{B},1,80,{H}]" in hlo or f"f32[{B},80,1,{H}]" in hlo
 
 
+@pytest.mark.parametrize("sizes", [(8, 8), (6, 10), (12, 5)], ids=["8x8", "6x10", "12x5"])
 @pytest.mark.parametrize("window", [None, 1, 5, 8, 13], ids=lambda w: f"window_{w}")
 @pytest.mark.parametrize("is_causal", [False, True], ids=["both_sides", "causal"])
 @pytest.mark.parametrize("t, s", [(64, 64), (40, 72), (72, 40)], ids=["square", "wide", "tall"])
-def test_chunked_loops_visit_exactly_the_blocks_that_meet_the_band(t, s, is_causal, window):
-    """The block ranges the chunked loops run over, against brute force over positions.
+def test_chunked_loops_visit_exactly_the_blocks_that_meet_the_band(t, s, is_causal, window, sizes):
+    """The block ranges the chunked loops run over, against brute force over positions, for
+    square blocks and for query blocks `C_q` and key blocks `C_k` of other sizes.
 
     A block pair is needed when some query of the one may see some key of the other.
     The loops must visit every needed pair (or results would be wrong) and no other
     (or a window would cost O(T * S), not O(T * W)).
     """
-    c = 8
-    num_q, num_k = -(-t // c), -(-s // c)
+    cq, ck = sizes
+    num_q, num_k = -(-t // cq), -(-s // ck)
     tq, sk = np.arange(t)[:, None], np.arange(s)[None, :]
     allowed = np.ones((t, s), bool)
     if is_causal:
         allowed &= sk <= tq
     if window is not None:
         allowed &= np.abs(tq - sk) < window
+
+    def meets(i, j):
+        return allowed[i * cq : (i + 1) * cq, j * ck : (j + 1) * ck].any()
+
     for i in range(num_q):
-        lo, hi = (int(x) for x in _chunked.key_block_range(i, num_k, c, is_causal, window))
-        needed = [
-            j for j in range(num_k) if allowed[i * c : (i + 1) * c, j * c : (j + 1) * c].any()
-        ]
+        lo, hi = (
+            int(x) for x in _chunked.key_block_range(i, num_k, sizes, is_causal, window, (t, s))
+        )
+        needed = [j for j in range(num_k) if meets(i, j)]
         assert list(range(lo, hi)) == needed, (i, lo, hi, needed)
     for j in range(num_k):
-        lo, hi = (int(x) for x in _chunked.query_block_range(j, num_q, c, is_causal, window))
-        needed = [
-            i for i in range(num_q) if allowed[i * c : (i + 1) * c, j * c : (j + 1) * c].any()
-        ]
+        lo, hi = (
+            int(x) for x in _chunked.query_block_range(j, num_q, sizes, is_causal, window, (t, s))
+        )
+        needed = [i for i in range(num_q) if meets(i, j)]
         assert list(range(lo, hi)) == needed, (j, lo, hi, needed)
 
 
