@@ -251,11 +251,27 @@ def _write(path, text):
     print(f"wrote {os.path.abspath(path)}", file=sys.stderr)
 
 
+def cpu_key():
+    """This CPU as a marker's suffix, such as `intel-r-xeon-r-processor-family-6-model-167`."""
+    name = re.sub(r", \d+ logical CPUs.*", "", cpu_name())
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
 def replace_section(path, start, end, section, *, before=None, missing=""):
     """Replaces the part of a Markdown file between two markers, markers kept. Without them
     the block goes before the first `before` (such as `"\\n## Notes"`) when given and found,
-    else at the end. `missing` is the file's text when there is no file yet."""
+    else at the end. `missing` is the file's text when there is no file yet.
+
+    A section that another CPU measured is kept: this CPU's goes into its own, marked with
+    `cpu_key()` (`<!-- name@key:start -->`), after the other's, and is replaced there on the
+    next run on this CPU."""
     old = open(path).read() if os.path.exists(path) else missing
+    if start in old and end in old and cpu_name() not in old[old.index(start) : old.index(end)]:
+        after = end
+        start, end = (marker.replace(":", f"@{cpu_key()}:", 1) for marker in (start, end))
+        if start not in old:
+            at = old.index(after) + len(after)
+            old = old[:at] + f"\n\n{start}\n{end}" + old[at:]
     block = f"{start}\n{section}\n{end}"
     if start in old and end in old:
         new = old[: old.index(start)] + block + old[old.index(end) + len(end) :]

@@ -17,8 +17,8 @@ ratio is the median of the per-round ratios, with their range: one process per
 implementation had moved a ratio by 40% between two runs here. Every timed call (the
 child's second call too) gets a new input `x`, drawn before its clock starts (`common.Fed`).
 
-The figure `--plot` (default `benchmarks/long_sequences.png`) shows time and peak memory
-against T, log-log, for the three.
+The figure `--plot` (default `benchmarks/long_sequences-<CPU>.png`, one per CPU) shows time
+and peak memory against T, log-log, for the three.
 
 Usage:
     python benchmarks/long_sequences.py                          # T=S in 2048..32768
@@ -40,6 +40,7 @@ from common import (  # noqa: E402
     Fed,
     PeakSampler,
     command_line,
+    cpu_key,
     cpu_name,
     replace_section,
     rss_mib,
@@ -47,6 +48,7 @@ from common import (  # noqa: E402
 )
 
 B, E, N, H = 1, 256, 4, 64
+HERE = os.path.dirname(os.path.abspath(__file__))
 IMPLS = ["sdpa_chunked", "sdpa_dense", "keras_mha"]
 START, END = "<!-- long-sequences:start -->", "<!-- long-sequences:end -->"
 
@@ -124,8 +126,7 @@ def run_child(impl, length, chunk_size, timeout, memory_limit_gib):
         "--child",
         impl,
         str(length),
-        "--chunk_size",
-        str(chunk_size),
+        *(["--chunk_size", str(chunk_size)] if chunk_size else []),
     ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     start, peak = time.time(), 0.0
@@ -237,14 +238,14 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192, 16384, 32768])
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds")
-    parser.add_argument("--chunk_size", type=int, default=2048)  # the library default
+    parser.add_argument("--chunk_size", type=int, help="default: the library's own blocks")
     parser.add_argument("--timeout", type=int, default=600, help="seconds per measurement")
     parser.add_argument("--memory_limit_gib", type=float, default=16.0)
     parser.add_argument("--output", help="write the table into this Markdown file's section")
     parser.add_argument(
         "--plot",
-        default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "long_sequences.png"),
-        help="where the log-log figure of time and memory goes",
+        help="where the log-log figure of time and memory goes "
+        "(default: benchmarks/long_sequences-<this CPU>.png)",
     )
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -268,14 +269,19 @@ def main(argv=None):
         times[length] = alternate(ran, length, args.chunk_size, args.rounds) if ran else {}
         print(times[length], flush=True)
     text = table(memory, times, args.lengths)
-    figure = plot(memory, times, args.lengths, args.plot)
+    figure = plot(
+        memory,
+        times,
+        args.lengths,
+        args.plot or os.path.join(HERE, f"long_sequences-{cpu_key()}.png"),
+    )
     # The figure's path as the Markdown file (or, without one, the current folder) sees it.
     figure_link = os.path.relpath(figure, os.path.dirname(os.path.abspath(args.output or "-")))
     section = (
         "## Long sequences\n\n"
         f"Produced by:\n\n    {command_line(__file__, argv)}\n\n"
         f"{cpu_name()}. One self-attention layer, forward plus backward, B={B}, E={E}, "
-        f"N={N}, H={H}, chunk_size={args.chunk_size}. {NEW_INPUTS} "
+        f"N={N}, H={H}, chunk_size={args.chunk_size or 'the default'}. {NEW_INPUTS} "
         f"Times: {args.rounds} alternating rounds of the implementations in one process, one "
         f"call each a round after a warm-up call (median); ratios are the median of the "
         f"per-round ratios (range). Peak MiB: the most resident memory above the level before "

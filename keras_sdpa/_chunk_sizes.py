@@ -9,11 +9,9 @@ import math
 DEFAULT_CHUNK_SIZE = 2048
 MASKED_CHUNK_SIZE = 512
 # The default blocks hold about this many bytes of float32 scores per step of the loops
-# (`B * N * C * C * 4`), a power of two from 256 to 2048: each step's products and its
-# softmax's passes then stay in the caches. On an Intel Xeon (family 6, model 143, 2 cores),
-# forward plus backward at T=S=8,192: N=4 in blocks of 1024 took 1,488 ms, of 512 1,545 and
-# of 2048 1,731; N=8 in blocks of 512 2,889 ms, of 1024 3,000 and of 2048 3,381; causal,
-# N=4: 1024 792 ms, 512 834, 256 1,043 (BENCHMARKS.md's "Block sizes").
+# (`B * N * C * C * 4`), a power of two from 256 to 2048. On an Intel Xeon (2 cores), forward
+# plus backward at T=S=8,192 against blocks of 2048: N=4 in blocks of 1024 0.83x, of 512 0.91x;
+# N=8 in 512 0.79x, in 1024 0.86x; causal alike (BENCHMARKS.md's "Block sizes").
 SCORE_BYTES_PER_BLOCK = 16 * 2**20
 SMALLEST_BLOCK = 256
 

@@ -120,7 +120,7 @@ def scaled_dot_product_attention(
         return_weights: if `True`, also return the attention weights (before
             dropout, as `keras.layers.MultiHeadAttention` returns them).
         implementation: `"dense"` forms the `(B, N, T, S)` logits; `"chunked"`
-            works in `(chunk_size, chunk_size)` blocks with an online softmax
+            works in blocks of queries and keys with an online softmax
             and a recomputing gradient, in `O(T + S)` memory (Rabe & Staats,
             2021; Dao et al., 2022), and skips the blocks that a causal mask or
             a window rules out; `"decode"` reads a long key/value cache in its
@@ -129,9 +129,11 @@ def scaled_dot_product_attention(
             float32 logits would exceed 256 MiB and a sequence is longer than a
             block; `return_weights` always runs dense. docs/core.md says how
             "auto" decides inside a caller's compiled step and for unknown lengths.
-        chunk_size: block size of the chunked path. Defaults to 2048, to 512
-            with `is_causal` or a `mask_mod`, and with a `sliding_window` of `W`
-            to the power of two at or above `W / 2` (at least 128).
+        chunk_size: block size of the chunked path, for queries and keys. By
+            default sized to the batch and heads (`B N C^2` float32 scores of
+            16 MiB at most, `C` from 256 to 2048) and evened out over each
+            length; 512 with a `mask_mod`, and with a `sliding_window` of `W`
+            the power of two at or above `W / 2` (at least 128).
         score_mod: optional `score_mod(score, b, h, q_idx, kv_idx) -> score`, in
             PyTorch FlexAttention's argument order: changes each scaled logit, before
             the bias. See `keras_sdpa.mods` for the layout of its arguments and the

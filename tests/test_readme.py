@@ -102,6 +102,10 @@ def test_links_and_images_resolve_as_github_reads_them():
             assert path != DOCS / "benchmarks.md", f"{page.relative_to(ROOT)} links {target}"
 
 
+# The marker's suffix of the Intel Xeon's sections in BENCHMARKS.md (`common.cpu_key`).
+XEON = "intel-r-xeon-r-processor-family-6-model-167"
+
+
 def test_readme_table_figures_are_measured():
     """Each row of the README's "why" table quotes a figure from the file that holds it."""
     text = " ".join(README.read_text().split())
@@ -112,9 +116,17 @@ def test_readme_table_figures_are_measured():
             benchmarks.index(f"<!-- {name}:start -->") : benchmarks.index(f"<!-- {name}:end -->")
         ]
 
-    long_row = re.search(r"^\| 8192 \|(.*)$", section("long-sequences"), flags=re.M)[1].split("|")
-    chunked_mib, keras_mib = long_row[5].strip(), long_row[7].strip()
-    assert f"peak **{chunked_mib} MiB** against Keras's {keras_mib}" in text
+    def long_row(name):
+        return re.search(r"^\| 8192 \|(.*)$", section(name), flags=re.M)[1].split("|")
+
+    xeon, epyc = long_row(f"long-sequences@{XEON}"), long_row("long-sequences")
+    time = re.match(r" \*\*([\d.]+)\*\*", xeon[4])[1]
+    assert "Intel(R) Xeon(R)" in section(f"long-sequences@{XEON}")
+    assert "AMD EPYC" in section("long-sequences")
+    assert (
+        f"peak **{xeon[5].strip()} MiB** against Keras's {xeon[7].strip()} and **{time}x** its "
+        f"time on an Intel Xeon; {epyc[5].strip()} MiB against {epyc[7].strip()} on an AMD EPYC"
+    ) in text
     document = re.search(
         r"^\| `document` \(8 segments\) vs no mask, chunked \| 8192 \| "
         r"[\d.]+ \| [\d.]+ \| \*\*([\d.]+)\*\*",
@@ -661,7 +673,7 @@ def test_every_benchmark_table_names_its_machine():
     """Each table in BENCHMARKS.md names, above it, the CPU it was measured on: every script
     that writes a section writes `cpu_name()` into it."""
     benchmarks = (ROOT / "BENCHMARKS.md").read_text()
-    sections = re.findall(r"<!-- ([\w-]+):start -->(.*?)<!-- \1:end -->", benchmarks, re.S)
+    sections = re.findall(r"<!-- ([\w@-]+):start -->(.*?)<!-- \1:end -->", benchmarks, re.S)
     assert len(sections) >= 12, [name for name, _ in sections]
     for name, text in [("attention-float32", benchmarks.split("<!--")[0])] + sections:
         header = text.split("\n|")[0]
@@ -791,7 +803,29 @@ def test_long_sequences_page_quotes_the_benchmarks():
         if re.match(r"\| \d+ \|", line)
     }
     text = " ".join((DOCS / "long-sequences.md").read_text().split())
-    assert "AMD EPYC" in section and "On the AMD EPYC of that table" in text
+    assert "AMD EPYC" in section and "On the AMD EPYC of the first table" in text
+    xeon = benchmarks[
+        benchmarks.index(f"<!-- long-sequences@{XEON}:start -->") : benchmarks.index(
+            f"<!-- long-sequences@{XEON}:end -->"
+        )
+    ]
+    cells = {
+        int(line.split("|")[1]): [cell.strip() for cell in line.split("|")[2:-1]]
+        for line in xeon.splitlines()
+        if re.match(r"\| \d+ \|", line)
+    }
+    ratio = {
+        (t, i): re.match(r"\*\*([\d.]+)\*\*", cells[t][i])[1] for t in (4096, 8192) for i in (3, 4)
+    }
+    assert (
+        "Intel(R) Xeon(R)" in xeon
+        and (
+            f"takes **{ratio[8192, 3]}x** the time of the dense path and **{ratio[8192, 4]}x** "
+            f"Keras's layer at T=8,192, and **{ratio[4096, 3]}x** the dense path at T=4,096, in at "
+            f"most **{max(int(row[5]) for row in cells.values())} MiB** at every length measured"
+        )
+        in text
+    )
     most = max(int(row[5]) for row in rows.values())
     assert f"at most **{most} MiB** at every length measured" in text
     assert "ResourceExhaustedError" in rows[16384][1] or "stopped at" in rows[16384][1]
@@ -1552,4 +1586,73 @@ def test_app_page_quotes_the_longer_reviews_gain_per_seed_from_its_files():
         f"same seed, on validation by "
         f"{listed(gains['validation'])} points and on test by {listed(gains['test'])}, in the "
         f"same minutes, but the test gain is under the bar."
+    ) in text
+
+
+def test_a_benchmark_run_on_another_cpu_keeps_the_first_cpus_table(tmp_path, monkeypatch):
+    """`common.replace_section` replaces a section that this CPU measured, and keeps one that
+    another CPU measured: this CPU's goes into its own section after it, replaced there on
+    the next run."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import common
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    path = tmp_path / "BENCHMARKS.md"
+    start, end = "<!-- t:start -->", "<!-- t:end -->"
+    epyc, xeon = "AMD EPYC (family 26, model 2), 2 logical CPUs", "Intel(R) Xeon(R) X"
+    cpu = [epyc]
+    monkeypatch.setattr(common, "cpu_name", lambda: cpu[0])
+    common.replace_section(str(path), start, end, f"{epyc}: first", missing="# B\n")
+    common.replace_section(str(path), start, end, f"{epyc}: rerun")
+    assert path.read_text().count("<!-- t") == 2 and "rerun" in path.read_text()
+    cpu[0] = xeon
+    common.replace_section(str(path), start, end, f"{xeon}: first")
+    common.replace_section(str(path), start, end, f"{xeon}: second")
+    text = path.read_text()
+    keyed = f"<!-- t@intel-r-xeon-r-x:start -->\n{xeon}: second\n"
+    assert f"{epyc}: rerun" in text and keyed in text and "first" not in text
+    assert text.index("rerun") < text.index(keyed) and text.count("<!-- t") == 4
+
+
+def test_long_sequences_page_quotes_the_pytorch_benchmark():
+    """docs/long-sequences.md's comparison with PyTorch's CPU flash attention is
+    `benchmarks/torch_sdpa.py`'s table's causal forward-plus-backward row at T=4,096."""
+    benchmarks = (ROOT / "BENCHMARKS.md").read_text()
+    section = benchmarks[
+        benchmarks.index("<!-- torch-sdpa:start -->") : benchmarks.index("<!-- torch-sdpa:end -->")
+    ]
+    row = re.search(
+        r"^\| 4096 \| causal \| fwd_bwd \|(?:[^|]*\|){2} \*\*([\d.]+)\*\* \([^)]*\) \|"
+        r"(?:[^|]*\|){2} (\d+)% \| (\d+)% \|",
+        section,
+        re.M,
+    )
+    text = " ".join((DOCS / "long-sequences.md").read_text().split())
+    assert "Intel(R) Xeon(R)" in section
+    assert (
+        f"on the same Intel Xeon, causal forward plus backward at T=4,096 (B=1, N=8, H=64), the "
+        f"chunked path takes **{row[1]}x** its time, at {row[2]}% of the machine's float32 "
+        f"matmul rate against its {row[3]}%"
+    ) in text
+
+
+def test_core_page_quotes_the_block_sizes():
+    """docs/core.md's default-block ratios are `benchmarks/block_sizes.py`'s table's."""
+    benchmarks = (ROOT / "BENCHMARKS.md").read_text()
+    section = benchmarks[
+        benchmarks.index("<!-- block-sizes:start -->") : benchmarks.index(
+            "<!-- block-sizes:end -->"
+        )
+    ]
+    ratio = dict(
+        re.findall(
+            r"^\| 8192 \| (\d+) \| none \| default [^|]*\| \d+ \| \*\*([\d.]+)\*\*", section, re.M
+        )
+    )
+    text = " ".join((DOCS / "core.md").read_text().split())
+    assert "Intel(R) Xeon(R)" in section
+    assert (
+        f"the sized blocks took **{ratio['4']}x** the time of blocks of 2048 with 4 heads and "
+        f"**{ratio['8']}x** with 8"
     ) in text
