@@ -70,7 +70,8 @@ def plain_numbers(init):
         if isinstance(value, np.generic):
             return value.item()
         if isinstance(value, (list, tuple)):
-            return type(value)(plain(item) for item in value)
+            items = [plain(item) for item in value]
+            return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
         return value
 
     @functools.wraps(init)

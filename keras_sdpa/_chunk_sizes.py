@@ -4,10 +4,14 @@ lengths (queries and keys apart: `(C_q, C_k)`)."""
 
 import math
 
-# The threshold of the "auto" path (a sequence longer than a block) and the largest default
-# block: 2048, or 512 with a causal mask or a mask_mod, as before the blocks were sized.
+# The threshold of the "auto" path (a sequence longer than a block): 2048, or 512 with a
+# causal mask or a mask_mod, as before the blocks were sized; 2048 is the largest default block
+# and 512 a mask_mod's (and a block mask's) block.
 DEFAULT_CHUNK_SIZE = 2048
 MASKED_CHUNK_SIZE = 512
+# A causal mask's (or a `(T, S)` mask's) default blocks at most: at N=4, causal blocks of 1024
+# took 0.79x the time of 2048 (BENCHMARKS.md's "Block sizes"): larger ones skip less.
+CAUSAL_CHUNK_SIZE = 1024
 # The default blocks hold about this many bytes of float32 scores per step of the loops
 # (`B * N * C * C * 4`), a power of two from 256 to 2048. On an Intel Xeon (2 cores), forward
 # plus backward at T=S=8,192 against blocks of 2048: N=4 in blocks of 1024 0.83x, of 512 0.91x;
@@ -37,7 +41,7 @@ def chosen(chunk_size, sliding_window, mask_mod, masked):
     return chunk_size, balance
 
 
-def fitted(chunk_size, query, key, balance, compute_bytes=4):
+def fitted(chunk_size, query, key, balance, compute_bytes=4, masked=False):
     """`(C_q, C_k)`: blocks of queries and of keys, each no longer than its sequence (blocks
     of 2048 padded a T=512 batch of 256 to 24 GiB of scores, the dense path needing 0.5
     GiB; 64 queries against 16,384 keys padded the queries 32-fold). With `balance` (no
@@ -48,6 +52,7 @@ def fitted(chunk_size, query, key, balance, compute_bytes=4):
         return chunk_size, chunk_size
     if balance:
         chunk_size = sized(known(query.shape[0]), query.shape[2], compute_bytes)
+        chunk_size = min(chunk_size, CAUSAL_CHUNK_SIZE) if masked else chunk_size
     sizes = [min(chunk_size, max(length, 1)) for length in lengths]
     if balance:
         sizes = [balanced_chunk_size(max(n, 1), c) for n, c in zip(lengths, sizes)]
@@ -56,9 +61,10 @@ def fitted(chunk_size, query, key, balance, compute_bytes=4):
 
 def sized(batch, heads, compute_bytes=4):
     """The largest power of two from `SMALLEST_BLOCK` to `DEFAULT_CHUNK_SIZE` whose scores,
-    `B * N * C * C` of `compute_bytes` (an unknown batch counted as 1), fit
-    `SCORE_BYTES_PER_BLOCK`."""
-    per_row = (batch or 1) * heads * compute_bytes
+    `B * N * C * C` of `compute_bytes`, fit `SCORE_BYTES_PER_BLOCK` (or `SMALLEST_BLOCK`, past
+    it). An unknown batch (Keras's `fit` traces with one) is counted as 8, as the "auto" path
+    counts it (`_plan.AUTO_CHUNKED_BYTES_PER_EXAMPLE`)."""
+    per_row = (batch or 8) * heads * compute_bytes
     size = 1 << max(0, int(math.log2(math.sqrt(SCORE_BYTES_PER_BLOCK / per_row))))
     return min(DEFAULT_CHUNK_SIZE, max(SMALLEST_BLOCK, size))
 
@@ -75,9 +81,10 @@ def balanced_chunk_size(length, chunk_size):
 
 
 def default_chunk_size(sliding_window, masked=False):
-    """2048; with a window `W` the power of two nearest above `W / 2` (128 at least); and
-    512 when `masked` (causal, a mask_mod, or a mask along T and S), which can leave about
-    half the blocks empty.
+    """The "auto" path's threshold and a given block's default: 2048; with a window `W` the
+    power of two nearest above `W / 2` (128 at least); and 512 when `masked` (causal, a
+    mask_mod, or a mask along T and S). Without a window or a mask_mod, `fitted` sizes the
+    chunked path's blocks anew (`sized`).
 
     Small blocks let the loops skip more of what lies outside the band: at T=16,384,
     W=512 on 2 CPU cores, forward plus backward took 0.75 s in blocks of 256, 1.12 s

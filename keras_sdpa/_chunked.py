@@ -35,16 +35,19 @@ from keras_sdpa._blocks import (  # noqa: F401 (the ranges and kinds: the block 
 
 
 def attend(q, k, v, plan, tensors, count_visits=False):
-    """softmax(logits) v in blocks of `C = plan.chunk_size` queries and keys.
+    """softmax(logits) v in blocks of `C_q = plan.query_chunk_size` queries and
+    `C_k = plan.chunk_size` keys.
 
     The online softmax of Rabe & Staats (2021, "Self-attention Does Not Need
     O(n^2) Memory") and FlashAttention (Dao et al., 2022): for each block of
     queries the blocks of keys arrive one at a time, and a running row maximum
     `m`, row sum `total` and output `acc` are rescaled by `exp(m_old - m_new)`
     as each arrives. The gradient recomputes every block from `q`, `k` and the
-    saved log-sum-exp (FlashAttention-2's split: one pass over query blocks for
-    `dq` and the bias, one over key blocks for `dk` and `dv`), so memory is
-    `O(T + S)` plus a few `(C, C)` blocks per head, forward and backward.
+    saved log-sum-exp: one pass over key blocks for `dq`, `dk` and `dv`
+    (FlashAttention-2's), or with a bias or a score_mod two (one over query
+    blocks for `dq` and the bias's or mod's gradient, one over key blocks for
+    `dk` and `dv`), so memory is `O(T + S)` plus a few `(C_q, C_k)` blocks per
+    head, forward and backward.
 
     Blocks that no query of the block may see are skipped, forward and backward:
     above the diagonal with `is_causal`, and outside the band with a window, so
@@ -196,8 +199,9 @@ def _forward_key_block(blocking, blocks, i, j, q_i, m, total, acc, visits, with_
     return m_new, total_new, acc_new, visits + counted
 
 
-# ---- the gradient: one pass over query blocks (dq, the bias, the mod's tensors), one over
-# key blocks (dk, dv), each recomputing its blocks from the saved log-sum-exp
+# ---- the gradient: one pass over key blocks (dq, dk, dv); with a bias or a score_mod, one
+# over query blocks (dq, the bias, the mod's tensors) and one over key blocks (dk, dv); each
+# recomputing its blocks from the saved log-sum-exp
 
 
 def _grad(blocking, blocks, params, variables):

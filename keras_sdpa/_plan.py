@@ -80,7 +80,9 @@ class Plan:
     dtype: str
     scale: float
     chunk_size: int  # the chunked path's key blocks `C_k` (and the "auto" path's threshold)
-    query_chunk_size: int = None  # its query blocks `C_q`; `chunk_size` where None
+    # Its query blocks `C_q`; `chunk_size` where None (set at construction: a `replace` of
+    # `chunk_size` alone keeps the old `C_q`).
+    query_chunk_size: int = None
     mask_pattern: tuple = None
     bias_pattern: tuple = None
     is_causal: bool = False
@@ -169,7 +171,7 @@ def make(query, key, value, mask=None, bias=None, request=_request.DEFAULT):
     query_chunk_size = chunk_size
     if path == "chunked" and block_kinds is None:
         compute_bytes = 8 if keras.backend.standardize_dtype(query.dtype) == "float64" else 4
-        sizes = _chunk_sizes.fitted(chunk_size, query, key, balance, compute_bytes)
+        sizes = _chunk_sizes.fitted(chunk_size, query, key, balance, compute_bytes, masked)
         query_chunk_size, chunk_size = sizes
     seed = _checks._as_seed(request.seed) if dropout_rate > 0.0 else None
     block_kinds = block_kinds if path == "chunked" else None  # only that path has blocks

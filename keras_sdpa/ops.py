@@ -130,10 +130,11 @@ def scaled_dot_product_attention(
             block; `return_weights` always runs dense. docs/core.md says how
             "auto" decides inside a caller's compiled step and for unknown lengths.
         chunk_size: block size of the chunked path, for queries and keys. By
-            default sized to the batch and heads (`B N C^2` float32 scores of
-            16 MiB at most, `C` from 256 to 2048) and evened out over each
-            length; 512 with a `mask_mod`, and with a `sliding_window` of `W`
-            the power of two at or above `W / 2` (at least 128).
+            default sized to the batch and heads (the largest `C` from 256 to
+            2048 whose `B N C^2` float32 scores fit 16 MiB, 256 past it; 1024
+            at most with `is_causal`) and evened out over each length; 512
+            with a `mask_mod`, and with a `sliding_window` of `W` the power of
+            two at or above `W / 2` (at least 128).
         score_mod: optional `score_mod(score, b, h, q_idx, kv_idx) -> score`, in
             PyTorch FlexAttention's argument order: changes each scaled logit, before
             the bias. See `keras_sdpa.mods` for the layout of its arguments and the

@@ -179,7 +179,8 @@ def test_a_mask_tensor_takes_small_blocks_only_past_one_default_block(length, ch
     """A `(T, S)` mask (B=16, N=8: 512 MiB of scores at T=1,024) keeps "auto"'s choice as
     without it up to one default block, dense at T=1,024 (blocks of 512 took 1.66x its time
     on an unstructured mask), and past it runs the chunked path in blocks sized to the batch
-    and heads (16 MiB of scores a step: 256 here), which skip what the mask empties."""
+    and heads (16 MiB of scores a step, 256 at the least, as here), which skip what the mask
+    empties."""
     q = ops.zeros((16, length, 8, 1))
     mask = np.tril(np.ones((length, length), bool))[None, None]
     plan, _ = _plan.make(q, q, q, mask)
@@ -293,10 +294,10 @@ def test_default_blocks_are_evened_out_over_the_length(monkeypatch):
 
 def test_default_blocks_hold_16_mib_of_scores_a_step():
     """The default block `C` is the largest power of two (256 to 2048) with `B N C^2` scores
-    of 16 MiB at most: blocks of 1024 at B=1, N=4, of 512 at N=8 (float64: 256 at N=4)."""
+    of 16 MiB at most: blocks of 1024 at B=1, N=4, of 512 at N=8 (float64: 512 at N=4)."""
     assert _chunk_sizes.sized(1, 4) == 1024
     assert _chunk_sizes.sized(1, 8) == 512
-    assert _chunk_sizes.sized(None, 8) == 512  # a batch unknown while tracing counts as 1
+    assert _chunk_sizes.sized(None, 2) == 512  # a batch unknown while tracing counts as 8
     assert _chunk_sizes.sized(1, 4, compute_bytes=8) == 512
     assert _chunk_sizes.sized(16, 8) == 256 and _chunk_sizes.sized(1, 1) == 2048
 
@@ -310,6 +311,7 @@ def test_short_queries_against_long_keys_take_short_query_blocks():
 
 RECTANGLES = {
     "causal": dict(is_causal=True),
+    "mask": {},
     "window": dict(sliding_window=70),
     "causal_window_gqa": dict(is_causal=True, sliding_window=50),
     "mask_bias": {},
@@ -323,15 +325,14 @@ def test_rectangular_blocks_give_the_dense_result_and_gradients(case, monkeypatc
     axes, and outputs and gradients are the dense path's."""
     monkeypatch.setattr(_chunk_sizes, "fitted", lambda *args, **kwargs: (96, 160))
     rng = np.random.default_rng(2)
-    t, s, kv_heads = 350, 500 if case == "mask_bias" else 350, 1 if "gqa" in case else 2
+    t, s, kv_heads = 350, 500 if "mask" in case else 350, 1 if "gqa" in case else 2
     q = tensor(rng.standard_normal((1, t, 2, 8)), "float32")
     k, v = (tensor(rng.standard_normal((1, s, kv_heads, 8)), "float32") for _ in range(2))
     kwargs = dict(RECTANGLES[case])
-    if case == "mask_bias":
-        kwargs.update(
-            mask=tensor(rng.random((1, 1, t, s)) > 0.3),
-            bias=tensor(rng.standard_normal((1, 2, 1, s)), "float32"),
-        )
+    if "mask" in case:  # T != S: with a bias, the two-pass gradient; without, the one pass
+        kwargs.update(mask=tensor(rng.random((1, 1, t, s)) > 0.3))
+    if "bias" in case:
+        kwargs.update(bias=tensor(rng.standard_normal((1, 2, 1, s)), "float32"))
 
     def run(implementation):
         def loss(q, k, v):
@@ -349,9 +350,19 @@ def test_rectangular_blocks_give_the_dense_result_and_gradients(case, monkeypatc
 @pytest.mark.parametrize(
     "case", ["causal", "mask", "gqa_cross"], ids=["causal", "mask", "gqa_cross"]
 )
-def test_evened_default_blocks_give_the_dense_result_and_gradients(case):
-    """The evened-out default blocks (T=520: 2 of 384) with a causal mask, a boolean mask, and
-    grouped heads over keys of another length: outputs and gradients are the dense path's."""
+def test_evened_default_blocks_give_the_dense_result_and_gradients(case, monkeypatch):
+    """The evened-out default blocks (T=520 in blocks of 512: 2 of 384) with a causal mask, a
+    boolean mask, and grouped heads over keys of another length: outputs and gradients are
+    the dense path's."""
+    monkeypatch.setattr(_chunk_sizes, "sized", lambda *args, **kwargs: 512)
+    seen = []
+    real = ops_module._attention_xla
+
+    def spy(*args, **kwargs):
+        seen.append((kwargs["plan"].query_chunk_size, kwargs["plan"].chunk_size))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ops_module, "_attention_xla", spy)
     rng = np.random.default_rng(1)
     t, s, heads, kv_heads = (520, 700, 2, 1) if case == "gqa_cross" else (520, 520, 2, 2)
     q = tensor(rng.standard_normal((1, t, heads, 8)), "float32")
@@ -373,6 +384,7 @@ def test_evened_default_blocks_give_the_dense_result_and_gradients(case):
 
     for got, want in zip(run("chunked"), run("dense")):
         np.testing.assert_allclose(got, want, atol=2e-5)
+    assert seen[0] == (384, 384), seen
 
 
 def _banded_mask(t, s, window=None, padding=0):

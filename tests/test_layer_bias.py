@@ -11,6 +11,7 @@ import pytest
 from on_backend import gradient_to_variable, numpy, tensor
 
 from keras_sdpa import ScaledDotProductAttention
+from keras_sdpa import ops as ops_module
 
 B, T, S, E, N, H = 3, 4, 5, 8, 2, 4
 
@@ -160,6 +161,30 @@ def bias_gradient_numpy(weights, upstream):
     return dlogits.sum(axis=(0, 2))[:, None, :]  # (N, 1, S)
 
 
+def output_bias_gradient_numpy(layer, query, value, bias, upstream):
+    """d sum(out * upstream) / d bias for a `(N, 1, S)` bias, in float64: the output's
+    gradient back through `W_O` and `V` to the weights, then the softmax's."""
+    wv, bv, wo = (w.astype("float64") for w in layer.get_weights()[4:7])
+    v = np.einsum("bse,enh->bnsh", value, wv) + bv[None, :, None]  # (B, N, S, H)
+    d_context = np.einsum("bte,nhe->bnth", upstream.astype("float64"), wo)  # (B, N, T, H)
+    d_weights = np.einsum("bnth,bnsh->bnts", d_context, v)  # (B, N, T, S)
+    return bias_gradient_numpy(weights_numpy(layer, query, value, bias), d_weights)
+
+
+@pytest.fixture
+def paths(monkeypatch):
+    """The path of every call of the core (`Plan.path`), as it runs."""
+    seen = []
+    real = ops_module._attention_xla
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["plan"].path)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ops_module, "_attention_xla", spy)
+    return seen
+
+
 class RelativeBias(keras.layers.Layer):
     """A wrapping layer that passes its own float32 weight as the attention bias (a learned
     position table, T5-style); `autocast=True` is the default of `add_weight`."""
@@ -174,7 +199,10 @@ class RelativeBias(keras.layers.Layer):
         self.attention.build(query_shape, value_shape)
         self.table = self.add_weight(shape=(N, 1, S), initializer="zeros", name="table")
 
-    def call(self, query, value):
+    def call(self, query, value, weights=True):
+        """The attention weights (the dense path's), or with `weights=False` the output."""
+        if not weights:
+            return self.attention(query, value, attention_bias=self.table)
         return self.attention(
             query, value, attention_bias=self.table, return_attention_scores=True
         )[1]
@@ -203,13 +231,18 @@ POLICIES = ["mixed_bfloat16", "mixed_float16"]
 
 @pytest.mark.parametrize("implementation", ["dense", "chunked"])
 @pytest.mark.parametrize("policy", POLICIES)
-def test_a_float32_variable_as_the_bias_is_not_rounded(policy, implementation):
+def test_a_float32_variable_as_the_bias_is_not_rounded(policy, implementation, paths):
     """A `keras.Variable` at the top level: Keras reads a float variable in the compute dtype
     inside a layer's call (its autocast scope); rounded, this bias missed the float32 weights
-    by 0.95."""
+    by 0.95. The output on the path asked for, and the weights (which the dense path gives)."""
     layer = built_layer(dtype=policy, implementation=implementation)
     variable = keras.Variable(slope_bias(), dtype="float32")
     query, value = carrier_inputs()
+    del paths[:]
+    got = layer(query, value, attention_bias=variable)
+    assert set(paths) == {implementation}
+    want = layer_numpy(layer, query, value, slope_bias())
+    np.testing.assert_allclose(numpy(got, "float32"), want, atol=2e-2 * np.abs(want).max())
     _, got = layer(query, value, attention_bias=variable, return_attention_scores=True)
     want = weights_numpy(layer, query, value, slope_bias())
     np.testing.assert_allclose(numpy(got, "float32"), want, atol=1e-2)
@@ -232,19 +265,21 @@ def test_a_wrapping_layers_float32_weight_is_not_rounded_eager_or_in_predict(pol
 
 @pytest.mark.parametrize("implementation", ["dense", "chunked"])
 @pytest.mark.parametrize("policy", POLICIES)
-def test_the_bias_variables_gradient_is_the_float32_biases(policy, implementation):
-    """The gradient reaches the variable from the float32 bias: rounded, it was 44-100% off."""
+def test_the_bias_variables_gradient_is_the_float32_biases(policy, implementation, paths):
+    """The gradient of the output reaches the variable from the float32 bias, on the path
+    asked for: rounded, it was 44-100% off."""
     model = wrapped(policy, implementation)
     query, value = carrier_inputs()
-    upstream = random((B, N, T, S), 4)
+    upstream = random((B, T, E), 4)
 
     def loss():
-        weights = keras.ops.cast(model(query, value), "float32")
-        return keras.ops.sum(weights * upstream)
+        out = keras.ops.cast(model(query, value, weights=False), "float32")
+        return keras.ops.sum(out * upstream)
 
+    del paths[:]
     got = gradient_to_variable(loss, model.table)
-    weights = weights_numpy(model.attention, query, value, slope_bias())
-    want = bias_gradient_numpy(weights, upstream)
+    assert set(paths) == {implementation}
+    want = output_bias_gradient_numpy(model.attention, query, value, slope_bias(), upstream)
     np.testing.assert_allclose(got, want, atol=2e-2 * np.abs(want).max())
 
 
