@@ -10,11 +10,13 @@ only its cache bookkeeping; the kernel, `softmax(scale * Q K^T + bias) V` under 
 
 import dataclasses
 import types
+from collections.abc import Callable
 
 import keras
 from keras import ops
 
 from keras_sdpa import ops as core
+from keras_sdpa._types import Tensor
 
 _MODELS = "keras_hub.src.models"
 
@@ -35,10 +37,10 @@ class CallFamily:
             `output_dropout`).
     """
 
-    call: object
-    projections: tuple
-    bias: object
-    dropout: object
+    call: Callable[..., Tensor | tuple[Tensor, Tensor]]
+    projections: tuple[str, str, str, str]
+    bias: Callable[[keras.layers.Layer, dict[str, Tensor], int], Tensor] | None
+    dropout: Callable[[keras.layers.Layer], keras.layers.Dropout | None]
     output_dropout: bool = False
 
 

@@ -32,6 +32,7 @@ from keras_sdpa._blocks import (  # noqa: F401 (the ranges and kinds: the block 
     take,
     to_blocks,
 )
+from keras_sdpa._types import Tensor
 
 
 def attend(q, k, v, plan, tensors, count_visits=False):
@@ -116,14 +117,14 @@ def _penalized(scores, penalty):
 class _Blocks(typing.NamedTuple):
     """The operands in blocks (`(num, …)`), and in the gradient what the forward saved."""
 
-    q: object
-    k: object
-    v: object
-    bias: object = None  # a grid from `grid_of`
-    out: object = None  # (nq, B, K, G, C, Hv)
-    lse: object = None  # (nq, B, K, G, C, 1)
-    d_out: object = None  # (nq, B, K, G, C, Hv)
-    row_dot: object = None  # (nq, B, K, G, C, 1): rowsum(dO * O)
+    q: Tensor  # (nq, B, K, G, C_q, H)
+    k: Tensor  # (nk, B, K, C_k, H)
+    v: Tensor  # (nk, B, K, C_k, Hv)
+    bias: Tensor | None = None  # a grid from `grid_of`
+    out: Tensor | None = None  # (nq, B, K, G, C_q, Hv)
+    lse: Tensor | None = None  # (nq, B, K, G, C_q, 1)
+    d_out: Tensor | None = None  # (nq, B, K, G, C_q, Hv)
+    row_dot: Tensor | None = None  # (nq, B, K, G, C_q, 1): rowsum(dO * O)
 
 
 # ---- the forward: for each query block, the key blocks in an online softmax

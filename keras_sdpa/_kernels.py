@@ -20,7 +20,9 @@ fused path's choices included, so that the swapped model gives the stock model's
 import dataclasses
 import sys
 import types
+from collections.abc import Callable
 
+import keras
 from keras import ops
 
 from keras_sdpa import _request
@@ -65,14 +67,14 @@ class Family:
             attention) instead of `groups` copies.
     """
 
-    scale: object
-    fused: object = _never
-    window: object = _never
+    scale: Callable[[keras.layers.Layer], float]
+    fused: Callable[[keras.layers.Layer], bool] = _never
+    window: Callable[[keras.layers.Layer], bool] = _never
     window_when_fused: bool = False
-    soft_cap: object = lambda layer: None
-    dropout: object = lambda layer: None
+    soft_cap: Callable[[keras.layers.Layer], float | None] = lambda layer: None
+    dropout: Callable[[keras.layers.Layer], keras.layers.Dropout | None] = lambda layer: None
     kernel: str = "_compute_attention"
-    groups: object = lambda layer: 1
+    groups: Callable[[keras.layers.Layer], int] = lambda layer: 1
 
 
 def _inv_norm(layer):

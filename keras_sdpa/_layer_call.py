@@ -16,23 +16,25 @@ import keras
 from keras_sdpa import _arguments, _cache, _folded, _layer_masks
 from keras_sdpa import _stand_in as stand_in
 from keras_sdpa._plan import check_scores
+from keras_sdpa._types import MaskMod, Tensor
 
 
 class Call(typing.NamedTuple):
     """One call of the layer, its arguments checked, as the routes read them."""
 
-    query: object  # (B, *dims_q, E_q)
-    value: object  # (B, *dims_v, E_v)
-    key: object  # (B, *dims_v, E_k): the value where no key was given
-    masks: tuple  # the padding masks of the query, value and key: (B, T|S) or None each
-    attention_mask: object  # MultiHeadAttention's layout, or None
-    attention_bias: object  # in its own precision (`_arguments.bias_past_autocast`)
+    query: Tensor  # (B, *dims_q, E_q)
+    value: Tensor  # (B, *dims_v, E_v)
+    key: Tensor  # (B, *dims_v, E_k): the value where no key was given
+    # The padding masks of the query, value and key: (B, T|S) or None each.
+    masks: tuple[Tensor | None, Tensor | None, Tensor | None]
+    attention_mask: Tensor | None  # MultiHeadAttention's layout
+    attention_bias: Tensor | None  # in its own precision (`_arguments.bias_past_autocast`)
     return_scores: bool
-    training: object
+    training: bool | None
     causal: bool
-    mask_mod: object  # the layer's, holding this call's segment ids
-    cache: object = None  # (B, 2, S, K, H)
-    index: object = None  # `cache_update_index`
+    mask_mod: MaskMod | None  # the layer's, holding this call's segment ids
+    cache: Tensor | None = None  # (B, 2, S, K, H)
+    index: int | Tensor | None = None  # `cache_update_index`
 
 
 def route(layer, call):

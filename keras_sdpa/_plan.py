@@ -10,15 +10,19 @@ The paths then compute from it: `ops` runs the program, which calls `_dense`, `_
 `_decode` with `(q, k, v, plan, tensors)`; those reach each backend through `_backend`.
 """
 
+from __future__ import annotations
+
 import dataclasses
 import math
 import typing
+from collections.abc import Hashable
 
 import keras
 from keras import ops
 
 from keras_sdpa import _backend, _block_mask, _checks, _chunk_sizes, _request, mods
 from keras_sdpa import _layout as layout
+from keras_sdpa._types import MaskMod, ScoreMod, Tensor
 
 
 def check_scores(flash_attention, return_attention_scores):
@@ -46,8 +50,8 @@ class Template:
     identity. The plan holds the template, so the compiled programs' caches keep it alive
     (and a template keyed by identity is never confused with a later one at its address)."""
 
-    key: object
-    mod: object = dataclasses.field(compare=False)
+    key: Hashable  # a built-in's class and config, or the callable itself
+    mod: ScoreMod | MaskMod = dataclasses.field(compare=False)
 
     @classmethod
     def of(cls, template):
@@ -82,16 +86,16 @@ class Plan:
     chunk_size: int  # the chunked path's key blocks `C_k` (and the "auto" path's threshold)
     # Its query blocks `C_q`; `chunk_size` where None (set at construction: a `replace` of
     # `chunk_size` alone keeps the old `C_q`).
-    query_chunk_size: int = None
-    mask_pattern: tuple = None
-    bias_pattern: tuple = None
+    query_chunk_size: int | None = None
+    mask_pattern: tuple[bool, bool, bool, bool] | None = None  # full along (B, N, T, S)
+    bias_pattern: tuple[bool, bool, bool, bool] | None = None
     is_causal: bool = False
-    window: int = None
-    cap: float = None
+    window: int | None = None
+    cap: float | None = None
     dropout_rate: float = 0.0
     return_weights: bool = False
-    score_mod: Template = None
-    mask_mod: Template = None
+    score_mod: Template | None = None
+    mask_mod: Template | None = None
     by_size: bool = False
 
     def replace(self, **changes):
@@ -125,12 +129,12 @@ class Plan:
 class CallTensors(typing.NamedTuple):
     """What a call passes to its program besides `q`, `k`, `v`: checked, and in the plan's forms."""
 
-    mask: object  # (B|1, N|1, T|1, S|1) booleans or None
-    bias: object  # (B|1, N|1, T|1, S|1) floats or None
-    seed: object  # (2,) int32, with dropout
+    mask: Tensor | None  # (B|1, N|1, T|1, S|1) booleans
+    bias: Tensor | None  # (B|1, N|1, T|1, S|1) floats
+    seed: Tensor | None  # (2,) int32, with dropout
     score_tensors: tuple  # the score_mod's per-call tensors (`mods.split`)
     mask_tensors: tuple
-    block_kinds: object  # a BlockMask's kinds, on the chunked path
+    block_kinds: Tensor | None  # a BlockMask's kinds, on the chunked path
     variable_values: tuple  # JAX: the values of the variables the mods hold
 
 

@@ -7,10 +7,14 @@ its docstring, a field here (with its check), the plan's decision if it has one,
 that uses it.
 """
 
+from __future__ import annotations
+
 import dataclasses
 import math
 
 from keras_sdpa import _checks
+from keras_sdpa._block_mask import BlockMask
+from keras_sdpa._types import MaskMod, ScoreMod, Tensor
 
 IMPLEMENTATIONS = ("auto", "dense", "chunked", "decode")
 
@@ -25,19 +29,19 @@ class Request:
     """
 
     is_causal: bool = False
-    sliding_window: int = None
-    attn_logits_soft_cap: float = None
-    scale: float = None
+    sliding_window: int | None = None
+    attn_logits_soft_cap: float | None = None
+    scale: float | None = None
     dropout_rate: float = 0.0
     training: bool = False
-    seed: object = None
+    seed: int | Tensor | None = None  # an int, a (2,) integer tensor, or None
     return_weights: bool = False
     implementation: str = "auto"
-    chunk_size: int = None
-    score_mod: object = None
-    mask_mod: object = None
-    block_mask: object = None
-    flash_attention: bool = None  # the layer's: True chunked, False dense, None as given
+    chunk_size: int | None = None
+    score_mod: ScoreMod | None = None
+    mask_mod: MaskMod | None = None
+    block_mask: BlockMask | None = None
+    flash_attention: bool | None = None  # the layer's: True chunked, False dense, None as given
     cached: bool = False  # the layer's call against a key/value cache
 
     def __post_init__(self):

@@ -34,6 +34,7 @@ from keras_sdpa import _backend, _chunked, _decode, _dense, _plan, _request, mod
 from keras_sdpa import _layout as layout
 from keras_sdpa import _mod_calls as mod_calls
 from keras_sdpa._block_mask import BlockMask, create_block_mask  # noqa: F401 (the public names)
+from keras_sdpa._types import MaskMod, ScoreMod, Tensor
 
 __all__ = ["BlockMask", "create_block_mask", "scaled_dot_product_attention"]
 # (`run_request`, the layer's entry, and the program's `Tensors` are the package's own.)
@@ -226,13 +227,13 @@ def _empty_result(query, key, value, return_weights):
 class Tensors(typing.NamedTuple):
     """A call's tensors inside its program, in the paths' grouped layout."""
 
-    mask: object = None  # (B|1, K|1, G|1, T|1, S|1) booleans
-    bias: object = None  # (B|1, K|1, G|1, T|1, S|1) in the compute precision
-    seed: object = None  # (2,) int32, with dropout
-    score_mod: object = None  # `_mod_calls.ScoreMod`, bound to this call's tensors
-    params: tuple = ()  # what the score_mod's gradient reaches
-    mask_mod: object = None  # `(b, h, q_idx, kv_idx) -> bool`
-    block_kinds: object = None  # `(nq, nk)` int32, the chunked path's, or None
+    mask: Tensor | None = None  # (B|1, K|1, G|1, T|1, S|1) booleans
+    bias: Tensor | None = None  # (B|1, K|1, G|1, T|1, S|1) in the compute precision
+    seed: Tensor | None = None  # (2,) int32, with dropout
+    score_mod: ScoreMod | None = None  # bound to this call's tensors (`_mod_calls`)
+    params: tuple[Tensor, ...] = ()  # what the score_mod's gradient reaches
+    mask_mod: MaskMod | None = None
+    block_kinds: Tensor | None = None  # `(nq, nk)` int32, the chunked path's
 
 
 def _attention(

@@ -95,11 +95,11 @@ class AttentionReport:
             traced with the old layers and are traced again on their next call.
     """
 
-    swapped: list = dataclasses.field(default_factory=list)
-    kernels: list = dataclasses.field(default_factory=list)
-    left: list = dataclasses.field(default_factory=list)
-    shared: list = dataclasses.field(default_factory=list)
-    reset: list = dataclasses.field(default_factory=list)
+    swapped: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+    kernels: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+    left: list[tuple[str, str, str]] = dataclasses.field(default_factory=list)
+    shared: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+    reset: list[str] = dataclasses.field(default_factory=list)
 
     def __str__(self):
         lines = [f"Swapped {len(self.swapped)} attention layer(s) for ScaledDotProductAttention"]

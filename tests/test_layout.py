@@ -18,6 +18,7 @@ import os
 import re
 import subprocess
 import sys
+import typing
 
 import pytest
 
@@ -556,3 +557,29 @@ def test_nothing_below_the_layer_calls_back_up_into_it():
     assert calls_back_into_the_layer([("keras_sdpa/_folded.py", old)]) == [
         "keras_sdpa/_folded.py:2 layer._compute_attention"
     ]
+
+
+def test_the_records_have_no_field_typed_object():
+    """The records a newcomer learns (`Request`, `Plan`, `CallTensors`, `Tensors`, the layer's
+    `Call`, the chunked path's blocks, `Family`, `CallFamily`, the swap's report) type every
+    field: none is `object` (`keras_sdpa/_types.py` names the tensors and the mods)."""
+    import dataclasses
+
+    import keras_sdpa  # noqa: F401 (every module of the package)
+
+    records = []
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("keras_sdpa"):
+            continue
+        for value in vars(module).values():
+            if isinstance(value, type) and value.__module__ == name:
+                if dataclasses.is_dataclass(value) or hasattr(value, "_fields"):
+                    records.append(value)
+    assert len(records) >= 9, records
+    untyped = [
+        f"{record.__module__}.{record.__qualname__}.{field}"
+        for record in records
+        for field, annotation in typing.get_type_hints(record).items()
+        if annotation is object
+    ]
+    assert not untyped, untyped
