@@ -94,7 +94,7 @@ def test_chunked_matches_numpy_reference(mask_kind, is_causal):
     out = scaled_dot_product_attention(
         q, k, v, mask, is_causal=is_causal, scale=0.7, implementation="chunked", chunk_size=CHUNK
     )
-    want, _ = reference(q, k, v, mask, is_causal, 0.7)
+    want, _ = reference(q, k, v, mask, is_causal=is_causal, scale=0.7)
     np.testing.assert_allclose(numpy(out), want, atol=1e-12)
 
 

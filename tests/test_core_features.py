@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from keras import ops
 from on_backend import gradients, jit, numpy, optimized_hlo, tanh, tensor
+from reference import attention as reference
 from test_ops import assert_gradients_match_finite_differences
 
 from keras_sdpa import _chunked
@@ -22,33 +23,6 @@ from keras_sdpa.ops import scaled_dot_product_attention
 B, T, S, N, K, H, HV = 2, 7, 9, 6, 2, 5, 3
 CHUNK = 3  # small, so every chunked test crosses several blocks and ragged last ones
 PATHS = ["dense", "chunked"]
-
-
-def reference(q, k, v, mask=None, bias=None, is_causal=False, window=None, cap=None):
-    """The documented order, in float64 NumPy: logits + bias, cap, masks, softmax, sum."""
-    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
-    groups = q.shape[2] // k.shape[2]
-    k, v = np.repeat(k, groups, axis=2), np.repeat(v, groups, axis=2)  # head n reads n // G
-    logits = np.einsum("btnh,bsnh->bnts", q, k) / np.sqrt(q.shape[-1])  # (B, N, T, S)
-    if bias is not None:
-        logits = logits + np.asarray(bias, np.float64)
-    if cap is not None:
-        logits = cap * np.tanh(logits / cap)
-    allowed = np.ones(logits.shape, bool)
-    if mask is not None:
-        allowed &= np.broadcast_to(np.asarray(mask, bool), logits.shape)
-    offset = np.arange(logits.shape[2])[:, None] - np.arange(logits.shape[3])[None, :]
-    if is_causal:
-        allowed &= offset >= 0
-    if window is not None:
-        allowed &= np.abs(offset) < window
-    logits = np.where(allowed, logits, -np.inf)
-    row_max = logits.max(-1, keepdims=True)
-    row_max = np.where(np.isfinite(row_max), row_max, 0.0)
-    exp = np.where(allowed, np.exp(logits - row_max), 0.0)
-    total = exp.sum(-1, keepdims=True)
-    weights = exp / np.where(total > 0, total, 1.0)
-    return np.einsum("bnts,bsnh->btnh", weights, v), weights
 
 
 def autodiff_reference(q, k, v, mask=None, bias=None, is_causal=False, window=None, cap=None):

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from keras import ops
 from on_backend import BACKEND, float64_context, gradient_to_variable, gradients
+from reference import attention as reference
 
 from keras_sdpa import (
     ScaledDotProductAttention,
@@ -43,33 +44,6 @@ def test_runs_on_the_backend_asked_for():
 
 def random(shape, seed, dtype="float32"):
     return np.random.default_rng(seed).normal(size=shape).astype(dtype)
-
-
-def reference(q, k, v, mask=None, bias=None, causal=False, window=None, cap=None, scale=None):
-    """softmax(Q K^T * scale + bias) V in float64 NumPy; fully masked rows give zeros."""
-    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
-    groups = q.shape[2] // k.shape[2]
-    k, v = np.repeat(k, groups, axis=2), np.repeat(v, groups, axis=2)
-    scale = 1 / np.sqrt(q.shape[-1]) if scale is None else scale
-    logits = np.einsum("btnh,bsnh->bnts", q, k) * scale  # (B, N, T, S)
-    if bias is not None:
-        logits = logits + bias
-    if cap is not None:
-        logits = cap * np.tanh(logits / cap)
-    allowed = np.ones(logits.shape, bool)
-    if mask is not None:
-        allowed &= np.broadcast_to(mask, logits.shape)
-    offset = np.arange(q.shape[1])[:, None] - np.arange(k.shape[1])[None]
-    if causal:
-        allowed &= offset >= 0
-    if window is not None:
-        allowed &= np.abs(offset) < window
-    logits = np.where(allowed, logits, -np.inf)
-    row_max = np.max(logits, axis=-1, keepdims=True)
-    exp = np.where(allowed, np.exp(logits - np.where(np.isfinite(row_max), row_max, 0)), 0)
-    total = exp.sum(-1, keepdims=True)
-    weights = exp / np.where(total > 0, total, 1)
-    return np.einsum("bnts,bsnh->btnh", weights, v), weights
 
 
 def plain_attention(q, k, v, mask, bias):
@@ -119,10 +93,10 @@ def test_matches_numpy(case, kv_heads):
         v,
         mask,
         bias,
-        options.get("causal", False),
-        options.get("window"),
-        options.get("cap"),
-        options.get("scale"),
+        is_causal=options.get("causal", False),
+        window=options.get("window"),
+        cap=options.get("cap"),
+        scale=options.get("scale"),
     )
     np.testing.assert_allclose(ops.convert_to_numpy(out), want, atol=1e-5)
     np.testing.assert_allclose(ops.convert_to_numpy(weights), want_weights, atol=1e-5)
@@ -177,7 +151,7 @@ def test_score_and_mask_mods_match_their_masks():
     slopes = np.asarray(mods.alibi_slopes(N))[None, :, None, None]
     distance = np.abs(np.arange(T)[:, None] - np.arange(T)[None])
     same = ids[:, None, :, None] == ids[:, None, None, :]
-    want, _ = reference(q, k, v, same, -slopes * distance, causal=True)
+    want, _ = reference(q, k, v, same, -slopes * distance, is_causal=True)
     np.testing.assert_allclose(ops.convert_to_numpy(out), want, atol=1e-5)
 
 

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from keras import ops
 from on_backend import BACKEND, gradients, numpy, optimized_hlo, tensor
+from reference import attention as reference
 
 from keras_sdpa import _plan, _request
 from keras_sdpa import ops as ops_module
@@ -21,27 +22,6 @@ if BACKEND == "jax":
 
 # Pairwise-distinct sizes, so a swapped axis cannot pass.
 B, T, S, N, H, HV = 2, 3, 5, 4, 6, 7
-
-
-def reference(q, k, v, mask=None, is_causal=False, scale=None):
-    """softmax(Q K^T * scale) V in float64 NumPy, fully masked rows -> 0."""
-    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
-    scale = 1.0 / np.sqrt(q.shape[-1]) if scale is None else scale
-    scores = np.einsum("btnh,bsnh->bnts", q, k) * scale  # (B, N, T, S)
-    allowed = np.ones(scores.shape, bool)
-    if mask is not None:
-        allowed &= np.broadcast_to(np.asarray(mask, bool), scores.shape)
-    if is_causal:
-        t, s = scores.shape[-2:]
-        allowed &= np.arange(t)[:, None] >= np.arange(s)[None, :]
-    scores = np.where(allowed, scores, -np.inf)
-    row_max = scores.max(-1, keepdims=True)
-    row_max = np.where(np.isfinite(row_max), row_max, 0.0)
-    exp = np.where(allowed, np.exp(scores - row_max), 0.0)
-    total = exp.sum(-1, keepdims=True)
-    weights = exp / np.where(total > 0, total, 1.0)
-    out = np.einsum("bnts,bsnh->btnh", weights, v)  # (B, T, N, Hv)
-    return out, weights
 
 
 def random_inputs(dtype="float32", t=T, s=S, seed=0):
@@ -87,7 +67,7 @@ def test_matches_numpy_reference(mask_kind, is_causal, scale):
     out, weights = scaled_dot_product_attention(
         q, k, v, mask, is_causal=is_causal, scale=scale, return_weights=True
     )
-    want_out, want_weights = reference(q, k, v, mask, is_causal, scale)
+    want_out, want_weights = reference(q, k, v, mask, is_causal=is_causal, scale=scale)
     assert out.shape == (B, T, N, HV) and weights.shape == (B, N, T, S)
     np.testing.assert_allclose(numpy(out), want_out, atol=1e-5)
     np.testing.assert_allclose(numpy(weights), want_weights, atol=1e-5)
@@ -421,11 +401,10 @@ def test_dropout_applies_one_mask_to_the_weights_before_the_values():
     q, k, v = random_inputs(s=32, seed=5)
     kwargs = dict(dropout_rate=rate, training=True, seed=11, implementation="dense")
     out = scaled_dot_product_attention(q, k, v, **kwargs)
-    _, weights = scaled_dot_product_attention(q, k, v, return_weights=True)
     eye = ops.tile(ops.eye(32, dtype="float32")[None, :, None, :], [B, 1, N, 1])  # (B, S, N, S)
     applied = np.transpose(numpy(scaled_dot_product_attention(q, k, eye, **kwargs)), (0, 2, 1, 3))
     keep = applied != 0  # (B, N, T, S)
-    want = np.einsum("bnts,bsnh->btnh", numpy(weights) * keep / (1 - rate), numpy(v))
+    want, _ = reference(q, k, v, keep=keep, dropout_rate=rate)
     np.testing.assert_allclose(numpy(out), want, atol=1e-5)
     assert 0.3 < 1 - keep.mean() < 0.5
 
