@@ -37,9 +37,9 @@ class CallFamily:
             `output_dropout`).
     """
 
-    call: Callable[..., Tensor | tuple[Tensor, Tensor]]
+    call: Callable[..., Tensor | tuple[Tensor, ...]]  # T5's: (out, position bias, cache)
     projections: tuple[str, str, str, str]
-    bias: Callable[[keras.layers.Layer, dict[str, Tensor], int], Tensor] | None
+    bias: Callable[[keras.layers.Layer, dict[str, Tensor], int | Tensor], Tensor] | None
     dropout: Callable[[keras.layers.Layer], keras.layers.Dropout | None]
     output_dropout: bool = False
 

@@ -132,10 +132,10 @@ class CallTensors(typing.NamedTuple):
     mask: Tensor | None  # (B|1, N|1, T|1, S|1) booleans
     bias: Tensor | None  # (B|1, N|1, T|1, S|1) floats
     seed: Tensor | None  # (2,) int32, with dropout
-    score_tensors: tuple  # the score_mod's per-call tensors (`mods.split`)
-    mask_tensors: tuple
+    score_tensors: tuple[Tensor, ...]  # the score_mod's per-call tensors (`mods.split`)
+    mask_tensors: tuple[Tensor, ...]
     block_kinds: Tensor | None  # a BlockMask's kinds, on the chunked path
-    variable_values: tuple  # JAX: the values of the variables the mods hold
+    variable_values: tuple[Tensor, ...]  # JAX: the values of the variables the mods hold
 
 
 def make(query, key, value, mask=None, bias=None, request=_request.DEFAULT):

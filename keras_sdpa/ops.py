@@ -34,7 +34,7 @@ from keras_sdpa import _backend, _chunked, _decode, _dense, _plan, _request, mod
 from keras_sdpa import _layout as layout
 from keras_sdpa import _mod_calls as mod_calls
 from keras_sdpa._block_mask import BlockMask, create_block_mask  # noqa: F401 (the public names)
-from keras_sdpa._types import MaskMod, ScoreMod, Tensor
+from keras_sdpa._types import MaskMod, Tensor
 
 __all__ = ["BlockMask", "create_block_mask", "scaled_dot_product_attention"]
 # (`run_request`, the layer's entry, and the program's `Tensors` are the package's own.)
@@ -230,7 +230,7 @@ class Tensors(typing.NamedTuple):
     mask: Tensor | None = None  # (B|1, K|1, G|1, T|1, S|1) booleans
     bias: Tensor | None = None  # (B|1, K|1, G|1, T|1, S|1) in the compute precision
     seed: Tensor | None = None  # (2,) int32, with dropout
-    score_mod: ScoreMod | None = None  # bound to this call's tensors (`_mod_calls`)
+    score_mod: mod_calls.ScoreMod | None = None  # the mod bound to this call's tensors
     params: tuple[Tensor, ...] = ()  # what the score_mod's gradient reaches
     mask_mod: MaskMod | None = None
     block_kinds: Tensor | None = None  # `(nq, nk)` int32, the chunked path's

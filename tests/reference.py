@@ -41,6 +41,7 @@ def attention(
 
     `score_mod` and `mask_mod` take NumPy index arrays that broadcast to `(B, N, T, S)`.
     """
+    assert (keep is None) == (dropout_rate == 0.0), "dropout needs a keep-mask and a rate"
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
     groups = q.shape[2] // k.shape[2]
     k, v = np.repeat(k, groups, axis=2), np.repeat(v, groups, axis=2)  # (B, S, N, H|Hv)

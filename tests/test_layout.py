@@ -575,11 +575,28 @@ def test_the_records_have_no_field_typed_object():
             if isinstance(value, type) and value.__module__ == name:
                 if dataclasses.is_dataclass(value) or hasattr(value, "_fields"):
                     records.append(value)
-    assert len(records) >= 9, records
+    assert {f"{record.__module__}.{record.__qualname__}" for record in records} == {
+        "keras_sdpa._chunked._Blocks",
+        "keras_sdpa._request.Request",
+        "keras_sdpa._plan.Template",
+        "keras_sdpa._plan.Plan",
+        "keras_sdpa._plan.CallTensors",
+        "keras_sdpa.ops.Tensors",
+        "keras_sdpa._layer_call.Call",
+        "keras_sdpa._call_kernels.CallFamily",
+        "keras_sdpa._kernels.Family",
+        "keras_sdpa.swap.AttentionReport",
+    }
+
+    def loose(annotation):  # `object` at any depth, or a bare `tuple` or `list`
+        if annotation in (object, tuple, list):
+            return True
+        return any(loose(arg) for arg in typing.get_args(annotation) if arg is not Ellipsis)
+
     untyped = [
         f"{record.__module__}.{record.__qualname__}.{field}"
         for record in records
         for field, annotation in typing.get_type_hints(record).items()
-        if annotation is object
+        if loose(annotation)
     ]
     assert not untyped, untyped
