@@ -36,6 +36,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (  # noqa: E402
+    HERE,
     NEW_INPUTS,
     Fed,
     PeakSampler,
@@ -48,7 +49,6 @@ from common import (  # noqa: E402
 )
 
 B, E, N, H = 1, 256, 4, 64
-HERE = os.path.dirname(os.path.abspath(__file__))
 IMPLS = ["sdpa_chunked", "sdpa_dense", "keras_mha"]
 START, END = "<!-- long-sequences:start -->", "<!-- long-sequences:end -->"
 

@@ -17,6 +17,7 @@ from test_ops import (
     make_mask,
     outputs_and_gradients,
     reference,
+    spy_on_paths,
 )
 
 from keras_sdpa import ScaledDotProductAttention, _chunk_sizes, _plan
@@ -273,14 +274,7 @@ def test_default_blocks_are_evened_out_over_the_length(monkeypatch):
     assert _chunk_sizes.balanced_chunk_size(8192, 2048) == 2048
     assert _chunk_sizes.balanced_chunk_size(3000, 2048) == 1536
     assert _chunk_sizes.balanced_chunk_size(129, 128) == 128
-    seen = []
-    real = ops_module._attention_xla
-
-    def spy(*args, **kwargs):
-        seen.append(kwargs["plan"].chunk_size)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(ops_module, "_attention_xla", spy)
+    seen = spy_on_paths(monkeypatch, "chunk_size")
     monkeypatch.setattr(_chunk_sizes, "sized", lambda *args, **kwargs: 512)
     rng = np.random.default_rng(0)
     q, k, v = (tensor(rng.standard_normal((1, 520, 1, 8)), "float32") for _ in range(3))
@@ -309,6 +303,24 @@ def test_short_queries_against_long_keys_take_short_query_blocks():
     assert (plan.query_chunk_size, plan.chunk_size) == (64, 1024)
 
 
+def assert_chunked_is_dense(q, k, v, **kwargs):
+    """The chunked path's output and gradients (of the output weighted by `cos(t)` per
+    query) are the dense path's."""
+    t = q.shape[1]
+
+    def run(implementation):
+        def loss(q, k, v):
+            out = scaled_dot_product_attention(q, k, v, implementation=implementation, **kwargs)
+            weights = ops.cos(ops.arange(t, dtype="float32"))[None, :, None, None]
+            return ops.sum(out * weights), out
+
+        out, grads = outputs_and_gradients(loss, q, k, v)
+        return [out, *grads]
+
+    for got, want in zip(run("chunked"), run("dense")):
+        np.testing.assert_allclose(got, want, atol=2e-5)
+
+
 RECTANGLES = {
     "causal": dict(is_causal=True),
     "mask": {},
@@ -334,17 +346,7 @@ def test_rectangular_blocks_give_the_dense_result_and_gradients(case, monkeypatc
     if "bias" in case:
         kwargs.update(bias=tensor(rng.standard_normal((1, 2, 1, s)), "float32"))
 
-    def run(implementation):
-        def loss(q, k, v):
-            out = scaled_dot_product_attention(q, k, v, implementation=implementation, **kwargs)
-            weights = ops.cos(ops.arange(t, dtype="float32"))[None, :, None, None]
-            return ops.sum(out * weights), out
-
-        out, grads = outputs_and_gradients(loss, q, k, v)
-        return [out, *grads]
-
-    for got, want in zip(run("chunked"), run("dense")):
-        np.testing.assert_allclose(got, want, atol=2e-5)
+    assert_chunked_is_dense(q, k, v, **kwargs)
 
 
 @pytest.mark.parametrize(
@@ -355,14 +357,8 @@ def test_evened_default_blocks_give_the_dense_result_and_gradients(case, monkeyp
     boolean mask, and grouped heads over keys of another length: outputs and gradients are
     the dense path's."""
     monkeypatch.setattr(_chunk_sizes, "sized", lambda *args, **kwargs: 512)
-    seen = []
-    real = ops_module._attention_xla
-
-    def spy(*args, **kwargs):
-        seen.append((kwargs["plan"].query_chunk_size, kwargs["plan"].chunk_size))
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(ops_module, "_attention_xla", spy)
+    query_blocks = spy_on_paths(monkeypatch, "query_chunk_size")
+    key_blocks = spy_on_paths(monkeypatch, "chunk_size")
     rng = np.random.default_rng(1)
     t, s, heads, kv_heads = (520, 700, 2, 1) if case == "gqa_cross" else (520, 520, 2, 2)
     q = tensor(rng.standard_normal((1, t, heads, 8)), "float32")
@@ -373,18 +369,8 @@ def test_evened_default_blocks_give_the_dense_result_and_gradients(case, monkeyp
         "gqa_cross": {},
     }[case]
 
-    def run(implementation):
-        def loss(q, k, v):
-            out = scaled_dot_product_attention(q, k, v, implementation=implementation, **kwargs)
-            weights = ops.cos(ops.arange(t, dtype="float32"))[None, :, None, None]
-            return ops.sum(out * weights), out
-
-        out, grads = outputs_and_gradients(loss, q, k, v)
-        return [out, *grads]
-
-    for got, want in zip(run("chunked"), run("dense")):
-        np.testing.assert_allclose(got, want, atol=2e-5)
-    assert seen[0] == (384, 384), seen
+    assert_chunked_is_dense(q, k, v, **kwargs)
+    assert (query_blocks[0], key_blocks[0]) == (384, 384)
 
 
 def _banded_mask(t, s, window=None, padding=0):

@@ -9,9 +9,9 @@ import keras
 import numpy as np
 import pytest
 from on_backend import gradient_to_variable, numpy, tensor
+from test_ops import spy_on_paths
 
 from keras_sdpa import ScaledDotProductAttention
-from keras_sdpa import ops as ops_module
 
 B, T, S, E, N, H = 3, 4, 5, 8, 2, 4
 
@@ -174,15 +174,7 @@ def output_bias_gradient_numpy(layer, query, value, bias, upstream):
 @pytest.fixture
 def paths(monkeypatch):
     """The path of every call of the core (`Plan.path`), as it runs."""
-    seen = []
-    real = ops_module._attention_xla
-
-    def spy(*args, **kwargs):
-        seen.append(kwargs["plan"].path)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(ops_module, "_attention_xla", spy)
-    return seen
+    return spy_on_paths(monkeypatch)
 
 
 class RelativeBias(keras.layers.Layer):
