@@ -62,7 +62,8 @@ def make_step(length, heads, causal, chunk_size, implementation="chunked"):
 def default_blocks(length, heads):
     from keras import ops
 
-    from keras_sdpa import _plan, _request
+    from keras_sdpa._core import plan as _plan
+    from keras_sdpa._core import request as _request
 
     q = ops.zeros((B, length, heads, H))
     plan, _ = _plan.make(q, q, q, request=_request.Request(implementation="chunked"))

@@ -1,7 +1,7 @@
 """Long prompts on keras-hub's decoder LLMs: stock against the kernel swap.
 
-`keras_sdpa.replace_attention` keeps a decoder family's own attention class and runs its kernel
-on the core (`keras_sdpa._kernels`). The family hands its kernel a `(B, T, S)` causal-and-padding
+`keras_sdpa.replace_attention` keeps a decoder family's own attention class and runs its kernel on
+the core (`keras_sdpa._swap.families`). The family hands its kernel a `(B, T, S)` causal-and-padding
 mask (banded for a window); the chunked path reads that mask in blocks and skips the blocks it
 empties, so the `T x S` scores are never formed. Models built tiny from their constructors (2
 layers, 4 query heads of 32 over 2 key/value heads, width 128, random weights):

@@ -8,17 +8,14 @@ space), `_stand_in` (the class it replaces). The core, `keras_sdpa.ops.run_reque
 
 import keras
 
-from keras_sdpa import (
-    _arguments,
-    _backend,
-    _layer_call,
-    _layer_masks,
-    _rank_n,
-    _request,
-    _shapes,
-    ops,
-)
-from keras_sdpa import _stand_in as stand_in
+from keras_sdpa import _backend
+from keras_sdpa._core import program
+from keras_sdpa._core import request as _request
+from keras_sdpa._layer import arguments as _arguments
+from keras_sdpa._layer import call as _layer_call
+from keras_sdpa._layer import masks as _layer_masks
+from keras_sdpa._layer import rank_n, stand_in
+from keras_sdpa._layer import shapes as _shapes
 
 
 @keras.saving.register_keras_serializable(package="keras_sdpa")
@@ -79,7 +76,7 @@ class ScaledDotProductAttention(keras.layers.Layer):
         mask_mod: optional `mask_mod(b, h, q_idx, kv_idx) -> bool`, True meaning
             "may attend", combined with the other masks (saved if registered).
         replaces: None, or the class this layer stands in for, as the swap sets
-            it (`keras_sdpa._stand_in`).
+            it (`keras_sdpa._layer.stand_in`).
 
     Call arguments:
         query: `(B, *dims_q, E_q)` query input; rank 3 is `(B, T, E_q)`.
@@ -249,7 +246,7 @@ class ScaledDotProductAttention(keras.layers.Layer):
         ]
 
     def _projection(self, name, input_shape, output_shape, bound_dims=1, activation=None):
-        """A built `EinsumDense` of this layer's settings (`keras_sdpa._shapes.einsum_dense`).
+        """A built `EinsumDense` of this layer's settings (`keras_sdpa._layer.shapes.einsum_dense`).
 
         A fresh initializer per projection, so that seeded initializers do not give every
         projection the same kernel."""
@@ -332,7 +329,7 @@ class ScaledDotProductAttention(keras.layers.Layer):
         return (*out, cache) if return_attention_scores else (out, cache)
 
     def _core_request(self, training, return_attention_scores, **call_options):
-        """This call's `keras_sdpa._request.Request`: the layer's settings as they are now,
+        """This call's `keras_sdpa._core.request.Request`: the layer's settings as they are now,
         with a fresh dropout seed where dropout is active, and `call_options` (this call's
         causal mask, its mask mod)."""
         seed = None
@@ -376,7 +373,7 @@ class ScaledDotProductAttention(keras.layers.Layer):
         return type(self)._compute_attention is ScaledDotProductAttention._compute_attention
 
     def _folds_projections(self, query, training, use_causal_mask):
-        """Whether a short query attends in the inputs' space (`keras_sdpa._folded`)."""
+        """Whether a short query attends in the inputs' space (`keras_sdpa._layer.folded`)."""
         return _layer_call.folds(self, query, training, use_causal_mask)
 
     def _compute_attention(
@@ -409,9 +406,9 @@ class ScaledDotProductAttention(keras.layers.Layer):
         """
         query, key, value = (keras.ops.convert_to_tensor(x) for x in (query, key, value))
         rank = len(query.shape) - 1  # the inputs' rank
-        axes = _rank_n.normalize_axes(self.attention_axes, rank)
+        axes = rank_n.normalize_axes(self.attention_axes, rank)
         # The core sees (B', T, N, H): non-attention axes join the batch.
-        flat = _rank_n.Flattener(rank, axes, keras.ops.shape(query), keras.ops.shape(value))
+        flat = rank_n.Flattener(rank, axes, keras.ops.shape(query), keras.ops.shape(value))
         mask = _layer_masks.to_core(attention_mask, flat, self.num_heads)  # (B', N|1, T, S)
         bias = None  # in its own precision: the core adds it to float32 logits
         if attention_bias is not None:
@@ -423,7 +420,7 @@ class ScaledDotProductAttention(keras.layers.Layer):
             is_causal=use_causal_mask,
             mask_mod=self.mask_mod if mask_mod is None else mask_mod,
         )
-        result = ops.run_request(
+        result = program.run_request(
             flat.inputs(query, "query"),
             flat.inputs(key, "value"),
             flat.inputs(value, "value"),

@@ -40,14 +40,14 @@ Example:
 (2, 6, 4, 8)
 """
 
-# The public API. The classes and the machinery live in two private modules, re-exported here
-# (issue #55): `_mods_builtin.py`, the built-in mods; `_mods_core.py`, the `Mod` base and how
-# the core handles a mod (`split`, `join`, `variables_of`, ...). Imported in the order the API
-# reference renders them (`::: keras_sdpa.mods` in docs/api.md orders re-exported names by
-# their import), so isort leaves this block as written.
+# The public API: the user's names only. The classes live in the mods' room, `keras_sdpa/_mods/`:
+# `builtin.py`, the built-in mods; `base.py`, the `Mod` base and how the core handles a mod
+# (`split`, `join`, `variables_of`, ...: the rooms above import those from there). Imported in
+# the order the API reference renders them (`::: keras_sdpa.mods` in docs/api.md orders
+# re-exported names by their import), so isort leaves this block as written.
 # isort: off
-from keras_sdpa._mods_core import Mod
-from keras_sdpa._mods_builtin import (
+from keras_sdpa._mods.base import Mod
+from keras_sdpa._mods.builtin import (
     Causal,
     SlidingWindow,
     ChunkedLocal,
@@ -59,17 +59,11 @@ from keras_sdpa._mods_builtin import (
     Alibi,
     RelativePositionBias,
 )
-from keras_sdpa._mods_core import WithTensors
-from keras_sdpa._mods_builtin import alibi_slopes, relative_position_bucket
-from keras_sdpa._mods_core import variables_of, as_function, tensors_of, split, join
-from keras_sdpa._mods_builtin import check_heads, uses_segment_ids
+from keras_sdpa._mods.base import WithTensors
+from keras_sdpa._mods.builtin import alibi_slopes, relative_position_bucket
 # isort: on
 
-# The private names that other modules of the library read as `mods._bind` and
-# `mods._static_key`.
-from keras_sdpa._mods_builtin import _bind as _bind
-from keras_sdpa._mods_builtin import _Combined
-from keras_sdpa._mods_core import _static_key as _static_key
+from keras_sdpa._mods.builtin import Combined
 
 # What `from keras_sdpa.mods import *` gives and what the API reference renders
 # (`::: keras_sdpa.mods` in docs/api.md): a re-exported name is rendered only when listed here.
@@ -99,13 +93,6 @@ __all__ = [
     "soft_cap",
     "alibi",
     "relative_position_bias",
-    "variables_of",
-    "as_function",
-    "tensors_of",
-    "split",
-    "join",
-    "check_heads",
-    "uses_segment_ids",
 ]
 
 # The classes name this module as theirs, where users import them, as before the split: a
@@ -119,7 +106,7 @@ for _class in (
     ChunkedLocal,
     PrefixLM,
     Document,
-    _Combined,
+    Combined,
     AndMasks,
     OrMasks,
     SoftCap,

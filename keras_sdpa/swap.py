@@ -11,7 +11,7 @@ Two ways, as Transformers' `attn_implementation` offers both:
 
 A model's own attention classes (Gemma, Llama, ...) and Whisper's subclass of keras-hub's
 cached attention (no key bias) keep their class, and their kernel runs on the core
-(`_kernels.py`). Subclasses that change what they compute (XLNet's two-stream attention has a
+(`families.py`). Subclasses that change what they compute (XLNet's two-stream attention has a
 call of its own) and the classes whose kernel is not swapped are left as they are, and the
 report names them.
 """
@@ -25,7 +25,9 @@ import warnings
 
 import keras
 
-from keras_sdpa import _kernels, _references, _request, _scope
+from keras_sdpa._core import request
+from keras_sdpa._swap import families, references
+from keras_sdpa._swap import scope as _scope
 from keras_sdpa.layer import ScaledDotProductAttention
 
 # The classes as Keras defines them, read before any scope patches their public names.
@@ -61,7 +63,7 @@ def _config(layer):
 
 
 def _check_options(flash_attention, layer_options):
-    _request.check_flash_attention(flash_attention)
+    request.check_flash_attention(flash_attention)
     known = set(inspect.signature(ScaledDotProductAttention.__init__).parameters)
     unknown = sorted(set(layer_options) - (known - {"replaces"}))
     if unknown:
@@ -86,7 +88,7 @@ class AttentionReport:
         swapped: `(path, class name)` of each layer put in this layer's place: every one is
             held, and called, where the old one was.
         kernels: `(path, class name)` of each layer of a family's own attention class that
-            stays, with its kernel (`_compute_attention`) run on the core (`_kernels.py`).
+            stays, with its kernel (`_compute_attention`) run on the core (`families.py`).
         left: `(path, class name, reason)` of each attention layer left as it was.
         shared: `(holder name, path)` of each layer outside `model` that held a swapped
             layer too (another model built on the same layers), and now holds the new one.
@@ -143,8 +145,8 @@ def _why_kept(layer_class, config):
 
 def _why_left(layer, swappable):
     """Why `layer` stays as it is, or None: a swappable layer or kernel, or no attention."""
-    if _kernels.family_of(layer) is not None:
-        return _kernels.why_left(layer)
+    if families.family_of(layer) is not None:
+        return families.why_left(layer)
     if type(layer) in swappable:
         return _why_kept(type(layer), layer.get_config())
     for base in type(layer).__mro__:  # the nearest swappable base
@@ -154,7 +156,7 @@ def _why_left(layer, swappable):
                 "its weights or outputs would differ"
             )
     if _is_attention(layer):
-        return _kernels.LEFT.get(type(layer).__name__) or (
+        return families.LEFT.get(type(layer).__name__) or (
             "its own attention class, not a MultiHeadAttention, GroupQueryAttention or "
             "CachedMultiHeadAttention"
         )
@@ -299,32 +301,32 @@ def replace_attention(model, flash_attention=None, **layer_options):
     extra = _overrides(flash_attention, layer_options)
     swappable, report = _swappable(), AttentionReport()
     found, visited, kernels = _find(model, swappable, report)
-    kernel_options = _kernels.options(flash_attention, layer_options) if kernels else {}
+    kernel_options = families.options(flash_attention, layer_options) if kernels else {}
     olds = {id(old): (old, path) for _, old, path in found}
     # Where else they are held (another model built on the same layers): `(holder, old,
     # path)`. Every place is checked, and every new layer made, before anything changes.
-    held = _references.holders([old for old, _ in olds.values()], set(visited)) if olds else []
+    held = references.holders([old for old, _ in olds.values()], set(visited)) if olds else []
     shared = [
         (holder, old, path)
         for holder in held
         for old, path in olds.values()
-        if _references.holds(holder, old)
+        if references.holds(holder, old)
     ]
     for parent, old, path in found + shared:
-        _references.check(parent, old, path)
+        references.check(parent, old, path)
     swapped = {}  # id(old): the new layer
     for key, (old, path) in olds.items():
         swapped[key] = _swap(old, extra)
         report.swapped.append((path, type(old).__name__))
     for parent, old, _ in found + shared:
-        _references.replace(parent, old, swapped[id(old)])
+        references.replace(parent, old, swapped[id(old)])
     for layer in kernels:
-        _kernels.swap(layer, **kernel_options)
+        families.swap(layer, **kernel_options)
     report.shared = [(holder.name, path) for holder, _, path in shared]
     for layer in visited.values():
         _reset_compiled(layer)  # `model` and every layer inside it
     holders = list({id(holder): holder for holder, _, _ in shared}.values())
-    around = _references.enclosing([model, *holders], set(visited) | {id(h) for h in holders})
+    around = references.enclosing([model, *holders], set(visited) | {id(h) for h in holders})
     report.reset = [layer.name for layer in holders + around if _reset_compiled(layer)]
     if swapped:
         _warn_on_config(model)
@@ -340,11 +342,11 @@ def _find(model, swappable, report):
         if id(parent) in visited:
             return
         visited[id(parent)] = parent
-        for child in _references.sublayers(parent):
+        for child in references.sublayers(parent):
             where = f"{path}/{child.name}"
             why = _why_left(child, swappable)
-            if _kernels.family_of(child) is not None and why is None:
-                if not _kernels.is_swapped(child):
+            if families.family_of(child) is not None and why is None:
+                if not families.is_swapped(child):
                     report.kernels.append((where, type(child).__name__))
                 kernels.append(child)  # swapped before: this call's options replace its own
             elif type(child) in swappable and why is None:
@@ -395,7 +397,7 @@ def _sublayers_hold_attention(layer, swappable):
     layers inside it, which `replace_attention` then walks into."""
     return any(
         type(child) in swappable or _sublayers_hold_attention(child, swappable)
-        for child in _references.sublayers(layer)
+        for child in references.sublayers(layer)
     )
 
 
@@ -459,7 +461,7 @@ def sdpa_scope(flash_attention=None, **layer_options):
         _swappable(),
         _overrides(flash_attention, layer_options),
         _scope_arguments,
-        _kernels.loaded_classes(),
+        families.loaded_classes(),
         _scope_kernel,
     )
     try:
@@ -472,14 +474,14 @@ def _scope_kernel(layer, options):
     """Swaps the kernel of a family's attention class constructed in a scope, with the
     scope's `flash_attention`, `implementation` and `chunk_size` (its other options are
     `ScaledDotProductAttention`'s, which that class does not become)."""
-    why = _kernels.why_left(layer)
+    why = families.why_left(layer)
     if why:
         warnings.warn(f"sdpa_scope left {layer.name!r} as it is: {why}", stacklevel=4)
         return
     options = dict(options)
     flash_attention = options.pop("flash_attention", None)
     known = {name: options[name] for name in ("implementation", "chunk_size") if name in options}
-    _kernels.swap(layer, **_kernels.options(flash_attention, known))
+    families.swap(layer, **families.options(flash_attention, known))
 
 
 def _scope_arguments(layer_class, args, kwargs):

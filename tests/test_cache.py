@@ -384,7 +384,7 @@ JAX_CACHE_CHECK = """
 import os
 os.environ["KERAS_BACKEND"] = "jax"
 import jax, jax.numpy as jnp, numpy as np
-from keras_sdpa import _cache
+from keras_sdpa._layer import cache as _cache
 B, S, K, H, t = 2, 7, 3, 5, 2
 cache = np.zeros((B, 2, S, K, H), "float32")
 update = np.random.default_rng(0).normal(size=(B, 2, t, K, H)).astype("float32")

@@ -20,8 +20,9 @@ from test_ops import (
     spy_on_paths,
 )
 
-from keras_sdpa import ScaledDotProductAttention, _chunk_sizes, _plan
-from keras_sdpa import ops as ops_module
+from keras_sdpa import ScaledDotProductAttention
+from keras_sdpa._core import chunk_sizes, program
+from keras_sdpa._core import plan as _plan
 from keras_sdpa.ops import scaled_dot_product_attention
 
 B, N, H, HV = 2, 3, 6, 5
@@ -144,7 +145,7 @@ def test_chunked_gradients_match_finite_differences(is_causal):
 def test_chunked_path_is_one_xla_program_with_loops():
     q, k, v = inputs(11, 11)
     kwargs = core_kwargs(num_heads=N, num_kv_heads=N, is_causal=True, chunk_size=CHUNK)
-    core = ops_module._attention_xla
+    core = program.compiled
     chunked = dict(plan=kwargs["plan"].replace(path="chunked"))
     hlo = optimized_hlo(core, q, k, v, None, None, None, (), (), None, (), **chunked)
     assert "while" in hlo and " dot(" in hlo and "exponential(" in hlo
@@ -270,12 +271,12 @@ def test_layer_in_a_keras_model_trains_with_chunked_attention():
 def test_default_blocks_are_evened_out_over_the_length(monkeypatch):
     """Without a `chunk_size`, the blocks cover the length evenly in multiples of 128 (4,097
     tokens in 3 blocks of 1408, not 2048 + 2048 + a block of padding); a given one is kept."""
-    assert _chunk_sizes.balanced_chunk_size(4097, 2048) == 1408
-    assert _chunk_sizes.balanced_chunk_size(8192, 2048) == 2048
-    assert _chunk_sizes.balanced_chunk_size(3000, 2048) == 1536
-    assert _chunk_sizes.balanced_chunk_size(129, 128) == 128
+    assert chunk_sizes.balanced_chunk_size(4097, 2048) == 1408
+    assert chunk_sizes.balanced_chunk_size(8192, 2048) == 2048
+    assert chunk_sizes.balanced_chunk_size(3000, 2048) == 1536
+    assert chunk_sizes.balanced_chunk_size(129, 128) == 128
     seen = spy_on_paths(monkeypatch, "chunk_size")
-    monkeypatch.setattr(_chunk_sizes, "sized", lambda *args, **kwargs: 512)
+    monkeypatch.setattr(chunk_sizes, "sized", lambda *args, **kwargs: 512)
     rng = np.random.default_rng(0)
     q, k, v = (tensor(rng.standard_normal((1, 520, 1, 8)), "float32") for _ in range(3))
     got = scaled_dot_product_attention(q, k, v, implementation="chunked")
@@ -289,11 +290,11 @@ def test_default_blocks_are_evened_out_over_the_length(monkeypatch):
 def test_default_blocks_hold_16_mib_of_scores_a_step():
     """The default block `C` is the largest power of two (256 to 2048) with `B N C^2` scores
     of 16 MiB at most: blocks of 1024 at B=1, N=4, of 512 at N=8 (float64: 512 at N=4)."""
-    assert _chunk_sizes.sized(1, 4) == 1024
-    assert _chunk_sizes.sized(1, 8) == 512
-    assert _chunk_sizes.sized(None, 2) == 512  # a batch unknown while tracing counts as 8
-    assert _chunk_sizes.sized(1, 4, compute_bytes=8) == 512
-    assert _chunk_sizes.sized(16, 8) == 256 and _chunk_sizes.sized(1, 1) == 2048
+    assert chunk_sizes.sized(1, 4) == 1024
+    assert chunk_sizes.sized(1, 8) == 512
+    assert chunk_sizes.sized(None, 2) == 512  # a batch unknown while tracing counts as 8
+    assert chunk_sizes.sized(1, 4, compute_bytes=8) == 512
+    assert chunk_sizes.sized(16, 8) == 256 and chunk_sizes.sized(1, 1) == 2048
 
 
 def test_short_queries_against_long_keys_take_short_query_blocks():
@@ -335,7 +336,7 @@ def test_rectangular_blocks_give_the_dense_result_and_gradients(case, monkeypatc
     """Query blocks of 96 against key blocks of 160 (neither divides the other, nor the
     lengths): the blocks a causal mask or a window empties are found and skipped on both
     axes, and outputs and gradients are the dense path's."""
-    monkeypatch.setattr(_chunk_sizes, "fitted", lambda *args, **kwargs: (96, 160))
+    monkeypatch.setattr(chunk_sizes, "fitted", lambda *args, **kwargs: (96, 160))
     rng = np.random.default_rng(2)
     t, s, kv_heads = 350, 500 if "mask" in case else 350, 1 if "gqa" in case else 2
     q = tensor(rng.standard_normal((1, t, 2, 8)), "float32")
@@ -356,7 +357,7 @@ def test_evened_default_blocks_give_the_dense_result_and_gradients(case, monkeyp
     """The evened-out default blocks (T=520 in blocks of 512: 2 of 384) with a causal mask, a
     boolean mask, and grouped heads over keys of another length: outputs and gradients are
     the dense path's."""
-    monkeypatch.setattr(_chunk_sizes, "sized", lambda *args, **kwargs: 512)
+    monkeypatch.setattr(chunk_sizes, "sized", lambda *args, **kwargs: 512)
     query_blocks = spy_on_paths(monkeypatch, "query_chunk_size")
     key_blocks = spy_on_paths(monkeypatch, "chunk_size")
     rng = np.random.default_rng(1)
@@ -400,8 +401,8 @@ def _visits_with_mask(mask, c):
         chunk_size=c,
         mask_pattern=(False, False, True, True),
     )
-    tensors = ops_module.Tensors(mask=tensor(mask[:, :, None]))  # (1, 1, 1, T, S)
-    from keras_sdpa import _chunked
+    tensors = program.Tensors(mask=tensor(mask[:, :, None]))  # (1, 1, 1, T, S)
+    from keras_sdpa._core import chunked as _chunked
 
     return int(_chunked.attend(q, k, k, plan, tensors, count_visits=True)[1][0])
 

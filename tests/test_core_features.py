@@ -16,7 +16,7 @@ from on_backend import gradients, jit, numpy, optimized_hlo, tanh, tensor
 from reference import attention as reference
 from test_ops import assert_gradients_match_finite_differences
 
-from keras_sdpa import _chunked
+from keras_sdpa._core import blocks
 from keras_sdpa.ops import scaled_dot_product_attention
 
 # Pairwise-distinct sizes: batch, query/key length, query heads, key heads, head sizes.
@@ -238,13 +238,13 @@ def test_chunked_loops_visit_exactly_the_blocks_that_meet_the_band(t, s, is_caus
 
     for i in range(num_q):
         lo, hi = (
-            int(x) for x in _chunked.key_block_range(i, num_k, sizes, is_causal, window, (t, s))
+            int(x) for x in blocks.key_block_range(i, num_k, sizes, is_causal, window, (t, s))
         )
         needed = [j for j in range(num_k) if meets(i, j)]
         assert list(range(lo, hi)) == needed, (i, lo, hi, needed)
     for j in range(num_k):
         lo, hi = (
-            int(x) for x in _chunked.query_block_range(j, num_q, sizes, is_causal, window, (t, s))
+            int(x) for x in blocks.query_block_range(j, num_q, sizes, is_causal, window, (t, s))
         )
         needed = [i for i in range(num_q) if meets(i, j)]
         assert list(range(lo, hi)) == needed, (j, lo, hi, needed)

@@ -15,7 +15,9 @@ from keras import ops
 from on_backend import BACKEND, gradients, jit, numpy, tensor
 from test_core_features import HV, B, K, N, S, autodiff_reference, inputs, reference
 
-from keras_sdpa import ScaledDotProductAttention, _decode, mods
+from keras_sdpa import ScaledDotProductAttention, mods
+from keras_sdpa._core import decode as _decode
+from keras_sdpa._core import program
 from keras_sdpa.ops import scaled_dot_product_attention
 
 
@@ -99,15 +101,14 @@ def test_a_cached_token_takes_the_path_flash_attention_names(monkeypatch, decode
     """`flash_attention` chooses for a cached call too: False runs dense and True chunked,
     never decode, all to the same numbers; with True the scores a cached call returns come
     from the dense path (an uncached call refuses them)."""
-    from keras_sdpa import ops as sdpa_ops
 
-    paths, compiled = [], sdpa_ops._attention_xla
+    paths, compiled = [], program.compiled
 
     def spy(*args, **kwargs):
         paths.append(kwargs["plan"].path)
         return compiled(*args, **kwargs)
 
-    monkeypatch.setattr(sdpa_ops, "_attention_xla", spy)
+    monkeypatch.setattr(program, "compiled", spy)
     x = tensor(np.random.default_rng(1).normal(size=(2, 5, 16)), "float32")
     cache = ops.zeros((2, 2, 13, 4, 4))
     weights, outputs = None, {}

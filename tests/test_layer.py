@@ -12,7 +12,8 @@ from keras import ops as kops
 from keras.src.backend.common.masking import get_keras_mask  # no public name in Keras 3.15
 from on_backend import BACKEND, gradient_to_variables, gradients, numpy, tensor
 
-from keras_sdpa import ScaledDotProductAttention, _backend, ops
+from keras_sdpa import ScaledDotProductAttention, _backend
+from keras_sdpa._core import program
 
 # Pairwise-distinct sizes: batch, query length, key length, heads, head size, widths.
 B, T, S, N, H, HV = 2, 3, 5, 4, 6, 7
@@ -186,13 +187,13 @@ def test_fit_step_with_jit_compile(monkeypatch):
         # a `jax.jit`, the step Keras compiled.
         from jax._src import core as jax_core  # `unsafe_am_i_under_a_jit` has no public name
 
-        compiled = ops._attention_xla
+        compiled = program.compiled
 
         def spy(*args, **kwargs):
             contexts.append(jax_core.unsafe_am_i_under_a_jit())
             return compiled(*args, **kwargs)
 
-        monkeypatch.setattr(ops, "_attention_xla", spy)
+        monkeypatch.setattr(program, "compiled", spy)
     else:
         shim = _backend.get()
         inside_xla = shim.inside_compiled

@@ -16,7 +16,8 @@ from on_backend import BACKEND, gradient_to_variables, gradients, jit, numpy, te
 from test_core_features import reference
 from test_ops import spy_on_paths
 
-from keras_sdpa import ScaledDotProductAttention, _plan, ops
+from keras_sdpa import ScaledDotProductAttention, ops
+from keras_sdpa._core import plan
 
 B, E = 2, 8
 
@@ -278,7 +279,7 @@ def test_auto_decides_at_run_time_for_unknown_lengths(monkeypatch):
     """
     import tensorflow as tf
 
-    monkeypatch.setattr(_plan, "AUTO_CHUNKED_BYTES", 4 * B * 2 * 32 * 32)  # chunked past T=32
+    monkeypatch.setattr(plan, "AUTO_CHUNKED_BYTES", 4 * B * 2 * 32 * 32)  # chunked past T=32
     spec = [tf.TensorSpec((B, None, 2, 4))] * 3
 
     def call(implementation, chunk_size=16):
@@ -319,9 +320,9 @@ def test_auto_under_fit_with_unknown_lengths(monkeypatch):
     back to dense: neither a run-time choice nor the chunked path compiles there.
     """
     chosen = []
-    choose = _plan.choose_path
-    monkeypatch.setattr(_plan, "choose_path", lambda *a: chosen.append(choose(*a)) or chosen[-1])
-    monkeypatch.setattr(_plan, "AUTO_CHUNKED_BYTES", 4 * 4 * 2 * 24 * 24)  # chunked past T=24
+    choose = plan.choose_path
+    monkeypatch.setattr(plan, "choose_path", lambda *a: chosen.append(choose(*a)) or chosen[-1])
+    monkeypatch.setattr(plan, "AUTO_CHUNKED_BYTES", 4 * 4 * 2 * 24 * 24)  # chunked past T=24
 
     for jit_compile, want in ((False, "auto"), (True, "dense")):
         chosen.clear()
@@ -345,9 +346,9 @@ def test_auto_goes_chunked_inside_a_jit_compiled_fit_with_a_fixed_length(monkeyp
     import tensorflow as tf
 
     chosen = []
-    choose = _plan.choose_path
-    monkeypatch.setattr(_plan, "choose_path", lambda *a: chosen.append(choose(*a)) or chosen[-1])
-    monkeypatch.setattr(_plan, "AUTO_CHUNKED_BYTES_PER_EXAMPLE", 4 * 2 * 24 * 24)  # past T=24
+    choose = plan.choose_path
+    monkeypatch.setattr(plan, "choose_path", lambda *a: chosen.append(choose(*a)) or chosen[-1])
+    monkeypatch.setattr(plan, "AUTO_CHUNKED_BYTES_PER_EXAMPLE", 4 * 2 * 24 * 24)  # past T=24
     length = 40
     x = random((8, length, E), 41)
     weights = {}

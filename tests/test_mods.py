@@ -24,8 +24,10 @@ from on_backend import BACKEND, gradient_to_variable, gradients, jit, numpy, tan
 from reference import attention as reference
 
 import keras_sdpa
-from keras_sdpa import _chunked, _plan, mods
-from keras_sdpa import ops as sdpa_ops
+from keras_sdpa import mods
+from keras_sdpa._core import chunked as _chunked
+from keras_sdpa._core import plan as _plan
+from keras_sdpa._core import program
 from keras_sdpa.ops import scaled_dot_product_attention
 
 # Pairwise-distinct sizes; T and S are not multiples of the block.
@@ -478,7 +480,7 @@ def visits(mask_mod, t, s, c, block_kinds=None):
             scale=1.0,
             chunk_size=c,
         )
-        tensors = sdpa_ops.Tensors(mask_mod=mask_mod, block_kinds=block_kinds)
+        tensors = program.Tensors(mask_mod=mask_mod, block_kinds=block_kinds)
         return _chunked.attend(q, k, k, plan, tensors, count_visits=True)
 
     return tuple(int(x) for x in run(q, k)[1])
@@ -528,14 +530,14 @@ def test_causal_and_window_mods_run_as_the_built_in_arguments(monkeypatch, mask_
     """What the compiled core receives: `is_causal`, `sliding_window`, and a mask_mod only
     for what is left (an `or` is never split)."""
     seen = []
-    compiled = sdpa_ops._attention_xla
+    compiled = program.compiled
 
     def spy(*args, **kwargs):
         plan = kwargs["plan"]
         seen.append((plan.is_causal, plan.window, plan.mask_mod is not None))
         return compiled(*args, **kwargs)
 
-    monkeypatch.setattr(sdpa_ops, "_attention_xla", spy)
+    monkeypatch.setattr(program, "compiled", spy)
     q, k, v = inputs(kv_heads=K)
     scaled_dot_product_attention(q, k, v, mask_mod=mask_mod, implementation="chunked")
     assert seen == [lowered]
@@ -640,12 +642,12 @@ def test_new_segment_ids_do_not_trace_a_new_program():
     q, k, v = inputs(kv_heads=K)
     mod = mods.document(tensor(SEGMENTS[:, :T]), tensor(SEGMENTS))
     scaled_dot_product_attention(q, k, v, mask_mod=mod, implementation="chunked", chunk_size=3)
-    before = tracing_count(sdpa_ops._attention_xla)
+    before = tracing_count(program.compiled)
     for shift in range(3):
         ids = (SEGMENTS + shift) % 4
         mod = mods.document(tensor(ids[:, :T]), tensor(ids))
         scaled_dot_product_attention(q, k, v, mask_mod=mod, implementation="chunked", chunk_size=3)
-    assert tracing_count(sdpa_ops._attention_xla) == before
+    assert tracing_count(program.compiled) == before
 
 
 @pytest.mark.parametrize(

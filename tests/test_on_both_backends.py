@@ -22,7 +22,7 @@ from keras_sdpa import (
     mods,
     scaled_dot_product_attention,
 )
-from keras_sdpa import ops as ops_module
+from keras_sdpa._core import program
 
 if BACKEND == "jax":
     import jax
@@ -320,13 +320,13 @@ def test_chunked_path_matches_dense_outputs_and_gradients(case, monkeypatch):
         options["block_mask"] = create_block_mask(options["mask_mod"], B, N, t, s, block_size=chunk)
     probe = random((B, t, N, HV), 36, dtype)
     paths = []
-    compiled = ops_module._attention_xla
+    compiled = program.compiled
 
     def spy(*args, **kwargs):
         paths.append(kwargs["plan"].path)
         return compiled(*args, **kwargs)
 
-    monkeypatch.setattr(ops_module, "_attention_xla", spy)
+    monkeypatch.setattr(program, "compiled", spy)
 
     def run(implementation):
         def loss(q, k, v, bias):
@@ -428,7 +428,8 @@ def test_a_with_tensors_mod_gets_its_tensors_gradient(path):
 def test_a_cache_write_outside_the_cache_is_dropped():
     """Inside a compiled program the index is known only when it runs: a row written at -1
     or past the end changes nothing (JAX's scatter alone would wrap -1 to the last slot)."""
-    from keras_sdpa import _backend, _cache
+    from keras_sdpa import _backend
+    from keras_sdpa._layer import cache as _cache
 
     write = _backend.get().compile(_cache.write_rows)  # tf.function(jit_compile=True), jax.jit
     cache = np.zeros((3, 2, 6, 2, 4), "float32")

@@ -13,8 +13,10 @@ from keras import ops
 from on_backend import BACKEND, gradients, numpy, optimized_hlo, tensor
 from reference import attention as reference
 
-from keras_sdpa import _plan, _request
 from keras_sdpa import ops as ops_module
+from keras_sdpa._core import plan as _plan
+from keras_sdpa._core import program
+from keras_sdpa._core import request as _request
 from keras_sdpa.ops import scaled_dot_product_attention
 
 if BACKEND == "jax":
@@ -113,7 +115,7 @@ def test_matches_keras_dot_product_attention(mask_kind, is_causal):
 
 
 def core_kwargs(**overrides):
-    """The static argument of the private compiled core, `keras_sdpa.ops._attention_xla`:
+    """The static argument of the private compiled core, `keras_sdpa.program.compiled`:
     its plan."""
     fields = dict(
         num_heads=N,
@@ -144,15 +146,15 @@ def test_xla_matches_eager(mask_kind):
     mask_pattern = None if mask is None else (True,) * 4
     kwargs = core_kwargs(is_causal=True, scale=0.5, return_weights=True, mask_pattern=mask_pattern)
     mask = None if mask is None else ops.broadcast_to(mask, (B, N, T, S))
-    eager = ops_module._attention(q, k, v, mask, None, None, **kwargs)
-    xla = ops_module._attention_xla(q, k, v, mask, None, None, **kwargs)
+    eager = program.attention(q, k, v, mask, None, None, **kwargs)
+    xla = program.compiled(q, k, v, mask, None, None, **kwargs)
     for a, b in zip(eager, xla):
         np.testing.assert_allclose(numpy(a), numpy(b), atol=1e-6)
 
 
 def test_core_is_compiled_by_xla():
     q, k, v = random_inputs()
-    core, kwargs = ops_module._attention_xla, core_kwargs(path="dense")
+    core, kwargs = program.compiled, core_kwargs(path="dense")
     hlo = optimized_hlo(core, q, k, v, None, None, None, (), (), None, (), **kwargs)
     # The whole computation is one XLA module: the two matmuls, the exp of the softmax.
     assert "HloModule" in hlo
@@ -411,25 +413,25 @@ def test_dropout_applies_one_mask_to_the_weights_before_the_values():
 
 def spy_on_paths(monkeypatch, argument="path"):
     """Records one static argument (default: the path) of every call into the compiled
-    core, `keras_sdpa.ops._attention_xla`."""
+    core, `keras_sdpa.program.compiled`."""
     seen = []
-    compiled = ops_module._attention_xla
+    compiled = program.compiled
 
     def spy(*args, **kwargs):
         seen.append(getattr(kwargs["plan"], argument))
         return compiled(*args, **kwargs)
 
-    monkeypatch.setattr(ops_module, "_attention_xla", spy)
+    monkeypatch.setattr(program, "compiled", spy)
     return seen
 
 
 def test_public_call_runs_the_xla_compiled_program(monkeypatch):
-    """The public function reaches `_attention_xla`, a `tf.function(jit_compile=True)` on
+    """The public function reaches `program.compiled`, a `tf.function(jit_compile=True)` on
     TensorFlow (traced inline inside a caller's XLA program) and a `jax.jit` on JAX.
 
     That this function is one XLA program is `test_core_is_compiled_by_xla`.
     """
-    compiled = ops_module._attention_xla
+    compiled = program.compiled
     if BACKEND == "jax":
         assert isinstance(compiled, jax.stages.Wrapped)  # what jax.jit returns
     else:

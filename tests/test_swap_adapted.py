@@ -18,7 +18,8 @@ from keras_hub.src.models.llama.llama_backbone import LlamaBackbone
 from on_backend import numpy
 
 import keras_sdpa
-from keras_sdpa import ScaledDotProductAttention, _kernels
+from keras_sdpa import ScaledDotProductAttention
+from keras_sdpa._swap import families
 
 B, T, VOCAB = 2, 7, 53
 TEXT = dict(
@@ -86,7 +87,7 @@ def attention_layers(backbone):
     return [
         layer
         for layer in backbone._flatten_layers()
-        if isinstance(layer, ScaledDotProductAttention) or _kernels.is_swapped(layer)
+        if isinstance(layer, ScaledDotProductAttention) or families.is_swapped(layer)
     ]
 
 

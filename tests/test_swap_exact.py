@@ -22,7 +22,8 @@ from keras_hub.src.layers.modeling.transformer_encoder import TransformerEncoder
 from test_swap import gpt2_lm
 
 import keras_sdpa
-from keras_sdpa import ScaledDotProductAttention, _stand_in
+from keras_sdpa import ScaledDotProductAttention
+from keras_sdpa._layer import stand_in as _stand_in
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 B, T, E, VOCAB = 2, 7, 16, 53

@@ -57,8 +57,8 @@ from test_swap_families import (
 )
 
 import keras_sdpa
-from keras_sdpa import _kernels
 from keras_sdpa import ops as core
+from keras_sdpa._swap import families as _kernels
 
 partial = functools.partial
 DECODER = dict(vocabulary_size=VOCAB, num_layers=2, hidden_dim=16, intermediate_dim=32)

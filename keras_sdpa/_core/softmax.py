@@ -5,8 +5,9 @@ The logits of a row are, in this order:
 
     1. s = scale * q k^T + bias                   (`logits`)
     2. s = cap * tanh(s / cap)                    (the soft cap of Gemma 2)
-    3. masked: boolean mask, causal, window       (a masked key gets weight 0: `band`,
-                                                   `combine`, `additive`)
+    3. masked: boolean mask, causal, window       (a masked key gets weight 0: the band
+                                                   of `keras_sdpa/_mods/bands.py`, `combine`,
+                                                   `additive`)
 
 Everything here is `keras.ops`, the same on both backends; what differs lives in
 `keras_sdpa/_backend/`.
@@ -23,33 +24,6 @@ MASKED_SCORE = -3.0e38
 # Added to a masked logit on the dense path: exp(logit + MASK_PENALTY - row max) is exactly 0
 # for any logit a row can hold, and the sum stays finite (no -inf, so no inf - inf).
 MASK_PENALTY = -1.0e30
-
-
-def band(queries, keys, is_causal, window):
-    """The causal and window constraints, `(len(queries), len(keys))`, or None.
-
-    Causal: key `s` is allowed for query `t` when `s <= t` (aligned at the top
-    left when `T != S`, as in Keras). Window: when `|t - s| < window`, the
-    symmetric band of `keras.layers.MultiHeadAttention(sliding_window=...)`;
-    with causal, the causal band of Mistral.
-    """
-    if not is_causal and window is None:
-        return None
-    return within(queries[:, None] - keys[None, :], is_causal, window)  # (Tq, Sk)
-
-
-def within(offset, is_causal, window):
-    """Whether `offset = q_idx - kv_idx` lies in the causal band (`offset >= 0`) and the
-    window (`|offset| < window`), booleans of `offset`'s shape; None with neither. Every
-    causal mask and window of the package is this one: the paths' (`band`), the cache's
-    positioned mask, the layer's and the mods `causal()` and `sliding_window(w)`."""
-    allowed = None
-    if is_causal:
-        allowed = offset >= 0
-    if window is not None:
-        near = ops.abs(offset) < window
-        allowed = near if allowed is None else ops.logical_and(allowed, near)
-    return allowed
 
 
 def additive(allowed, dtype):
@@ -70,6 +44,31 @@ def combine(a, b):
     if b is None:
         return a
     return ops.logical_and(a, b)
+
+
+def parts(scores, penalty, any_allowed):
+    """The stable softmax of the logits, left unnormalized.
+
+    `penalty` is the mask in additive form, 0 where allowed and `MASK_PENALTY`
+    where masked (or None), and `any_allowed` says which rows keep a key (or
+    None). Returns `exp`, `(…, T, S)`, with `exp(scores - row_max)` where allowed
+    and 0 where masked, its reciprocal row sum `inv_total`, `(…, T, 1)`, and the
+    row log-sum-exp `lse`, so that `weights = exp * inv_total = exp(scores - lse)`.
+    A fully masked row has `inv_total == 0`: its weights and its output are zero,
+    and its `lse` is `-MASK_PENALTY`, so that `exp(scores - lse)` is 0 there too.
+    """
+    if penalty is not None:
+        scores = scores + penalty  # masked logits underflow to exp == 0
+    row_max = ops.max(scores, axis=-1, keepdims=True)  # (…, T, 1)
+    exp = ops.exp(scores - row_max)  # (…, T, S)
+    total = ops.sum(exp, axis=-1, keepdims=True)  # (…, T, 1)
+    total = ops.where(total > 0.0, total, 1.0)  # no keys at all (S = 0): 0 / 1 = 0
+    lse = row_max + ops.log(total)
+    inv_total = 1.0 / total
+    if any_allowed is not None:
+        inv_total = ops.where(any_allowed, inv_total, 0.0)
+        lse = ops.where(any_allowed, lse, -MASK_PENALTY)
+    return exp, inv_total, lse
 
 
 def logits(raw, bias, cap):

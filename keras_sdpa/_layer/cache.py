@@ -12,8 +12,11 @@ The layer projects and writes (`check`, `update`), then attends here (`attend_fr
 import keras
 import numpy as np
 
-from keras_sdpa import _backend, _layer_masks, mods, ops
-from keras_sdpa import _softmax as softmax
+from keras_sdpa import _backend, mods
+from keras_sdpa._core import program
+from keras_sdpa._layer import masks as _layer_masks
+from keras_sdpa._mods import bands, builtin
+from keras_sdpa._mods import base as mod_base
 
 
 def check(cache, index, query, value_mask, key_mask, kv_heads, key_dim, value_dim):
@@ -82,7 +85,7 @@ def attend_from_offsets(
     """
     # The core sees the score mod only inside the positioned wrapper, whose head count it
     # cannot read: checked here, for a score mod set after the layer was made too.
-    mods.check_heads(request.score_mod, q.shape[2])
+    builtin.check_heads(request.score_mod, q.shape[2])
     positioned = Positioned(
         offset,
         bool(use_causal_mask),
@@ -102,7 +105,7 @@ def attend_from_offsets(
         score_mod=positioned.score_mod(),
         mask_mod=positioned.mask_mod(),
     )
-    result = ops.run_request(
+    result = program.run_request(
         q,
         keras.ops.cast(keys, q.dtype),
         keras.ops.cast(values, q.dtype),
@@ -219,15 +222,15 @@ class Positioned(mods.Mod):
             type(self),
             self.causal,
             self.window,
-            mods._static_key(self.inner_mask),
-            mods._static_key(self.inner_score),
+            mod_base.static_key(self.inner_mask),
+            mod_base.static_key(self.inner_score),
         )
 
     def _tensors(self):
-        return (self.offset,) + tuple(mods.tensors_of(self.inner_mask))
+        return (self.offset,) + tuple(mod_base.tensors_of(self.inner_mask))
 
     def _with_tensors(self, tensors):
-        inner = mods.join(self.inner_mask, tuple(tensors[1:]))  # a template's too: no reads
+        inner = mod_base.join(self.inner_mask, tuple(tensors[1:]))  # a template's too: no reads
         return type(self)(tensors[0], self.causal, self.window, inner, self.inner_score)
 
 
@@ -235,7 +238,7 @@ class PositionedMask(Positioned):
     def __call__(self, b, h, q_idx, kv_idx):
         position = self._position(b, q_idx)
         offset = position - kv_idx  # (B, 1, t, s)
-        allowed = softmax.within(offset, self.causal, self.window)
+        allowed = bands.within(offset, self.causal, self.window)
         if allowed is None:
             allowed = keras.ops.ones_like(offset, dtype="bool")
         if self.inner_mask is not None:
@@ -246,14 +249,14 @@ class PositionedMask(Positioned):
 
 class PositionedScore(Positioned):
     def __call__(self, score, b, h, q_idx, kv_idx):
-        return mods.as_function(self.inner_score)(score, b, h, self._position(b, q_idx), kv_idx)
+        return mod_base.as_function(self.inner_score)(score, b, h, self._position(b, q_idx), kv_idx)
 
     def _key(self):
-        return (type(self), mods._static_key(self.inner_score))
+        return (type(self), mod_base.static_key(self.inner_score))
 
     def _tensors(self):
-        return (self.offset,) + tuple(mods.tensors_of(self.inner_score))
+        return (self.offset,) + tuple(mod_base.tensors_of(self.inner_score))
 
     def _with_tensors(self, tensors):
-        inner = mods.join(self.inner_score, tuple(tensors[1:]))  # a template's too: no reads
+        inner = mod_base.join(self.inner_score, tuple(tensors[1:]))  # a template's too: no reads
         return PositionedScore(tensors[0], None, None, None, inner)

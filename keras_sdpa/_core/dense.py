@@ -1,40 +1,14 @@
 """The dense path: the whole `(T, S)` logits at once, with a hand-written gradient.
 
-Tensors are in the grouped layout of `keras_sdpa._layout`: `q (B, K, G, T, H)`,
+Tensors are in the grouped layout of `keras_sdpa._core.layout`: `q (B, K, G, T, H)`,
 `k (B, K, S, H)`, `v (B, K, S, Hv)`.
 """
 
 from keras import ops
 
 from keras_sdpa import _backend
-from keras_sdpa import _layout as layout
-from keras_sdpa import _mod_calls as mod_calls
-from keras_sdpa import _softmax as softmax
-
-
-def softmax_parts(scores, penalty, any_allowed):
-    """The stable softmax of the logits, left unnormalized.
-
-    `penalty` is the mask in additive form, 0 where allowed and `MASK_PENALTY`
-    where masked (or None), and `any_allowed` says which rows keep a key (or
-    None). Returns `exp`, `(…, T, S)`, with `exp(scores - row_max)` where allowed
-    and 0 where masked, its reciprocal row sum `inv_total`, `(…, T, 1)`, and the
-    row log-sum-exp `lse`, so that `weights = exp * inv_total = exp(scores - lse)`.
-    A fully masked row has `inv_total == 0`: its weights and its output are zero,
-    and its `lse` is `-MASK_PENALTY`, so that `exp(scores - lse)` is 0 there too.
-    """
-    if penalty is not None:
-        scores = scores + penalty  # masked logits underflow to exp == 0
-    row_max = ops.max(scores, axis=-1, keepdims=True)  # (…, T, 1)
-    exp = ops.exp(scores - row_max)  # (…, T, S)
-    total = ops.sum(exp, axis=-1, keepdims=True)  # (…, T, 1)
-    total = ops.where(total > 0.0, total, 1.0)  # no keys at all (S = 0): 0 / 1 = 0
-    lse = row_max + ops.log(total)
-    inv_total = 1.0 / total
-    if any_allowed is not None:
-        inv_total = ops.where(any_allowed, inv_total, 0.0)
-        lse = ops.where(any_allowed, lse, -softmax.MASK_PENALTY)
-    return exp, inv_total, lse
+from keras_sdpa._core import layout, mod_calls, softmax
+from keras_sdpa._mods import bands
 
 
 def attend(q, k, v, plan, tensors):
@@ -64,7 +38,7 @@ def attend(q, k, v, plan, tensors):
 
     Returns the output `(B, K, G, T, Hv)` and the weights `(B, K, G, T, S)` or None.
     """
-    mask = with_mask_mod(tensors.mask, q, ops.shape(k)[2], plan, tensors.mask_mod)
+    mask = mod_calls.with_mask_mod(tensors.mask, q, ops.shape(k)[2], plan, tensors.mask_mod)
     keep = _keep(q, k, plan, tensors.seed)  # (B, K, G, T, S) or None
     has_bias, score_mod = tensors.bias is not None, tensors.score_mod
     # The masks, the keep-mask and the mod's tensors come in as arguments: what the
@@ -83,23 +57,6 @@ def attend(q, k, v, plan, tensors):
     return result if plan.return_weights else (result, None)
 
 
-def with_mask_mod(mask, q, s, plan, mask_mod):
-    """`mask` and the mask_mod's `(B|1, K|1, G|1, T, S)` mask, combined (the dense and the
-    decode paths form it whole)."""
-    if mask_mod is None:
-        return mask
-    shape = ops.shape(q)  # (B, K, G, T, H)
-    mod = mod_calls.mod_mask(
-        mask_mod,
-        layout.batch_index(shape[0]),
-        plan.num_heads,
-        plan.num_kv_heads,
-        ops.arange(shape[3]),
-        ops.arange(s),
-    )
-    return mod if mask is None else ops.logical_and(mask, mod)
-
-
 def _keep(q, k, plan, seed):
     """Dropout's keep-mask, `(B, K, G, T, S)`, drawn for `(B, N, T, S)`; None without."""
     if plan.dropout_rate <= 0.0:
@@ -111,7 +68,7 @@ def _keep(q, k, plan, seed):
 
 def _prepare(mask, keep, bias, t, s, plan):
     """The masks in additive form and the key-first layouts, from the forward's inputs."""
-    constraint = softmax.band(ops.arange(t), ops.arange(s), plan.is_causal, plan.window)
+    constraint = bands.band(ops.arange(t), ops.arange(s), plan.is_causal, plan.window)
     if constraint is not None:  # (T, S)
         constraint = constraint[None, None, None]  # (1, 1, 1, T, S)
     allowed = softmax.combine(mask, constraint)  # broadcasts to (B, K, G, T, S)
@@ -143,7 +100,7 @@ class _Forward:
                 self.mod, raw, self.b_index, plan.num_heads, *self.positions
             )
         self.scores = softmax.logits(raw, bias, plan.cap)
-        self.exp, self.inv_total, self.lse = softmax_parts(self.scores, self.penalty, any_allowed)
+        self.exp, self.inv_total, self.lse = softmax.parts(self.scores, self.penalty, any_allowed)
         applied = softmax.dropped(self.exp, keep, plan.dropout_rate)
         out = layout.from_rows(layout.matmul(layout.to_rows(applied), v, plan.operand), plan.groups)
         self.out = out * self.inv_total  # (B, K, G, T, Hv)

@@ -8,7 +8,9 @@ import warnings
 import keras
 from keras import ops
 
-from keras_sdpa import _backend, _layout, mods
+from keras_sdpa import _backend
+from keras_sdpa._core import layout as _layout
+from keras_sdpa._mods import base as mod_base
 
 
 def mod_indices(b, num_heads, q_pos, kv_pos):
@@ -74,7 +76,7 @@ class ScoreMod:
     def _build(self, params):
         params = list(params)
         tensors = [params.pop(0) if _is_float(x) else x for x in self.tensors]
-        fn = mods.as_function(mods.join(self.template, tensors))
+        fn = mod_base.as_function(mod_base.join(self.template, tensors))
         scope = [(v, params.pop(0) if _learns(v) else value) for v, value in self.scope]
         return reading(fn, scope)
 
@@ -153,3 +155,20 @@ def mod_vjp(score_mod, raw, b, num_heads, q_pos, kv_pos, d_modded, params, varia
         return apply_score_mod(mod, raw, b, num_heads, q_pos, kv_pos)
 
     return _backend.get().vjp(modded, raw, list(params), list(variables), d_modded)
+
+
+def with_mask_mod(mask, q, s, plan, mask_mod):
+    """`mask` and the mask_mod's `(B|1, K|1, G|1, T, S)` mask, combined (the dense and the
+    decode paths form it whole)."""
+    if mask_mod is None:
+        return mask
+    shape = ops.shape(q)  # (B, K, G, T, H)
+    mod = mod_mask(
+        mask_mod,
+        _layout.batch_index(shape[0]),
+        plan.num_heads,
+        plan.num_kv_heads,
+        ops.arange(shape[3]),
+        ops.arange(s),
+    )
+    return mod if mask is None else ops.logical_and(mask, mod)

@@ -1,7 +1,7 @@
 """The machinery of `keras_sdpa.mods`: the `Mod` base, and how the core handles a mod.
 
 A mod reaches the compiled program in two parts (`split`): a template, which keys the trace
-(`_static_key`), and the tensors of one call, which are the program's arguments; inside, `join`
+(`static_key`), and the tensors of one call, which are the program's arguments; inside, `join`
 puts them back together. `variables_of` finds the Keras variables the mods hold, and
 `as_function` the plain function behind one. `WithTensors` is the one mod here: a user's
 function with tensors of its own. The built-in mods are in `_mods_builtin.py`; users import
@@ -76,7 +76,7 @@ class WithTensors(Mod):
         )
 
     def _key(self):
-        return (type(self), _static_key(self.fn), len(self.tensors))
+        return (type(self), static_key(self.fn), len(self.tensors))
 
     def _tensors(self):
         return self.tensors
@@ -151,7 +151,7 @@ def join(template, tensors):
     return template
 
 
-def _static_key(mod):
+def static_key(mod):
     """What keys a trace for `mod`: a built-in mod's config; anything else by its identity.
 
     A Keras layer's `repr` names only its class, name and built flag, so two loads of one

@@ -40,7 +40,7 @@ def check_soft_cap(attn_logits_soft_cap):
         )
 
 
-def _check_mod(name, mod):
+def check_mod(name, mod):
     if mod is not None and not callable(mod):
         arguments = "(b, h, q_idx, kv_idx)"
         if name == "score_mod":
@@ -50,7 +50,7 @@ def _check_mod(name, mod):
         )
 
 
-def _check_scale(scale):
+def check_scale(scale):
     if (
         isinstance(scale, bool)
         or not isinstance(scale, numbers.Real)
@@ -62,7 +62,7 @@ def _check_scale(scale):
         )
 
 
-def _check_inputs(query, key, value):
+def check_inputs(query, key, value):
     for name, tensor, layout in (
         ("query", query, "(B, T, N, H)"),
         ("key", key, "(B, S, K, H)"),
@@ -110,14 +110,14 @@ def _check_inputs(query, key, value):
         )
 
 
-def _check_mask(mask, query, key):
+def check_mask(mask, query, key):
     mask, pattern = _broadcastable("mask", mask, query, key)
     if keras.backend.standardize_dtype(mask.dtype) != "bool":
         mask = kops.not_equal(mask, kops.zeros((), mask.dtype))
     return mask, pattern
 
 
-def _check_bias(bias, query, key):
+def check_bias(bias, query, key):
     bias = kops.convert_to_tensor(bias)
     dtype = keras.backend.standardize_dtype(bias.dtype)
     if not keras.backend.is_float_dtype(dtype):
@@ -156,7 +156,7 @@ def _compatible(a, b):
     return a is None or b is None or a == b
 
 
-def _as_seed(seed):
+def as_seed(seed):
     """A `(2,)` int32 seed for the stateless dropout inside the XLA program."""
     if seed is None:
         return _backend.get().new_seed()

@@ -20,9 +20,13 @@ from collections.abc import Hashable
 import keras
 from keras import ops
 
-from keras_sdpa import _backend, _block_mask, _checks, _chunk_sizes, _request, mods
-from keras_sdpa import _layout as layout
-from keras_sdpa._types import MaskMod, ScoreMod, Tensor
+from keras_sdpa import _backend, mods
+from keras_sdpa._core import block_mask, chunk_sizes, layout
+from keras_sdpa._core import request as _request
+from keras_sdpa._mods import base as mod_base
+from keras_sdpa._mods import builtin
+from keras_sdpa._shared import checks as _checks
+from keras_sdpa._shared.types import MaskMod, ScoreMod, Tensor
 
 
 def check_scores(flash_attention, return_attention_scores):
@@ -153,7 +157,7 @@ def make(query, key, value, mask=None, bias=None, request=_request.DEFAULT):
     implementation = _implementation(request, query.shape[1])
     chunk_size, block_kinds = request.chunk_size, None
     if request.block_mask is not None:
-        block_kinds, chunk_size = _block_mask.check(
+        block_kinds, chunk_size = block_mask.check(
             request.block_mask, request.mask_mod, chunk_size, query, key
         )
     mask_mod, is_causal, sliding_window = lower_mask_mod(
@@ -163,10 +167,8 @@ def make(query, key, value, mask=None, bias=None, request=_request.DEFAULT):
         block_kinds = None  # the mask_mod lowered to a causal mask or a window: no block map
     if implementation == "decode" and is_causal:
         _check_decode_alignment(query, key, bool(request.is_causal), request.mask_mod)
-    masked = (
-        is_causal or mask_mod is not None or _chunk_sizes.blocked_mask(mask_pattern, query, key)
-    )
-    chunk_size, balance = _chunk_sizes.chosen(chunk_size, sliding_window, mask_mod, masked)
+    masked = is_causal or mask_mod is not None or chunk_sizes.blocked_mask(mask_pattern, query, key)
+    chunk_size, balance = chunk_sizes.chosen(chunk_size, sliding_window, mask_mod, masked)
     dropout_rate = float(request.dropout_rate) if request.training else 0.0
     return_weights = bool(request.return_weights)
     path = _path(implementation, query, key, return_weights, chunk_size, request.score_mod)
@@ -175,9 +177,9 @@ def make(query, key, value, mask=None, bias=None, request=_request.DEFAULT):
     query_chunk_size = chunk_size
     if path == "chunked" and block_kinds is None:
         compute_bytes = 8 if keras.backend.standardize_dtype(query.dtype) == "float64" else 4
-        sizes = _chunk_sizes.fitted(chunk_size, query, key, balance, compute_bytes, masked)
+        sizes = chunk_sizes.fitted(chunk_size, query, key, balance, compute_bytes, masked)
         query_chunk_size, chunk_size = sizes
-    seed = _checks._as_seed(request.seed) if dropout_rate > 0.0 else None
+    seed = _checks.as_seed(request.seed) if dropout_rate > 0.0 else None
     block_kinds = block_kinds if path == "chunked" else None  # only that path has blocks
     call, score_template, mask_template = _call_tensors(
         mask, bias, seed, block_kinds, request.score_mod, mask_mod
@@ -208,9 +210,9 @@ def make(query, key, value, mask=None, bias=None, request=_request.DEFAULT):
 def _call_tensors(mask, bias, seed, block_kinds, score_mod, mask_mod):
     """The call's `CallTensors`, and the mods' templates (`mods.split`): what the program
     is keyed by, apart from the tensors it takes."""
-    score_template, score_tensors = mods.split(score_mod)
-    mask_template, mask_tensors = mods.split(mask_mod)
-    variables = mods.variables_of(score_template, mask_template)
+    score_template, score_tensors = mod_base.split(score_mod)
+    mask_template, mask_tensors = mod_base.split(mask_mod)
+    variables = mod_base.variables_of(score_template, mask_template)
     call = CallTensors(
         mask=mask,
         bias=bias,
@@ -226,13 +228,13 @@ def _call_tensors(mask, bias, seed, block_kinds, score_mod, mask_mod):
 def _checked(query, key, value, mask, bias, score_mod):
     """The tensors' checks: the inputs, and the mask and the bias with their broadcast
     patterns; the score mod's head count against the query's."""
-    _checks._check_inputs(query, key, value)
+    _checks.check_inputs(query, key, value)
     mask_and_pattern = bias_and_pattern = (None, None)
     if mask is not None:
-        mask_and_pattern = _checks._check_mask(ops.convert_to_tensor(mask), query, key)
+        mask_and_pattern = _checks.check_mask(ops.convert_to_tensor(mask), query, key)
     if bias is not None:
-        bias_and_pattern = _checks._check_bias(bias, query, key)
-    mods.check_heads(score_mod, query.shape[2])
+        bias_and_pattern = _checks.check_bias(bias, query, key)
+    builtin.check_heads(score_mod, query.shape[2])
     return mask_and_pattern, bias_and_pattern
 
 
@@ -295,8 +297,7 @@ def choose_path(implementation, query, key, return_weights, chunk_size):
     if implementation in ("chunked", "decode"):
         return implementation
     sizes = [
-        _chunk_sizes.known(d)
-        for d in (query.shape[0], query.shape[2], query.shape[1], key.shape[1])
+        chunk_sizes.known(d) for d in (query.shape[0], query.shape[2], query.shape[1], key.shape[1])
     ]
     if any(size is None for size in sizes):  # B, N, T, S
         if _backend.get().inside_compiled():
@@ -315,7 +316,7 @@ def choose_path(implementation, query, key, return_weights, chunk_size):
 def choose_path_from_one_example(query, key, chunk_size):
     """Chunked when one example's float32 scores pass 32 MiB and a sequence is longer than a
     block; dense otherwise, and for lengths unknown while tracing."""
-    n, t, s = query.shape[2], _chunk_sizes.known(query.shape[1]), _chunk_sizes.known(key.shape[1])
+    n, t, s = query.shape[2], chunk_sizes.known(query.shape[1]), chunk_sizes.known(key.shape[1])
     if t is None or s is None:
         return "dense"
     large = n * t * s * 4 > AUTO_CHUNKED_BYTES_PER_EXAMPLE

@@ -12,9 +12,9 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from keras_sdpa import _checks
-from keras_sdpa._block_mask import BlockMask
-from keras_sdpa._types import MaskMod, ScoreMod, Tensor
+from keras_sdpa._core.block_mask import BlockMask
+from keras_sdpa._shared import checks
+from keras_sdpa._shared.types import MaskMod, ScoreMod, Tensor
 
 IMPLEMENTATIONS = ("auto", "dense", "chunked", "decode")
 
@@ -45,19 +45,19 @@ class Request:
     cached: bool = False  # the layer's call against a key/value cache
 
     def __post_init__(self):
-        _checks.check_sliding_window(self.sliding_window)
-        _checks.check_soft_cap(self.attn_logits_soft_cap)
+        checks.check_sliding_window(self.sliding_window)
+        checks.check_soft_cap(self.attn_logits_soft_cap)
         if self.scale is not None:
-            _checks._check_scale(self.scale)
+            checks.check_scale(self.scale)
         if not 0.0 <= self.dropout_rate < 1.0:
             raise ValueError(
                 f"`dropout_rate` must be in [0, 1). Received: dropout_rate={self.dropout_rate}"
             )
         check_implementation(self.implementation)
-        chunk_size = _checks.positive_int("chunk_size", self.chunk_size, or_none=True)
+        chunk_size = checks.positive_int("chunk_size", self.chunk_size, or_none=True)
         object.__setattr__(self, "chunk_size", chunk_size)  # an int, as the plan keeps it
-        _checks._check_mod("score_mod", self.score_mod)
-        _checks._check_mod("mask_mod", self.mask_mod)
+        checks.check_mod("score_mod", self.score_mod)
+        checks.check_mod("mask_mod", self.mask_mod)
         check_flash_attention(self.flash_attention)
 
     def replace(self, **changes):

@@ -1,9 +1,11 @@
 """FlexAttention's block masks: a `mask_mod`'s block kinds for the chunked path, made once and
 shared by the calls (and layers) that pass them as `block_mask=`."""
 
-from keras_sdpa import _backend, _blocks, _checks, _chunk_sizes, mods
-from keras_sdpa import _layout as layout
-from keras_sdpa import _mod_calls as mod_calls
+from keras_sdpa import _backend
+from keras_sdpa._core import blocks as _blocks
+from keras_sdpa._core import chunk_sizes, layout, mod_calls
+from keras_sdpa._mods import base as mod_base
+from keras_sdpa._shared import checks
 
 
 class BlockMask:
@@ -50,17 +52,17 @@ def create_block_mask(mask_mod, B, N, T, S, block_size=None, num_kv_heads=None):
     Returns:
         A `BlockMask`.
     """
-    _checks._check_mod("mask_mod", mask_mod)
+    checks.check_mod("mask_mod", mask_mod)
     if mask_mod is None:
         raise ValueError("`create_block_mask` needs a mask_mod. Received: mask_mod=None")
     if block_size is None:
-        block_size = _chunk_sizes.MASKED_CHUNK_SIZE
+        block_size = chunk_sizes.MASKED_CHUNK_SIZE
     for name, value in (("B", B), ("N", N), ("T", T), ("S", S), ("block_size", block_size)):
-        _checks.positive_int(name, value)
+        checks.positive_int(name, value)
     num_kv_heads = N if num_kv_heads is None else num_kv_heads
-    template, tensors = mods.split(mask_mod)
+    template, tensors = mod_base.split(mask_mod)
     # On JAX the values of the variables the mod holds enter the program as inputs.
-    variable_values = _backend.get().variable_inputs(mods.variables_of(template))
+    variable_values = _backend.get().variable_inputs(mod_base.variables_of(template))
     kinds = _block_kinds_xla(
         tensors,
         variable_values,
@@ -76,9 +78,11 @@ def create_block_mask(mask_mod, B, N, T, S, block_size=None, num_kv_heads=None):
 
 
 def _block_kinds(tensors, variable_values=(), *, template, B, N, K, T, S, C):
-    mask_mod = mods.as_function(mods.join(template, tensors))
+    mask_mod = mod_base.as_function(mod_base.join(template, tensors))
     # JAX: the variables the mod holds, as this call's values (and a warning for others).
-    mask_mod = mod_calls.reading(mask_mod, tuple(zip(mods.variables_of(template), variable_values)))
+    mask_mod = mod_calls.reading(
+        mask_mod, tuple(zip(mod_base.variables_of(template), variable_values))
+    )
     b_index = layout.batch_index(B)
     # T and S as ints: JAX sizes the array of block kinds while tracing.
     return _blocks.kinds_of_blocks(mask_mod, b_index, N, K, T, S, (C, C))

@@ -1,6 +1,6 @@
 """The chunked path: the online softmax in `(C, C)` blocks, never holding `(T, S)`.
 
-Tensors are in the grouped layout of `keras_sdpa._layout`: `q (B, K, G, T, H)`,
+Tensors are in the grouped layout of `keras_sdpa._core.layout`: `q (B, K, G, T, H)`,
 `k (B, K, S, H)`, `v (B, K, S, Hv)`. A block of queries holds all `G` heads of a
 group, so each block product reads its key block once, whatever the grouping.
 
@@ -17,22 +17,17 @@ import typing
 from keras import ops
 
 from keras_sdpa import _backend
-from keras_sdpa import _layout as layout
-from keras_sdpa import _mod_calls as mod_calls
-from keras_sdpa import _softmax as softmax
-from keras_sdpa._blocks import (  # noqa: F401 (the ranges and kinds: the block mask's, tests')
+from keras_sdpa._core import layout, mod_calls, softmax
+from keras_sdpa._core.blocks import (
     Blocking,
     add_block,
     block,
     from_blocks,
     grid_of,
-    key_block_range,
-    kinds_of_blocks,
-    query_block_range,
     take,
     to_blocks,
 )
-from keras_sdpa._types import Tensor
+from keras_sdpa._shared.types import Tensor
 
 
 def attend(q, k, v, plan, tensors, count_visits=False):

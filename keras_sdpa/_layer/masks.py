@@ -6,10 +6,10 @@ import contextlib
 import keras
 from keras.src import backend as keras_backend  # the mask accessors have no public name
 
-from keras_sdpa import _rank_n, mods
-from keras_sdpa import _softmax as softmax
+from keras_sdpa._layer import rank_n
+from keras_sdpa._mods import bands, builtin
 
-_RANK_3 = _rank_n.Flattener(3, (1,), None, None)  # rank-3 inputs: every step the identity
+_RANK_3 = rank_n.Flattener(3, (1,), None, None)  # rank-3 inputs: every step the identity
 
 
 def as_bool(mask):
@@ -23,7 +23,7 @@ def as_bool(mask):
 def to_core(attention_mask, flat=_RANK_3, num_heads=1):
     """An attention mask in MultiHeadAttention's layout (True or nonzero: may attend) as the
     core takes it, boolean `(B'|1, N|1, T|1, S)`, or None; `flat` the call's
-    `_rank_n.Flattener` (rank-3 inputs by default: `(T, S)` and `(B, T, S)` gain their
+    `rank_n.Flattener` (rank-3 inputs by default: `(T, S)` and `(B, T, S)` gain their
     leading axes, `(B, N|1, T, S)` passes)."""
     if attention_mask is None:
         return None
@@ -77,7 +77,7 @@ def empty_rows(mask, query_mask, t, s, causal=False, window=None):
         if banded and mask.shape[2] == 1:
             may = _kept_in_band(mask[:, :, 0], t, s, causal, window)
         elif banded:  # a mask with a query axis: already (B, N|1, T, S) in memory
-            band = softmax.band(keras.ops.arange(t), keras.ops.arange(s), causal, window)
+            band = bands.band(keras.ops.arange(t), keras.ops.arange(s), causal, window)
             may = keras.ops.any(keras.ops.logical_and(mask, band), -1)
         else:
             may = keras.ops.any(mask, -1)
@@ -134,7 +134,7 @@ def with_causal(mask, query, value):
     """`mask` (MultiHeadAttention's layout, or None) and MultiHeadAttention's causal mask
     `(1, T, S)`, True where `s <= t`, for rank-3 `query` and `value`."""
     t, s = keras.ops.shape(query)[1], keras.ops.shape(value)[1]
-    causal = softmax.band(keras.ops.arange(t), keras.ops.arange(s), True, None)[None]  # (1, T, S)
+    causal = bands.band(keras.ops.arange(t), keras.ops.arange(s), True, None)[None]  # (1, T, S)
     return causal if mask is None else keras.ops.logical_and(mask, causal)
 
 
@@ -147,7 +147,7 @@ def bind_segment_ids(mask_mod, segment_ids, query, key, cache):
     """
     if segment_ids is None:
         return mask_mod
-    if mask_mod is None or not mods.uses_segment_ids(mask_mod):
+    if mask_mod is None or not builtin.uses_segment_ids(mask_mod):
         raise ValueError(
             "`segment_ids` are read by a `keras_sdpa.mods.document()` mask mod; this "
             f"layer has mask_mod={mask_mod!r}. Received: segment_ids with shape "
@@ -181,4 +181,4 @@ def bind_segment_ids(mask_mod, segment_ids, query, key, cache):
                 "with a cache (B, S)). Received: segment_ids with shape "
                 f"{tuple(segment_ids.shape)}"
             )
-    return mods._bind(mask_mod, segment_ids, None)
+    return builtin.bind(mask_mod, segment_ids, None)

@@ -5,7 +5,7 @@ import string
 
 import keras
 
-from keras_sdpa._rank_n import normalize_axes
+from keras_sdpa._layer.rank_n import normalize_axes
 
 
 def projection_equation(free_dims, bound_dims, output_dims):

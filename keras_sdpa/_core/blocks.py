@@ -8,9 +8,8 @@ mask empties.
 from keras import ops
 
 from keras_sdpa import _backend
-from keras_sdpa import _layout as layout
-from keras_sdpa import _mod_calls as mod_calls
-from keras_sdpa import _softmax as softmax
+from keras_sdpa._core import layout, mod_calls, softmax
+from keras_sdpa._mods import bands
 
 
 class Blocking:
@@ -63,7 +62,7 @@ class Blocking:
         result = None
         if not isinstance(self.s, int) or self.s % ck:
             result = (keys < self.s)[None, :]  # (1, C_k): padded keys never
-        band = softmax.band(i * cq + self.q_offsets, keys, plan.is_causal, plan.window)
+        band = bands.band(i * cq + self.q_offsets, keys, plan.is_causal, plan.window)
         result = softmax.combine(result, band)
         result = None if result is None else result[None, None, None]
         if self.mask_grid is not None:

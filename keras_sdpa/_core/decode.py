@@ -28,10 +28,9 @@ BENCHMARKS.md.
 
 from keras import ops
 
-from keras_sdpa import _backend, _dense
-from keras_sdpa import _layout as layout
-from keras_sdpa import _mod_calls as mod_calls
-from keras_sdpa import _softmax as softmax
+from keras_sdpa import _backend
+from keras_sdpa._core import layout, mod_calls, softmax
+from keras_sdpa._mods import bands
 
 
 def attend(q, key, value, plan, tensors):
@@ -46,9 +45,9 @@ def attend(q, key, value, plan, tensors):
     compute = plan.compute
     q = ops.cast(q, compute)
     t, s = ops.shape(q)[3], ops.shape(key)[1]
-    constraint = softmax.band(ops.arange(t), ops.arange(s), plan.is_causal, plan.window)  # (T, S)
+    constraint = bands.band(ops.arange(t), ops.arange(s), plan.is_causal, plan.window)  # (T, S)
     allowed = softmax.combine(
-        _dense.with_mask_mod(tensors.mask, q, s, plan, tensors.mask_mod), constraint
+        mod_calls.with_mask_mod(tensors.mask, q, s, plan, tensors.mask_mod), constraint
     )  # (B|1, K|1, G|1, T|1, S|1) or None
     shim = _backend.get()
     raw = shim.cache_logits(q, ops.cast(key, compute))  # (B, K, G, T, S)
@@ -64,7 +63,7 @@ def attend(q, key, value, plan, tensors):
         )
     scores = softmax.logits(raw, tensors.bias, plan.cap)
     penalty, any_allowed = softmax.additive(allowed, compute)  # (…, T|1, S|1), (…, T|1, 1)
-    exp, inv_total, _ = _dense.softmax_parts(scores, penalty, any_allowed)
+    exp, inv_total, _ = softmax.parts(scores, penalty, any_allowed)
     weights = exp * inv_total  # (B, K, G, T, S)
     out = shim.cache_weighted_sum(weights, ops.cast(value, compute))  # (B, K, G, T, Hv)
     return out, weights if plan.return_weights else None

@@ -25,9 +25,9 @@ from collections.abc import Callable
 import keras
 from keras import ops
 
-from keras_sdpa import _request
 from keras_sdpa import ops as core
-from keras_sdpa._call_kernels import CALL_FAMILIES, CallFamily, core_options
+from keras_sdpa._core import request
+from keras_sdpa._swap.call_families import CALL_FAMILIES, CallFamily, core_options
 
 
 def _fused_available(layer):
@@ -245,7 +245,7 @@ def why_left(layer):
     except AttributeError:  # set in `build` (Llama's), unknown to a scope at construction
         scale = None
     try:
-        _request.Request(scale=scale, attn_logits_soft_cap=family.soft_cap(layer))
+        request.Request(scale=scale, attn_logits_soft_cap=family.soft_cap(layer))
     except ValueError as error:
         return f"its settings are outside what the core computes: {error}"
     return None

@@ -148,7 +148,10 @@ LIBRARY_MODULES = sorted(
     for path in glob.glob(os.path.join(PACKAGE, "**", "*.py"), recursive=True)
     if not path.endswith(os.path.join("_backend", "tensorflow.py"))
 )
-LAYER_PARTS = ("_arguments", "_cache", "_folded", "_layer_masks", "_rank_n", "_shapes")
+LAYER_PARTS = tuple(
+    f"_layer/{name}"
+    for name in ("arguments", "cache", "folded", "masks", "rank_n", "shapes", "stand_in")
+)
 
 
 def imported_modules(path):
@@ -365,19 +368,19 @@ def _decides(node, parent):
 
 
 def path_choices_outside_the_plan(trees):
-    """Every place outside `_plan.py` that reads `flash_attention` or `implementation` to
+    """Every place outside `_core/plan.py` that reads `flash_attention` or `implementation` to
     decide something. Passing the value on (an argument, an attribute, a config entry) or
     asking whether it was given (`is None`) is not deciding, and neither is a `check_*`
-    function of `_request.py` refusing a value that is none of the allowed ones."""
+    function of `_core/request.py` refusing a value that is none of the allowed ones."""
     found = []
     for name, tree in trees:
-        if name.endswith("_plan.py"):
+        if name.endswith("_core/plan.py"):
             continue
         parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
         checks = {
             inner
             for node in ast.walk(tree)
-            if name.endswith("_request.py")
+            if name.endswith("_core/request.py")
             and isinstance(node, ast.FunctionDef)
             and node.name.startswith("check_")
             for inner in ast.walk(node)
@@ -395,7 +398,7 @@ def path_choices_outside_the_plan(trees):
 
 def test_only_the_plan_decides_the_path():
     """`flash_attention` (the layer's), `implementation` (the core's) and a cached call's
-    decode become one `Plan.path` in `keras_sdpa/_plan.py`, and nowhere else."""
+    decode become one `Plan.path` in `keras_sdpa/_core/plan.py`, and nowhere else."""
     assert path_choices_outside_the_plan(_library_trees()) == []
 
 
@@ -417,19 +420,19 @@ def test_the_plan_check_sees_a_choice_made_elsewhere():
         "    return 'dense' if implementation == 'auto' else implementation\n"
     )
     trees = [
-        (name, ast.parse(source)) for name in ("keras_sdpa/layer.py", "keras_sdpa/_request.py")
+        (name, ast.parse(source)) for name in ("keras_sdpa/layer.py", "keras_sdpa/_core/request.py")
     ]
     found = sorted(
         path_choices_outside_the_plan(trees),
         key=lambda place: (place.split(":")[0], int(place.split(":")[1].split()[0])),
     )
     assert found == [
-        "keras_sdpa/_request.py:4 flash_attention",
-        "keras_sdpa/_request.py:6 implementation",
-        "keras_sdpa/_request.py:13 implementation",
+        "keras_sdpa/_core/request.py:4 flash_attention",
+        "keras_sdpa/_core/request.py:6 implementation",
+        "keras_sdpa/_core/request.py:13 implementation",
         "keras_sdpa/layer.py:4 flash_attention",
         "keras_sdpa/layer.py:6 implementation",
-        "keras_sdpa/layer.py:10 implementation",  # a check, outside `_request.py`
+        "keras_sdpa/layer.py:10 implementation",  # a check, outside `_core/request.py`
         "keras_sdpa/layer.py:13 implementation",
     ]
 
@@ -484,9 +487,9 @@ def module_state(trees):
 
 def test_the_core_keeps_no_module_state():
     """The compiled programs are keyed by their plan: no module of the library keeps a cache.
-    (`_scope.py` is apart: `sdpa_scope` patches names of the whole process, and counts its
+    (`_swap/scope.py` is apart: `sdpa_scope` patches names of the whole process, and counts its
     scopes there.)"""
-    trees = [(name, tree) for name, tree in _library_trees() if not name.endswith("_scope.py")]
+    trees = [(name, tree) for name, tree in _library_trees() if not name.endswith("_swap/scope.py")]
     assert module_state(trees) == []
     old = "_TEMPLATES = {}\n_COMPILED: dict = dict()\ndef get(name):\n    globals()[name] = 1\n"
     assert module_state([("ops.py", ast.parse(old))]) == [
@@ -538,7 +541,14 @@ def calls_back_into_the_layer(trees):
         and node.name.startswith("_")
         and not node.name.startswith("__")
     }
-    above = ("layer.py", "_layer_call.py", "swap.py", "_scope.py", "_references.py", "__init__.py")
+    above = (
+        "layer.py",
+        "_layer/call.py",
+        "swap.py",
+        "_swap/scope.py",
+        "_swap/references.py",
+        "__init__.py",
+    )
     return [
         f"{name}:{node.lineno} {ast.unparse(node.func)}"
         for name, tree in trees
@@ -554,15 +564,15 @@ def calls_back_into_the_layer(trees):
 def test_nothing_below_the_layer_calls_back_up_into_it():
     assert calls_back_into_the_layer(_library_trees()) == []
     old = ast.parse("def attend(layer, q):\n    return layer._compute_attention(q, q, q)\n")
-    assert calls_back_into_the_layer([("keras_sdpa/_folded.py", old)]) == [
-        "keras_sdpa/_folded.py:2 layer._compute_attention"
+    assert calls_back_into_the_layer([("keras_sdpa/_layer/folded.py", old)]) == [
+        "keras_sdpa/_layer/folded.py:2 layer._compute_attention"
     ]
 
 
 def test_the_records_have_no_field_typed_object():
     """The records a newcomer learns (`Request`, `Plan`, `CallTensors`, `Tensors`, the layer's
     `Call`, the chunked path's blocks, `Family`, `CallFamily`, the swap's report) type every
-    field: none is `object` (`keras_sdpa/_types.py` names the tensors and the mods)."""
+    field: none is `object` (`keras_sdpa/_shared/types.py` names the tensors and the mods)."""
     import dataclasses
 
     import keras_sdpa  # noqa: F401 (every module of the package)
@@ -576,15 +586,15 @@ def test_the_records_have_no_field_typed_object():
                 if dataclasses.is_dataclass(value) or hasattr(value, "_fields"):
                     records.append(value)
     assert {f"{record.__module__}.{record.__qualname__}" for record in records} == {
-        "keras_sdpa._chunked._Blocks",
-        "keras_sdpa._request.Request",
-        "keras_sdpa._plan.Template",
-        "keras_sdpa._plan.Plan",
-        "keras_sdpa._plan.CallTensors",
-        "keras_sdpa.ops.Tensors",
-        "keras_sdpa._layer_call.Call",
-        "keras_sdpa._call_kernels.CallFamily",
-        "keras_sdpa._kernels.Family",
+        "keras_sdpa._core.chunked._Blocks",
+        "keras_sdpa._core.request.Request",
+        "keras_sdpa._core.plan.Template",
+        "keras_sdpa._core.plan.Plan",
+        "keras_sdpa._core.plan.CallTensors",
+        "keras_sdpa._core.program.Tensors",
+        "keras_sdpa._layer.call.Call",
+        "keras_sdpa._swap.call_families.CallFamily",
+        "keras_sdpa._swap.families.Family",
         "keras_sdpa.swap.AttentionReport",
     }
 

@@ -2,7 +2,7 @@
 with a config, registered for Keras saving under the package `keras_sdpa` (the names saved
 `.keras` files hold). Users import them, and their factories, from `keras_sdpa.mods`.
 
-`check_heads`, `uses_segment_ids` and `_bind` ask what a mod is: they are here, beside the
+`check_heads`, `uses_segment_ids` and `bind` ask what a mod is: they are here, beside the
 classes they know. The machinery they all share (`Mod`, `split`, `join`, ...) is `_mods_core.py`.
 """
 
@@ -14,9 +14,10 @@ import keras
 import numpy as np
 from keras import ops
 
-from keras_sdpa import _backend, _checks
-from keras_sdpa import _softmax as softmax
-from keras_sdpa._mods_core import Mod, _static_key, join, tensors_of
+from keras_sdpa import _backend
+from keras_sdpa._mods import bands
+from keras_sdpa._mods.base import Mod, join, static_key, tensors_of
+from keras_sdpa._shared import checks as _checks
 
 _PACKAGE = "keras_sdpa"
 
@@ -29,7 +30,7 @@ class Causal(Mod):
     """`q_idx >= kv_idx`: each query sees itself and the keys before it."""
 
     def __call__(self, b, h, q_idx, kv_idx):
-        return softmax.within(q_idx - kv_idx, True, None)
+        return bands.within(q_idx - kv_idx, True, None)
 
 
 @keras.saving.register_keras_serializable(package=_PACKAGE)
@@ -43,7 +44,7 @@ class SlidingWindow(Mod):
         self.window = _checks.positive_int("window", window)
 
     def __call__(self, b, h, q_idx, kv_idx):
-        return softmax.within(q_idx - kv_idx, False, self.window)
+        return bands.within(q_idx - kv_idx, False, self.window)
 
     def get_config(self):
         return {"window": self.window}
@@ -188,7 +189,7 @@ def _gather_rows(ids, b, positions):
     return ops.take(ops.reshape(ids, (-1,)), b * length + positions)  # row-major flat index
 
 
-class _Combined(Mod):
+class Combined(Mod):
     def __init__(self, *mask_mods):
         if not mask_mods:
             raise ValueError(f"`{type(self).__name__}` needs at least one mask mod. Received: none")
@@ -208,7 +209,7 @@ class _Combined(Mod):
         return result
 
     def bind(self, segment_ids, kv_segment_ids=None):
-        return type(self)(*(_bind(mod, segment_ids, kv_segment_ids) for mod in self.mask_mods))
+        return type(self)(*(bind(mod, segment_ids, kv_segment_ids) for mod in self.mask_mods))
 
     def uses_segment_ids(self):
         return any(uses_segment_ids(mod) for mod in self.mask_mods)
@@ -221,7 +222,7 @@ class _Combined(Mod):
         return cls(*(keras.saving.deserialize_keras_object(m) for m in config["mask_mods"]))
 
     def _key(self):
-        return (type(self), tuple(_static_key(mod) for mod in self.mask_mods))
+        return (type(self), tuple(static_key(mod) for mod in self.mask_mods))
 
     def _tensors(self):
         return tuple(t for mod in self.mask_mods for t in tensors_of(mod))
@@ -236,14 +237,14 @@ class _Combined(Mod):
 
 
 @keras.saving.register_keras_serializable(package=_PACKAGE)
-class AndMasks(_Combined):
+class AndMasks(Combined):
     """A key is allowed when every mask mod allows it."""
 
     _op = staticmethod(ops.logical_and)
 
 
 @keras.saving.register_keras_serializable(package=_PACKAGE)
-class OrMasks(_Combined):
+class OrMasks(Combined):
     """A key is allowed when any mask mod allows it."""
 
     _op = staticmethod(ops.logical_or)
@@ -418,12 +419,12 @@ def check_heads(mod, num_heads, name="score_mod"):
 
 def uses_segment_ids(mod):
     """Whether `mod` takes segment ids from the layer's call."""
-    if isinstance(mod, _Combined):
+    if isinstance(mod, Combined):
         return mod.uses_segment_ids()
     return isinstance(mod, Document)
 
 
-def _bind(mod, segment_ids, kv_segment_ids):
-    if isinstance(mod, (Document, _Combined)):
+def bind(mod, segment_ids, kv_segment_ids):
+    if isinstance(mod, (Document, Combined)):
         return mod.bind(segment_ids, kv_segment_ids)
     return mod

@@ -2,10 +2,11 @@
 (with ALiBi) and T5's (with its relative-position bias).
 
 There is no `_compute_attention` to replace, so `call` is replaced on the instance
-(`keras_sdpa._kernels.swap`) by a function with the class's own signature. It calls the class's
-own sublayers (the projections, Bloom's ALiBi layer, T5's `compute_bias`, the dropout) and repeats
-only its cache bookkeeping; the kernel, `softmax(scale * Q K^T + bias) V` under the mask, runs on
-`keras_sdpa.scaled_dot_product_attention`, with the family's position bias as the core's `bias`.
+(`keras_sdpa._swap.families.swap`) by a function with the class's own signature. It calls the
+class's own sublayers (the projections, Bloom's ALiBi layer, T5's `compute_bias`, the dropout) and
+repeats only its cache bookkeeping; the kernel, `softmax(scale * Q K^T + bias) V` under the mask,
+runs on `keras_sdpa.scaled_dot_product_attention`, with the family's position bias as the core's
+`bias`.
 """
 
 import dataclasses
@@ -16,7 +17,7 @@ import keras
 from keras import ops
 
 from keras_sdpa import ops as core
-from keras_sdpa._types import Tensor
+from keras_sdpa._shared.types import Tensor
 
 _MODELS = "keras_hub.src.models"
 

@@ -12,7 +12,7 @@ import types
 import keras
 from keras.src import backend as keras_backend  # the mask accessors have no public name
 
-from keras_sdpa import _layer_masks
+from keras_sdpa._layer import masks as _layer_masks
 
 # The call arguments of each class this layer stands in for (Keras 3.15, keras-hub 0.32;
 # `tests/test_swap.py` compares them with the installed classes). Keras hands a layer the

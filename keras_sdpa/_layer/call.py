@@ -13,10 +13,13 @@ import typing
 
 import keras
 
-from keras_sdpa import _arguments, _cache, _folded, _layer_masks
-from keras_sdpa import _stand_in as stand_in
-from keras_sdpa._plan import check_scores
-from keras_sdpa._types import MaskMod, Tensor
+from keras_sdpa._core.plan import check_scores
+from keras_sdpa._layer import arguments as _arguments
+from keras_sdpa._layer import cache as _cache
+from keras_sdpa._layer import folded as _folded
+from keras_sdpa._layer import masks as _layer_masks
+from keras_sdpa._layer import stand_in
+from keras_sdpa._shared.types import MaskMod, Tensor
 
 
 class Call(typing.NamedTuple):
@@ -40,7 +43,7 @@ class Call(typing.NamedTuple):
 def route(layer, call):
     """The function that attends for `call`: against a key/value cache, through a
     subclass's own `_compute_attention`, in the inputs' space (a short query, where
-    `keras_sdpa._folded` says it folds), or on the projected queries, keys and values."""
+    `keras_sdpa._layer.folded` says it folds), or on the projected queries, keys and values."""
     if call.cache is not None or call.index is not None:
         return cached
     if not layer._own_core:
@@ -73,7 +76,7 @@ def projected(layer, call):
 
 def folded(layer, call):
     """Attention with `W_K` folded into the query and `W_V` applied after the weighted sum
-    (`keras_sdpa._folded`): the keys and values are never projected."""
+    (`keras_sdpa._layer.folded`): the keys and values are never projected."""
     mask, rows = _own_masks(call)
     q = layer.query_dense(call.query)  # (B, T, N, H)
     w_k, b_k = layer.key_dense.kernel, layer.key_dense.bias
@@ -115,7 +118,7 @@ def overridden(layer, call):
 
 def cached(layer, call):
     """keras-hub's `CachedMultiHeadAttention` contract, with per-row positions: the layer's
-    projections make the queries (and the new keys and values, which `keras_sdpa._cache`
+    projections make the queries (and the new keys and values, which `keras_sdpa._layer.cache`
     writes), and `_cache.attend_from_offsets` runs the core from each row's position."""
     if not layer._own_core:
         raise ValueError(
@@ -166,7 +169,7 @@ def _own_rows(layer, call, out, weights, mask, rows, mean_values):
 
 
 def folds(layer, query, training, causal):
-    """Whether a short query attends in the inputs' space (`keras_sdpa._folded.folds`)."""
+    """Whether a short query attends in the inputs' space (`keras_sdpa._layer.folded.folds`)."""
     projections = (layer.query_dense, layer.key_dense, layer.value_dense)
     return _folded.folds(
         query,

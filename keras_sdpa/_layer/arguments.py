@@ -11,8 +11,10 @@ import keras
 import numpy as np
 from keras.src.backend import AutocastScope  # no public name
 
-from keras_sdpa import _request, mods
-from keras_sdpa._rank_n import normalize_axes
+from keras_sdpa import mods
+from keras_sdpa._core import request
+from keras_sdpa._layer.rank_n import normalize_axes
+from keras_sdpa._mods import builtin
 
 # The constructor's arguments in its order, as `get_config` records them; those that are
 # objects are saved by their serializer, the activity regularizer from where the layer keeps
@@ -88,7 +90,7 @@ def check(
     num_heads, key_dim, value_dim, num_key_value_heads, dropout, output_shape, attention_axes, core
 ):
     """Checks the constructor's arguments: the layer's own, then `core`, those it passes to
-    the core (as a `_request.Request` checks them). Returns `output_shape` and
+    the core (as a `request.Request` checks them). Returns `output_shape` and
     `attention_axes`, each None or a tuple, as the layer keeps them."""
     check_positive_int("num_heads", num_heads)
     for name, size in (
@@ -119,9 +121,9 @@ def check(
                 f"Received: attention_axes={attention_axes!r}"
             )
         attention_axes = tuple(attention_axes)
-    _request.check_implementation(core["implementation"], layer=True)
-    _request.Request(**core)
-    mods.check_heads(core["score_mod"], num_heads)
+    request.check_implementation(core["implementation"], layer=True)
+    request.Request(**core)
+    builtin.check_heads(core["score_mod"], num_heads)
     return output_shape, attention_axes
 
 
