@@ -4,7 +4,7 @@ Forward plus backward (the gradients of `sum(out * c)` to q, k and v) of
 `keras_sdpa.scaled_dot_product_attention(q, k, v, implementation="chunked")` inside
 `tf.function(jit_compile=True)`, B=1, H=64, float32, T=S, for each number of heads and mask:
 the default blocks (no `chunk_size`: sized to `B N C^2` scores of 16 MiB,
-`keras_sdpa/_chunk_sizes.py`) and each `--sizes` block given as `chunk_size`. The dense path
+`keras_sdpa/_core/chunk_sizes.py`) and each `--sizes` block given as `chunk_size`. The dense path
 runs beside them where its scores fit `--dense_up_to`.
 
 Times: alternating rounds of every configuration in this one process, one call each a round

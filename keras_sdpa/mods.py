@@ -96,7 +96,7 @@ __all__ = [
 ]
 
 # The classes name this module as theirs, where users import them, as before the split: a
-# saved config's "module", a repr, a pickle and the compiled program's key (`_plan.py`) read
+# saved config's "module", a repr, a pickle and the compiled program's key (`_core/plan.py`) read
 # `keras_sdpa.mods.<class>`. (Loading finds a class by its registered name, `keras_sdpa>Causal`,
 # which the split does not change.)
 for _class in (

@@ -1,11 +1,11 @@
 """What `keras.ops` lacks, one small module per backend, side by side.
 
-The attention math (`_layout.py`, `_softmax.py`, `_mod_calls.py` and the paths) is written once,
-on `keras.ops`. What `keras.ops` cannot say the same way on both backends lives here, with the
-same names in `tensorflow.py` and `jax.py`, so that a reader compares them line for line (as
-Keras's own `keras/src/backend/<name>/nn.py` do): the compiled entry, the custom gradient, the
-half-precision product with float32 accumulation, the stateless dropout draw, the gradient of a
-`score_mod`, and whether a trace runs inside a caller's compiled step.
+The attention math (`_core/layout.py`, `_core/softmax.py`, `_core/mod_calls.py` and the paths)
+is written once, on `keras.ops`. What `keras.ops` cannot say the same way on both backends lives
+here, with the same names in `tensorflow.py` and `jax.py`, so that a reader compares them line
+for line (as Keras's own `keras/src/backend/<name>/nn.py` do): the compiled entry, the custom
+gradient, the half-precision product with float32 accumulation, the stateless dropout draw, the
+gradient of a `score_mod`, and whether a trace runs inside a caller's compiled step.
 
 `import keras_sdpa` never imports TensorFlow on the JAX backend: the module for the backend
 Keras runs is imported on first use.

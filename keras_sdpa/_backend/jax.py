@@ -141,7 +141,7 @@ def captures_variable_values():
 def cache_logits(q, key):
     """`q (B, K, G, T, H)` against a cache's `key (B, S, K, H)`: logits `(B, K, G, T, S)`,
     a dot on the transposed cache (JAX's XLA does not fuse TensorFlow's multiply-and-reduce
-    into one read: `_decode.py`)."""
+    into one read: `_core/decode.py`)."""
     b, k, g, t, h = q.shape
     rows = q.reshape(b, k, g * t, h)  # a group's heads as rows of one product
     raw = matmul(rows, jnp.swapaxes(key, 1, 2), None, False, True)  # (B, K, G T, S)

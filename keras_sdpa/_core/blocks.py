@@ -1,7 +1,7 @@
 """The chunked path's blocks: their geometry, masks and kinds, and the ranges its loops visit.
 
-`Blocking` holds one call's block geometry and masks, what every loop body of `_chunked.py` reads;
-the functions below move tensors into blocks and back, and class and range the blocks that a
+`Blocking` holds one call's block geometry and masks, what every loop body of `chunked.py`
+reads; the functions below move tensors into blocks and back, and class and range the blocks that a
 mask empties.
 """
 

@@ -15,7 +15,7 @@ those multiply-and-reduce passes into one read of the cache (in one run, 176 ms 
 a call for dots on the transposed cache, B=1, S=8,192, N=8, H=64, AMD EPYC; per token the dots
 take 0.544x keras-hub's layer on JAX, BENCHMARKS.md), so on JAX the two products are dots on
 the transposed cache (`_backend/jax.py`). The softmax, masks, bias, soft cap and mods are
-the dense path's (`_softmax.py`, `_mod_calls.py`), at the same positions. The gradient is the
+the dense path's (`softmax.py`, `mod_calls.py`), at the same positions. The gradient is the
 backend's autodiff of this program: the path serves decoding, where training's `(T, S)`
 products belong to the dense and chunked paths.
 

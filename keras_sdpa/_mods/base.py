@@ -4,7 +4,7 @@ A mod reaches the compiled program in two parts (`split`): a template, which key
 (`static_key`), and the tensors of one call, which are the program's arguments; inside, `join`
 puts them back together. `variables_of` finds the Keras variables the mods hold, and
 `as_function` the plain function behind one. `WithTensors` is the one mod here: a user's
-function with tensors of its own. The built-in mods are in `_mods_builtin.py`; users import
+function with tensors of its own. The built-in mods are in `_mods/builtin.py`; users import
 all of them from `keras_sdpa.mods`.
 """
 

@@ -3,7 +3,7 @@ with a config, registered for Keras saving under the package `keras_sdpa` (the n
 `.keras` files hold). Users import them, and their factories, from `keras_sdpa.mods`.
 
 `check_heads`, `uses_segment_ids` and `bind` ask what a mod is: they are here, beside the
-classes they know. The machinery they all share (`Mod`, `split`, `join`, ...) is `_mods_core.py`.
+classes they know. The machinery they all share (`Mod`, `split`, `join`, ...) is `_mods/base.py`.
 """
 
 import copy
