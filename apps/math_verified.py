@@ -14,7 +14,7 @@ code (`keras_sdpa.ops.scaled_dot_product_attention` and the layer), and writes:
     claim1_variance.png ... claim5_training.png
 
 Every bar is stated from the sample size (a number of standard errors), so a
-claim that stops holding fails `tests/test_math_verified.py`, which asserts
+claim that stops holding fails `tests/apps/test_math_verified.py`, which asserts
 each claim from this app's own measurements.
 """
 

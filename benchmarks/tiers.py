@@ -1,5 +1,5 @@
 """What each test tier costs on this machine, as `.ci/run` runs them: the figures that
-`docs/development.md` quotes (tests/test_readme.py checks the quotes against this file).
+`docs/development.md` quotes (tests/house/test_readme.py checks the quotes against this file).
 
 Runs, one after the other, in this checkout:
 
@@ -36,7 +36,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # file is written, so the timed runs leave it out, and so do the sessions they start (the
 # Quickstart's check of the docs), through tests/conftest.py's KERAS_SDPA_DESELECT. It is
 # collected and counted all the same.
-OWN_CHECK = "tests/test_readme.py::test_development_page_quotes_the_tiers_as_measured"
+OWN_CHECK = "tests/house/test_readme.py::test_development_page_quotes_the_tiers_as_measured"
 
 
 def _pytest(*args):

@@ -16,6 +16,7 @@ from keras_sdpa._layer import call as _layer_call
 from keras_sdpa._layer import masks as _layer_masks
 from keras_sdpa._layer import rank_n, stand_in
 from keras_sdpa._layer import shapes as _shapes
+from keras_sdpa._shared.types import MaskMod, ScoreMod, Tensor
 
 
 @keras.saving.register_keras_serializable(package="keras_sdpa")
@@ -116,33 +117,33 @@ class ScaledDotProductAttention(keras.layers.Layer):
     @_arguments.plain_numbers
     def __init__(
         self,
-        num_heads=1,
-        key_dim=None,
-        value_dim=None,
-        dropout=0.0,
-        use_bias=True,
-        output_shape=None,
-        attention_axes=None,
-        sliding_window=None,
-        flash_attention=None,
-        kernel_initializer="glorot_uniform",
-        bias_initializer="zeros",
-        kernel_regularizer=None,
-        bias_regularizer=None,
-        activity_regularizer=None,
-        kernel_constraint=None,
-        bias_constraint=None,
-        use_gate=False,
-        seed=None,
-        num_key_value_heads=None,
-        output_projection=None,
-        implementation="auto",
-        chunk_size=None,
-        scale=None,
-        attn_logits_soft_cap=None,
-        score_mod=None,
-        mask_mod=None,
-        replaces=None,
+        num_heads: int = 1,
+        key_dim: int | None = None,
+        value_dim: int | None = None,
+        dropout: float = 0.0,
+        use_bias: bool = True,
+        output_shape: int | tuple[int, ...] | None = None,
+        attention_axes: int | tuple[int, ...] | None = None,
+        sliding_window: int | None = None,
+        flash_attention: bool | None = None,
+        kernel_initializer: str | keras.initializers.Initializer = "glorot_uniform",
+        bias_initializer: str | keras.initializers.Initializer = "zeros",
+        kernel_regularizer: str | keras.regularizers.Regularizer | None = None,
+        bias_regularizer: str | keras.regularizers.Regularizer | None = None,
+        activity_regularizer: str | keras.regularizers.Regularizer | None = None,
+        kernel_constraint: str | keras.constraints.Constraint | None = None,
+        bias_constraint: str | keras.constraints.Constraint | None = None,
+        use_gate: bool = False,
+        seed: int | None = None,
+        num_key_value_heads: int | None = None,
+        output_projection: bool | None = None,
+        implementation: str = "auto",
+        chunk_size: int | None = None,
+        scale: float | None = None,
+        attn_logits_soft_cap: float | None = None,
+        score_mod: ScoreMod | None = None,
+        mask_mod: MaskMod | None = None,
+        replaces: str | None = None,
         **kwargs,
     ):
         super().__init__(**kwargs)
@@ -286,21 +287,21 @@ class ScaledDotProductAttention(keras.layers.Layer):
 
     def call(
         self,
-        query,
-        value,
-        key=None,
-        query_mask=None,
-        value_mask=None,
-        key_mask=None,
-        attention_mask=None,
-        attention_bias=None,
-        return_attention_scores=False,
-        training=None,
-        use_causal_mask=False,
-        segment_ids=None,
-        cache=None,
-        cache_update_index=None,
-    ):
+        query: Tensor,
+        value: Tensor,
+        key: Tensor | None = None,
+        query_mask: Tensor | None = None,
+        value_mask: Tensor | None = None,
+        key_mask: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        attention_bias: Tensor | None = None,
+        return_attention_scores: bool = False,
+        training: bool | None = None,
+        use_causal_mask: bool = False,
+        segment_ids: Tensor | None = None,
+        cache: Tensor | None = None,
+        cache_update_index: int | Tensor | None = None,
+    ) -> Tensor | tuple[Tensor, ...]:
         key = value if key is None else key
         projections = (self._query_dense, self._value_dense, self._key_dense)
         widths = [dense.kernel.shape[0] for dense in projections]  # the inputs' widths

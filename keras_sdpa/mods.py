@@ -63,7 +63,10 @@ from keras_sdpa._mods.base import WithTensors
 from keras_sdpa._mods.builtin import alibi_slopes, relative_position_bucket
 # isort: on
 
+from collections.abc import Callable  # noqa: E402 (after the API block above)
+
 from keras_sdpa._mods.builtin import Combined
+from keras_sdpa._shared.types import MaskMod, Tensor
 
 # What `from keras_sdpa.mods import *` gives and what the API reference renders
 # (`::: keras_sdpa.mods` in docs/api.md): a re-exported name is rendered only when listed here.
@@ -121,56 +124,58 @@ del _class
 # ------------------------------------------------------------------------- the factories
 
 
-def causal():
+def causal() -> Causal:
     """The causal mask mod: `q_idx >= kv_idx`."""
     return Causal()
 
 
-def sliding_window(window):
+def sliding_window(window: int) -> SlidingWindow:
     """The symmetric window `|q_idx - kv_idx| < window`, as Keras's `sliding_window`."""
     return SlidingWindow(window)
 
 
-def chunked_local(chunk):
+def chunked_local(chunk: int) -> ChunkedLocal:
     """Attention within fixed chunks of `chunk` positions."""
     return ChunkedLocal(chunk)
 
 
-def prefix_lm(prefix_length):
+def prefix_lm(prefix_length: int | Tensor) -> PrefixLM:
     """Causal, with a bidirectional prefix of `prefix_length` (an int or a `(B,)` tensor)."""
     return PrefixLM(prefix_length)
 
 
-def document(segment_ids=None, kv_segment_ids=None):
+def document(segment_ids: Tensor | None = None, kv_segment_ids: Tensor | None = None) -> Document:
     """Packed documents: queries see the keys of their own segment (`(B, T)` ids)."""
     return Document(segment_ids, kv_segment_ids)
 
 
-def and_masks(*mask_mods):
+def and_masks(*mask_mods: MaskMod) -> AndMasks:
     """A mask mod that allows a key when every one of `mask_mods` allows it."""
     return AndMasks(*mask_mods)
 
 
-def or_masks(*mask_mods):
+def or_masks(*mask_mods: MaskMod) -> OrMasks:
     """A mask mod that allows a key when any of `mask_mods` allows it."""
     return OrMasks(*mask_mods)
 
 
-def with_tensors(fn, *tensors):
+def with_tensors(fn: Callable[..., Tensor], *tensors: Tensor) -> WithTensors:
     """The score mod `fn(score, b, h, q_idx, kv_idx, *tensors)`, whose tensors get gradients."""
     return WithTensors(fn, *tensors)
 
 
-def soft_cap(cap):
+def soft_cap(cap: float) -> SoftCap:
     """The score mod `cap * tanh(score / cap)`."""
     return SoftCap(cap)
 
 
-def alibi(num_heads):
+def alibi(num_heads: int) -> Alibi:
     """The ALiBi score mod for `num_heads` heads."""
     return Alibi(num_heads)
 
 
-def relative_position_bias(num_heads, num_buckets=32, max_distance=128, bidirectional=True):
+def relative_position_bias(
+    num_heads: int, num_buckets: int = 32, max_distance: int = 128, bidirectional: bool = True
+) -> RelativePositionBias:
     """T5's learned relative-position bias, a layer owning a `(num_buckets, num_heads)` table."""
     return RelativePositionBias(num_heads, num_buckets, max_distance, bidirectional)

@@ -26,6 +26,7 @@ from keras_sdpa import _backend
 from keras_sdpa._core import program
 from keras_sdpa._core import request as requests
 from keras_sdpa._core.block_mask import BlockMask, create_block_mask  # noqa: F401 (the public names)
+from keras_sdpa._shared.types import MaskMod, ScoreMod, Tensor
 
 __all__ = ["BlockMask", "create_block_mask", "scaled_dot_product_attention"]
 BlockMask.__module__ = create_block_mask.__module__ = __name__  # where users find them
@@ -39,26 +40,26 @@ BlockMask.__module__ = create_block_mask.__module__ = __name__  # where users fi
 
 @_backend.do_not_convert
 def scaled_dot_product_attention(
-    query,
-    key,
-    value,
-    mask=None,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    mask: Tensor | None = None,
     *,
-    bias=None,
-    is_causal=False,
-    sliding_window=None,
-    attn_logits_soft_cap=None,
-    scale=None,
-    dropout_rate=0.0,
-    training=False,
-    seed=None,
-    return_weights=False,
-    implementation="auto",
-    chunk_size=None,
-    score_mod=None,
-    mask_mod=None,
-    block_mask=None,
-):
+    bias: Tensor | None = None,
+    is_causal: bool = False,
+    sliding_window: int | None = None,
+    attn_logits_soft_cap: float | None = None,
+    scale: float | None = None,
+    dropout_rate: float = 0.0,
+    training: bool = False,
+    seed: Tensor | int | None = None,
+    return_weights: bool = False,
+    implementation: str = "auto",
+    chunk_size: int | None = None,
+    score_mod: ScoreMod | None = None,
+    mask_mod: MaskMod | None = None,
+    block_mask: BlockMask | None = None,
+) -> Tensor | tuple[Tensor, Tensor]:
     """Scaled dot-product attention, compiled by XLA.
 
     Computes `softmax(Q K^T * scale) V` (Vaswani et al., 2017, "Attention Is

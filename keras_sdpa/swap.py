@@ -236,7 +236,9 @@ def _reset_compiled(layer):
     return reset
 
 
-def replace_attention(model, flash_attention=None, **layer_options):
+def replace_attention(
+    model: keras.Layer, flash_attention: bool | None = None, **layer_options
+) -> "AttentionReport":
     """Swaps a built model's attention layers for `ScaledDotProductAttention`, in place.
 
     Every `keras.layers.MultiHeadAttention`, `keras.layers.GroupQueryAttention` and keras-hub
@@ -415,7 +417,9 @@ def _bind(layer_class, args, kwargs):
 
 
 @contextlib.contextmanager
-def sdpa_scope(flash_attention=None, **layer_options):
+def sdpa_scope(
+    flash_attention: bool | None = None, **layer_options
+) -> contextlib.AbstractContextManager["AttentionReport"]:
     """Within this scope, constructing `keras.layers.MultiHeadAttention`,
     `keras.layers.GroupQueryAttention` or keras-hub's `CachedMultiHeadAttention` makes a
     `ScaledDotProductAttention` standing in for it (`replaces`), with the same arguments

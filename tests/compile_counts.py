@@ -7,7 +7,7 @@ Usage:
 
 Each scenario runs `STEPS` steps of one compiled program on the same shapes and new random
 values, and records how many XLA compilations each step made. A program compiled once per
-shape makes them on step 1 and none after. `tests/test_compiled_once.py` runs this script in a
+shape makes them on step 1 and none after. `tests/layer/test_compiled_once.py` runs this script in a
 process of its own per backend (Keras reads its backend once, TensorFlow its log settings once).
 
 The counters are the backends' own. TensorFlow logs every compilation of a cluster

@@ -13,8 +13,9 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # shipped model on real reviews, where -O0's slower code costs more than it saves (the
 # deletion tests there took 136 s against 58 s), so it keeps -O1 (the full suite at -O1: 0.85x
 # the CPU time of XLA's default -O2), except in the JAX sessions it starts to run test files
-# (`tests/test_jax_backend.py`), which are mostly compiling. The HLO passes (fusion, layouts)
-# and the numerics are XLA's own at every level; speed is measured in benchmarks/, never here.
+# (`tests/backends/test_jax_backend.py`), which are mostly compiling. The HLO passes (fusion,
+# layouts) and the numerics are XLA's own at every level; speed is measured in benchmarks/,
+# never here.
 # Under pytest-xdist each worker computes on one thread: the two workers fill the two cores.
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("TF_NUM_INTRAOP_THREADS", "1")
@@ -69,18 +70,18 @@ def pytest_addoption(parser):
 
 
 # XLA's flags in the tiers (`pytest_configure`): LLVM's -O0 where the tests mostly compile, -O1
-# where they also run real work. Every JAX session of `tests/test_jax_backend.py` takes the
+# where they also run real work. Every JAX session of `tests/backends/test_jax_backend.py` takes the
 # first, in either tier (one of the harness's `fit` tests on JAX took 20 s against 27 s at -O1,
 # two alternating pairs), whatever `XLA_FLAGS` pytest was given (the workers inherit the
 # tier's flags, so a worker cannot tell them from a user's). The model-parallel runs
-# (`tests/test_model_parallel.py`) keep XLA's defaults, as a user's programs do.
+# (`tests/swap/test_model_parallel.py`) keep XLA's defaults, as a user's programs do.
 COMPILING_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 RUNNING_XLA_FLAGS = "--xla_backend_optimization_level=1 --xla_cpu_use_fusion_emitters=false"
 
 
 def pytest_configure(config):
     # Before any test module imports TensorFlow; the workers and the processes the tests start
-    # inherit it (the JAX sessions get theirs from `tests/test_jax_backend.py`).
+    # inherit it (the JAX sessions get theirs from `tests/backends/test_jax_backend.py`).
     # Both tiers generate XLA's fused loops with its older emitters, which compile faster than
     # its MLIR fusion emitters: test_ops, test_mods and test_chunked on one worker took 0.80x,
     # 0.96x and 0.86x the time in three alternating pairs, and the default tier with coverage
@@ -99,13 +100,16 @@ def _seeded_by_test_name(request):
 
     Unseeded initializers draw from Keras's and NumPy's global state; under pytest-xdist the
     tests before one on its worker change from run to run, and with them its weights. Seeded
-    by the test's name, a test computes the same numbers in every run. (A session whose
+    by the test's name (its file's and its own, not the room's folder, so that a file keeps
+    its numbers when it moves), a test computes the same numbers in every run. (A session whose
     tests never import Keras, as test_conftest's own, does not pay for importing it here.)"""
     import random
 
     import numpy as np
 
-    seed = zlib.crc32(request.node.nodeid.encode()) % (2**31)
+    path, _, test = request.node.nodeid.partition("::")
+    name = f"tests/{os.path.basename(path)}::{test}"  # as when the tests lay in one folder
+    seed = zlib.crc32(name.encode()) % (2**31)
     if "keras" in sys.modules:
         sys.modules["keras"].utils.set_random_seed(seed)  # Python's, NumPy's, TF's and Keras's
     else:

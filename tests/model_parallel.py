@@ -1,6 +1,6 @@
 """A kernel-swapped keras-hub decoder under `keras.distribution.ModelParallel`, against the
 stock model on one device: run as a script, in a process of its own (JAX fixes its devices
-when it starts), by tests/test_model_parallel.py.
+when it starts), by tests/swap/test_model_parallel.py.
 
     KERAS_BACKEND=jax XLA_FLAGS=--xla_force_host_platform_device_count=8 \
         python tests/model_parallel.py gemma

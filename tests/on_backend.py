@@ -2,8 +2,8 @@
 autodiff, written once for TensorFlow and JAX.
 
 A test file written on `keras.ops`, NumPy and these helpers runs in the TensorFlow session and
-again on JAX (`tests/test_jax_backend.py`). A test that checks something only TensorFlow has
-(a `tf.function` signature, a SavedModel, `tf.distribute`) carries
+again on JAX (`tests/backends/test_jax_backend.py`). A test that checks something only
+TensorFlow has (a `tf.function` signature, a SavedModel, `tf.distribute`) carries
 `@pytest.mark.tensorflow_only("why")`, and the JAX run deselects it (`tests/conftest.py`).
 """
 
@@ -11,6 +11,34 @@ import contextlib
 
 import keras
 import numpy as np
+
+# The test files written on keras.ops and NumPy, which hold on both backends: this package's
+# (default tier), and Keras's MHA and GQA suites and the swap into keras-hub's models (GPT-2's
+# greedy tokens) (large tier: on two cores the default tier cannot hold them twice).
+ON_BOTH = ["tests/backends/test_on_both_backends.py", "tests/layer/test_layer_bias.py"]
+KERAS_AND_SWAP = [
+    "tests/layer/test_keras_suites.py",
+    "tests/swap/test_swap.py",
+    "tests/swap/test_swap_exact.py",
+    "tests/swap/test_swap_families.py",
+    "tests/swap/test_swap_adapted.py",
+    "tests/swap/test_swap_kernels.py",
+]
+BOTH_BACKENDS = ON_BOTH + KERAS_AND_SWAP
+# The library's own test files, ported to keras.ops, NumPy and `tests/on_backend.py`: their
+# default cases run again on JAX in the large tier (the default tier cannot hold a second run
+# of them on two cores). Their tests of what only TensorFlow has carry `tensorflow_only`.
+LIBRARY = [
+    "tests/core/test_ops.py",
+    "tests/core/test_chunked.py",
+    "tests/mods/test_mods.py",
+    "tests/core/test_core_features.py",
+    "tests/core/test_decode.py",
+    "tests/layer/test_cache.py",
+    "tests/layer/test_layer.py",
+    "tests/layer/test_layer_features.py",
+    "tests/core/test_precision.py",
+]
 
 BACKEND = keras.backend.backend()
 if BACKEND == "jax":
@@ -112,3 +140,45 @@ def jit(fn):
     import tensorflow as tf
 
     return tf.function(fn, jit_compile=True)
+
+
+def assert_gradients_match_finite_differences(loss, tensors):
+    """The backend's autodiff gradient of `loss(*tensors)` (`on_backend.gradients`) against
+    central differences, per argument."""
+    grads = gradients(loss, *tensors)
+    arrays = [np.asarray(t) for t in tensors]
+    for i, grad in enumerate(grads):
+
+        def f(x, i=i):
+            args = list(arrays)
+            args[i] = x
+            return float(loss(*(tensor(a) for a in args)))
+
+        np.testing.assert_allclose(grad, numeric_gradient(f, arrays[i]), atol=1e-7, rtol=1e-6)
+
+
+def numeric_gradient(f, x, eps=1e-6):
+    """Central differences of a scalar function of a float64 array."""
+    x = np.array(x, np.float64)
+    grad = np.zeros_like(x)
+    for i in np.ndindex(x.shape):
+        step = np.zeros_like(x)
+        step[i] = eps
+        grad[i] = (f(x + step) - f(x - step)) / (2 * eps)
+    return grad
+
+
+def spy_on_paths(monkeypatch, argument="path"):
+    """Records one static argument (default: the path) of every call into the compiled
+    core, `keras_sdpa._core.program.compiled`."""
+    seen = []
+    from keras_sdpa._core import program
+
+    compiled = program.compiled
+
+    def spy(*args, **kwargs):
+        seen.append(getattr(kwargs["plan"], argument))
+        return compiled(*args, **kwargs)
+
+    monkeypatch.setattr(program, "compiled", spy)
+    return seen

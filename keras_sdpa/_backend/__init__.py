@@ -18,7 +18,7 @@ import keras
 SUPPORTED = ("tensorflow", "jax")
 
 # The contract: the functions each shim defines, in this order, and what they do
-# (`tests/test_house.py` checks both shims against it).
+# (`tests/house/test_house.py` checks both shims against it).
 CONTRACT = (
     ("do_not_convert", "a function as TensorFlow's AutoGraph should leave it"),
     ("compile", "one XLA program per static configuration: tf.function or jax.jit"),

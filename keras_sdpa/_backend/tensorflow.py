@@ -28,7 +28,7 @@ def compile(fn, static_argnames=()):
     compiled function's gradient takes the forward's permutations and shapes as arguments that
     XLA must know at compile time; XLA cannot see through the forward call that made them, so
     it made the caller's inputs compile-time constants and compiled the caller's step again for
-    every new batch (`tests/test_compiled_once.py`).
+    every new batch (`tests/layer/test_compiled_once.py`).
     """
     del static_argnames  # tf.function keys its trace by every Python argument
     return _Compiled(fn)

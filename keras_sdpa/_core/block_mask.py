@@ -6,6 +6,7 @@ from keras_sdpa._core import blocks as _blocks
 from keras_sdpa._core import chunk_sizes, layout, mod_calls
 from keras_sdpa._mods import base as mod_base
 from keras_sdpa._shared import checks
+from keras_sdpa._shared.types import MaskMod, Tensor
 
 
 class BlockMask:
@@ -16,7 +17,13 @@ class BlockMask:
     0 for a block the mod empties, 1 for a partial block, 2 for a full one.
     """
 
-    def __init__(self, kinds, mask_mod, block_size, sizes=None):
+    def __init__(
+        self,
+        kinds: Tensor,
+        mask_mod: MaskMod,
+        block_size: int | tuple[int, int],
+        sizes: dict[str, int] | None = None,
+    ):
         self.kinds = kinds
         self.mask_mod = mask_mod
         self.block_size = block_size
@@ -30,7 +37,15 @@ class BlockMask:
 
 
 @_backend.do_not_convert
-def create_block_mask(mask_mod, B, N, T, S, block_size=None, num_kv_heads=None):
+def create_block_mask(
+    mask_mod: MaskMod,
+    B: int,
+    N: int,
+    T: int,
+    S: int,
+    block_size: int | None = None,
+    num_kv_heads: int | None = None,
+) -> BlockMask:
     """Precomputes the block kinds of `mask_mod` for the chunked path.
 
     FlexAttention's `create_block_mask`, computed by XLA: `mask_mod` is evaluated one

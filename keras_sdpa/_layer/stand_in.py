@@ -15,7 +15,7 @@ from keras.src import backend as keras_backend  # the mask accessors have no pub
 from keras_sdpa._layer import masks as _layer_masks
 
 # The call arguments of each class this layer stands in for (Keras 3.15, keras-hub 0.32;
-# `tests/test_swap.py` compares them with the installed classes). Keras hands a layer the
+# `tests/swap/test_swap.py` compares them with the installed classes). Keras hands a layer the
 # inputs' implicit masks only as the `*_mask` arguments its `call` names, so keras-hub's
 # `CachedMultiHeadAttention`, which names none, never sees them.
 _KERAS = (

@@ -18,6 +18,7 @@ from keras_sdpa import _backend
 from keras_sdpa._mods import bands
 from keras_sdpa._mods.base import Mod, join, static_key, tensors_of
 from keras_sdpa._shared import checks as _checks
+from keras_sdpa._shared.types import Tensor
 
 _PACKAGE = "keras_sdpa"
 
@@ -291,7 +292,7 @@ class Alibi(Mod):
         return {"num_heads": self.num_heads}
 
 
-def alibi_slopes(num_heads):
+def alibi_slopes(num_heads: int) -> np.ndarray:
     """The `num_heads` ALiBi slopes, a NumPy float64 array."""
 
     def powers(n):
@@ -379,7 +380,9 @@ class RelativePositionBias(keras.layers.Layer):
         return config
 
 
-def relative_position_bucket(relative_position, bidirectional, num_buckets, max_distance):
+def relative_position_bucket(
+    relative_position: Tensor, bidirectional: bool, num_buckets: int, max_distance: int
+) -> Tensor:
     """T5's bucket of each `kv_idx - q_idx`, an int32 tensor of the same shape."""
     position = ops.cast(relative_position, "int32")
     buckets = ops.zeros_like(position)
