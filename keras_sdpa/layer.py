@@ -76,6 +76,10 @@ class ScaledDotProductAttention(keras.layers.Layer):
             applied to the scaled logits before `attention_bias` (`keras_sdpa.mods`).
         mask_mod: optional `mask_mod(b, h, q_idx, kv_idx) -> bool`, True meaning
             "may attend", combined with the other masks (saved if registered).
+        context_parallel: optional name of an axis of the active
+            `keras.distribution`'s device mesh (JAX backend): the sequence is
+            sharded over it and attention runs as a ring
+            (`keras_sdpa.ops.scaled_dot_product_attention`, docs/context-parallel.md).
         replaces: None, or the class this layer stands in for, as the swap sets
             it (`keras_sdpa._layer.stand_in`).
 
@@ -143,9 +147,11 @@ class ScaledDotProductAttention(keras.layers.Layer):
         attn_logits_soft_cap: float | None = None,
         score_mod: ScoreMod | None = None,
         mask_mod: MaskMod | None = None,
+        context_parallel: str | None = None,
         replaces: str | None = None,
         **kwargs,
     ):
+        arguments = locals()  # by name: the core's options are listed once, in `_arguments.CORE`
         super().__init__(**kwargs)
         # Each projection's, not the layer's own, as in MultiHeadAttention.
         self._activity_regularizer = keras.regularizers.get(activity_regularizer)
@@ -155,16 +161,7 @@ class ScaledDotProductAttention(keras.layers.Layer):
         if replaces is not None:
             self._call_signature = stand_in.call_signature(self.call, replaces)
             self.call_signature_parameters = list(self._call_signature.parameters)
-        core = dict(  # the options the layer passes to the core
-            sliding_window=sliding_window,
-            attn_logits_soft_cap=attn_logits_soft_cap,
-            scale=scale,
-            implementation=implementation,
-            chunk_size=chunk_size,
-            score_mod=score_mod,
-            mask_mod=mask_mod,
-            flash_attention=flash_attention,
-        )
+        core = {name: arguments[name] for name in _arguments.CORE}  # what it passes on
         self.output_shape, attention_axes = _arguments.check(
             num_heads,
             key_dim,
@@ -188,6 +185,7 @@ class ScaledDotProductAttention(keras.layers.Layer):
         self.use_gate, self.seed = use_gate, seed
         self.num_key_value_heads, self.output_projection = num_key_value_heads, output_projection
         self.implementation, self.chunk_size = implementation, chunk_size
+        self.context_parallel = context_parallel
         self.scale = None if scale is None else float(scale)
         # Untracked: a mod's weights (the T5 table) are tracked at the end of `build`, after the
         # projections', so `set_weights(mha.get_weights() + [table])` reads in MHA's order.
@@ -336,16 +334,7 @@ class ScaledDotProductAttention(keras.layers.Layer):
         seed = None
         if training and self.dropout > 0:
             seed = _backend.get().per_replica(self.seed_generator.next())
-        settings = dict(
-            sliding_window=self.sliding_window,
-            attn_logits_soft_cap=self.attn_logits_soft_cap,
-            scale=self.scale,
-            implementation=self.implementation,
-            chunk_size=self.chunk_size,
-            score_mod=self.score_mod,
-            mask_mod=self.mask_mod,
-            flash_attention=self.flash_attention,
-        )
+        settings = {name: getattr(self, name) for name in _arguments.CORE}
         return _request.Request(
             **{**settings, **call_options},
             dropout_rate=self.dropout,

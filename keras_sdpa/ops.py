@@ -59,6 +59,7 @@ def scaled_dot_product_attention(
     score_mod: ScoreMod | None = None,
     mask_mod: MaskMod | None = None,
     block_mask: BlockMask | None = None,
+    context_parallel: str | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Scaled dot-product attention, compiled by XLA.
 
@@ -143,6 +144,14 @@ def scaled_dot_product_attention(
             chunked path's block kinds for this `mask_mod` and these sizes,
             precomputed so that layers can share them. Optional: without it the
             kinds are computed in the program.
+        context_parallel: optional name of an axis of the active
+            `keras.distribution`'s `DeviceMesh` (JAX backend): the sequence is
+            sharded over that axis and attention runs as a ring, each device
+            keeping its queries while the key/value shards pass round it
+            (docs/context-parallel.md). Takes `is_causal` (balanced over the
+            devices), `sliding_window`, GQA, a key padding `mask` `(B, 1, 1, S)`
+            and `mods.document(segment_ids)`; T and S must be multiples of the
+            axis's size (twice it when causal).
 
     Returns:
         The output, `(B, T, N, Hv)`, and if `return_weights`, the weights,

@@ -43,6 +43,10 @@ CONTRACT = (
     ("with_static_shape", "a tensor with the static shape a reshape hid"),
     ("per_replica", "a dropout seed distinct per replica of a distribution strategy"),
     ("variable_inputs", "the mods' variables as the program's inputs (JAX) or none"),
+    ("ring_mesh", "the distribution's mesh and the size of the axis that shards the sequence"),
+    ("ring_map", "a program on each device's shards of the sequence (shard_map)"),
+    ("ring_index", "this device's place on the ring"),
+    ("ring_pass", "arrays sent to the next device of the ring (ppermute)"),
 )
 
 

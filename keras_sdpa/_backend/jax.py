@@ -2,6 +2,7 @@
 
 import jax
 import jax.numpy as jnp
+import keras
 import numpy as np
 from jax._src import core as jax_core  # trace_state_clean has no public name
 from jax.extend import core as jex
@@ -228,3 +229,46 @@ def variable_inputs(variables):
     """The variables' values: `jax.jit` would compile a variable in as a constant, so its
     value enters the program as an input (and the gradient reaches a trainable one)."""
     return tuple(v.value for v in variables)
+
+
+# ---- context parallelism: the ring over a mesh axis
+
+
+def ring_mesh(axis):
+    """The active `keras.distribution`'s mesh, as JAX's `Mesh`, and the size of its `axis`."""
+    distribution = keras.distribution.distribution()
+    if distribution is None:
+        raise ValueError(
+            f"`context_parallel={axis!r}` shards the sequence over an axis of the "
+            "distribution's device mesh, and no distribution is set: set one with "
+            "`keras.distribution.set_distribution(...)` whose `DeviceMesh` has that axis. "
+            f"Received: context_parallel={axis!r}"
+        )
+    mesh = distribution.device_mesh
+    if axis not in mesh.axis_names:
+        raise ValueError(
+            f"`context_parallel` must name an axis of the distribution's device mesh, "
+            f"{tuple(mesh.axis_names)}. Received: context_parallel={axis!r}"
+        )
+    return mesh.backend_mesh, mesh.shape[list(mesh.axis_names).index(axis)]
+
+
+def ring_map(program, mesh, axis, arrays, per_device_scalar=False):
+    """`program` on each device's shards of `arrays`, split on axis 1 over `axis`; its output
+    split the same way (or one scalar a device)."""
+    spec = jax.sharding.PartitionSpec(None, axis)
+    out = jax.sharding.PartitionSpec(axis) if per_device_scalar else spec
+    in_specs = tuple(spec for _ in arrays)
+    mapped = jax.shard_map(program, mesh=mesh, in_specs=in_specs, out_specs=out, check_vma=False)
+    return mapped(*arrays)
+
+
+def ring_index(axis):
+    """This device's place on the ring."""
+    return jax.lax.axis_index(axis)
+
+
+def ring_pass(tree, axis):
+    """Every array of `tree` sent to the next device of the ring."""
+    size = jax.lax.axis_size(axis)
+    return jax.lax.ppermute(tree, axis, [(i, (i + 1) % size) for i in range(size)])

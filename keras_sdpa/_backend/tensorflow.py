@@ -226,3 +226,26 @@ def variable_inputs(variables):
     """Nothing: TensorFlow's programs read variables by reference."""
     del variables
     return ()
+
+
+# ---- context parallelism: the ring over a mesh axis
+
+
+def ring_mesh(axis):
+    """Refused: the ring is JAX's `shard_map` and `ppermute`."""
+    raise ValueError(
+        "`context_parallel` shards the sequence with JAX's `shard_map`: it runs on Keras's "
+        f"JAX backend (KERAS_BACKEND=jax), not on TensorFlow. Received: context_parallel={axis!r}"
+    )
+
+
+def ring_map(program, mesh, axis, arrays, per_device_scalar=False):
+    raise ring_mesh(axis)
+
+
+def ring_index(axis):
+    raise ring_mesh(axis)
+
+
+def ring_pass(tree, axis):
+    raise ring_mesh(axis)

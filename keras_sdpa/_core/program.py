@@ -14,7 +14,7 @@ import typing
 from keras import ops
 
 from keras_sdpa import _backend
-from keras_sdpa._core import chunked, decode, dense, layout, mod_calls
+from keras_sdpa._core import chunked, decode, dense, layout, mod_calls, ring
 from keras_sdpa._core import plan as plans
 from keras_sdpa._core import request as requests
 from keras_sdpa._mods import base as mod_base
@@ -30,6 +30,8 @@ def run_request(query, key, value, mask=None, bias=None, request=requests.DEFAUL
     in `plans.make`.
     """
     _backend.check()
+    if request.context_parallel is not None:  # the sequence sharded: its own program
+        return ring.run(query, key, value, mask, bias, request)
     query, key, value = (ops.convert_to_tensor(x) for x in (query, key, value))
     plan, call = plans.make(query, key, value, mask, bias, request)
     empty = empty_result(query, key, value, plan.return_weights)

@@ -41,6 +41,7 @@ class Request:
     score_mod: ScoreMod | None = None
     mask_mod: MaskMod | None = None
     block_mask: BlockMask | None = None
+    context_parallel: str | None = None  # the mesh axis that shards the sequence (the ring)
     flash_attention: bool | None = None  # the layer's: True chunked, False dense, None as given
     cached: bool = False  # the layer's call against a key/value cache
 
@@ -59,6 +60,7 @@ class Request:
         checks.check_mod("score_mod", self.score_mod)
         checks.check_mod("mask_mod", self.mask_mod)
         check_flash_attention(self.flash_attention)
+        check_context_parallel(self.context_parallel, self.implementation, self.cached)
 
     def replace(self, **changes):
         return dataclasses.replace(self, **changes)
@@ -80,6 +82,24 @@ def check_flash_attention(flash_attention):
             f"Received: flash_attention={flash_attention!r}"
         )
     return flash_attention
+
+
+def check_context_parallel(context_parallel, implementation, cached):
+    """`context_parallel`: None or a mesh axis's name, and never with decoding (one device's
+    work: a few query rows against a cache)."""
+    if context_parallel is None:
+        return
+    if not isinstance(context_parallel, str) or not context_parallel:
+        raise ValueError(
+            "`context_parallel` must be None or the name of a device mesh axis. "
+            f"Received: context_parallel={context_parallel!r}"
+        )
+    if implementation == "decode" or cached:
+        raise ValueError(
+            "`context_parallel` shards a whole sequence; decoding from a cache runs on one "
+            f"device. Received: context_parallel={context_parallel!r} with "
+            f"implementation={implementation!r}, cached={cached}"
+        )
 
 
 def check_implementation(implementation, layer=False):

@@ -46,7 +46,20 @@ ARGUMENTS = (
     "attn_logits_soft_cap",
     "score_mod",
     "mask_mod",
+    "context_parallel",
     "replaces",
+)
+# The constructor's arguments that the layer passes on to the core, as it holds them.
+CORE = (
+    "sliding_window",
+    "attn_logits_soft_cap",
+    "scale",
+    "implementation",
+    "chunk_size",
+    "score_mod",
+    "mask_mod",
+    "context_parallel",
+    "flash_attention",
 )
 _SERIALIZERS = types.MappingProxyType(
     {

@@ -113,6 +113,13 @@ def test_the_library_tests_pass_on_jax():
     _pytest_on_jax(LIBRARY, 360, env=env, timeout=3000)
 
 
+@pytest.mark.large  # a JAX process on 8 simulated devices, about a minute on 2 cores
+def test_the_ring_passes_on_8_devices():
+    """Context parallelism (`tests/core/ring_on_8_devices.py`): the ring against the
+    one-device core, its balance, its buffers, the layer and the refusals."""
+    _pytest_on_jax(["tests/core/ring_on_8_devices.py"], 29, env=_jax_env(devices=8))
+
+
 NO_TENSORFLOW = """
 import sys
 sys.modules["tensorflow"] = None  # `import tensorflow` raises from here on

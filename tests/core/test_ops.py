@@ -516,3 +516,13 @@ def test_the_request_holds_every_keyword_of_the_public_function_with_its_default
     assert list(_request.CORE_OPTIONS) == list(keywords)
     request = _request.Request()
     assert {name: getattr(request, name) for name in _request.CORE_OPTIONS} == keywords
+
+
+@pytest.mark.tensorflow_only("the refusal of the TensorFlow backend")
+def test_context_parallel_names_the_jax_backend_on_tensorflow():
+    """The ring is JAX's (`tests/core/ring_on_8_devices.py` runs it on 8 devices)."""
+    q, k, v = random_inputs()
+    with pytest.raises(ValueError, match="runs on Keras's JAX backend.*context_parallel='seq'"):
+        scaled_dot_product_attention(q, k, v, context_parallel="seq")
+    with pytest.raises(ValueError, match="name of a device mesh axis. Received: context_para"):
+        scaled_dot_product_attention(q, k, v, context_parallel=3)

@@ -592,6 +592,7 @@ def test_the_records_have_no_field_typed_object():
         "keras_sdpa._core.plan.Plan",
         "keras_sdpa._core.plan.CallTensors",
         "keras_sdpa._core.program.Tensors",
+        "keras_sdpa._core.ring.Ring",
         "keras_sdpa._layer.call.Call",
         "keras_sdpa._swap.call_families.CallFamily",
         "keras_sdpa._swap.families.Family",
