@@ -6,7 +6,7 @@ import math
 import numbers
 
 import keras
-from keras import ops as kops
+from keras import ops
 
 from keras_sdpa import _backend
 
@@ -113,12 +113,12 @@ def check_inputs(query, key, value):
 def check_mask(mask, query, key):
     mask, pattern = _broadcastable("mask", mask, query, key)
     if keras.backend.standardize_dtype(mask.dtype) != "bool":
-        mask = kops.not_equal(mask, kops.zeros((), mask.dtype))
+        mask = ops.not_equal(mask, ops.zeros((), mask.dtype))
     return mask, pattern
 
 
 def check_bias(bias, query, key):
-    bias = kops.convert_to_tensor(bias)
+    bias = ops.convert_to_tensor(bias)
     dtype = keras.backend.standardize_dtype(bias.dtype)
     if not keras.backend.is_float_dtype(dtype):
         raise ValueError(f"`bias` must be a floating tensor. Received: bias.dtype={dtype}")
@@ -147,8 +147,8 @@ def _broadcastable(name, x, query, key):
         x = x[None]
     pattern = tuple(size != 1 for size in x.shape)
     if None in x.shape:  # unknown sizes: broadcast explicitly, so the pattern holds
-        sizes = (kops.shape(query)[0], target[1], kops.shape(query)[1], kops.shape(key)[1])
-        x = kops.broadcast_to(x, tuple(size if full else 1 for size, full in zip(sizes, pattern)))
+        sizes = (ops.shape(query)[0], target[1], ops.shape(query)[1], ops.shape(key)[1])
+        x = ops.broadcast_to(x, tuple(size if full else 1 for size, full in zip(sizes, pattern)))
     return x, pattern
 
 
@@ -161,11 +161,11 @@ def as_seed(seed):
     if seed is None:
         return _backend.get().new_seed()
     if isinstance(seed, int):
-        return kops.convert_to_tensor([seed, 0], dtype="int32")
-    seed = kops.convert_to_tensor(seed)
+        return ops.convert_to_tensor([seed, 0], dtype="int32")
+    seed = ops.convert_to_tensor(seed)
     dtype = keras.backend.standardize_dtype(seed.dtype)
     if len(seed.shape) != 1 or seed.shape[0] != 2 or "int" not in dtype:
         raise ValueError(
             f"`seed` must be an int, None, or a (2,) integer tensor. Received: seed={seed!r}"
         )
-    return kops.cast(seed, "int32")
+    return ops.cast(seed, "int32")
