@@ -7,10 +7,12 @@ TensorFlow sessions run), one proves that the library needs no TensorFlow there.
 
 import os
 import re
+import socket
 import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pytest
 from conftest import COMPILING_XLA_FLAGS
 from on_backend import KERAS_AND_SWAP, LIBRARY, ON_BOTH
@@ -118,6 +120,44 @@ def test_the_ring_passes_on_8_devices():
     """Context parallelism (`tests/core/ring_on_8_devices.py`): the ring against the
     one-device core, its balance, its buffers, the layer and the refusals."""
     _pytest_on_jax(["tests/core/ring_on_8_devices.py"], 29, env=_jax_env(devices=8))
+
+
+@pytest.mark.large  # three JAX processes with gloo collectives over localhost
+def test_the_ring_across_two_processes_gives_the_one_process_numbers(tmp_path):
+    """`tests/core/ring_processes.py`: causal attention and its gradients with the sequence over
+    2 processes x 4 CPU devices (`keras.distribution.initialize`), against the same ring in
+    one process of 8 devices: the same numbers."""
+    script = os.path.join(ROOT, "tests", "core", "ring_processes.py")
+    with socket.socket() as free:
+        free.bind(("localhost", 0))
+        address = f"localhost:{free.getsockname()[1]}"
+    one = subprocess.run(
+        [sys.executable, script, str(tmp_path / "one.npz"), "1", "0", address],
+        env=_jax_env(devices=8),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert one.returncode == 0, one.stdout + one.stderr
+    runs = [
+        subprocess.Popen(
+            [sys.executable, script, str(tmp_path / f"two{i}.npz"), "2", str(i), address],
+            env=_jax_env(devices=4),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    for run in runs:
+        output = run.communicate(timeout=300)[0]
+        assert run.returncode == 0, output[-4000:]
+        assert "8 devices, wrote" in output
+    want = np.load(tmp_path / "one.npz")
+    for i in range(2):
+        got = np.load(tmp_path / f"two{i}.npz")
+        for name in ("out", "dq", "dk", "dv"):
+            np.testing.assert_allclose(got[name], want[name], atol=1e-6, err_msg=name)
 
 
 NO_TENSORFLOW = """
