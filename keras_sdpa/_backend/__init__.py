@@ -46,7 +46,7 @@ CONTRACT = (
     ("ring_mesh", "the distribution's mesh and the size of the axis that shards the sequence"),
     ("ring_map", "a program on each device's shards of the sequence (shard_map)"),
     ("ring_index", "this device's place on the ring"),
-    ("ring_pass", "arrays sent to the next device of the ring (ppermute)"),
+    ("ring_send", "arrays sent from each device to another of the ring (ppermute)"),
 )
 
 

@@ -268,7 +268,6 @@ def ring_index(axis):
     return jax.lax.axis_index(axis)
 
 
-def ring_pass(tree, axis):
-    """Every array of `tree` sent to the next device of the ring."""
-    size = jax.lax.axis_size(axis)
-    return jax.lax.ppermute(tree, axis, [(i, (i + 1) % size) for i in range(size)])
+def ring_send(tree, axis, destinations):
+    """Every array of `tree` sent from each device `d` to device `destinations[d]`."""
+    return jax.lax.ppermute(tree, axis, list(enumerate(destinations)))

@@ -247,5 +247,5 @@ def ring_index(axis):
     raise ring_mesh(axis)
 
 
-def ring_pass(tree, axis):
+def ring_send(tree, axis, destinations):
     raise ring_mesh(axis)

@@ -44,11 +44,26 @@ class Ring:
     is_causal: bool
     window: int | None
     masks: tuple[bool, bool] = (False, False)  # a key padding mask; segment ids
+    k_block: int = 0  # keys a block of a chunk pair (0: the whole chunk)
     count_visits: bool = False  # tests: return each device's computed chunk pairs instead
+
+    def __post_init__(self):
+        if not self.k_block:
+            object.__setattr__(self, "k_block", key_block(self.k_chunk))
 
     def counting(self):
         """The same ring, returning each device's number of computed chunk pairs."""
         return dataclasses.replace(self, count_visits=True)
+
+
+# The most keys a block of a chunk pair holds: the `(c, C)` scores of a step stay small while
+# the chunks grow with T.
+MAX_KEY_BLOCK = 512
+
+
+def key_block(k_chunk):
+    """The largest divisor of a chunk's keys that is at most `MAX_KEY_BLOCK`."""
+    return max(d for d in range(1, min(k_chunk, MAX_KEY_BLOCK) + 1) if k_chunk % d == 0)
 
 
 def chunk_ids(device, ring):
@@ -58,21 +73,43 @@ def chunk_ids(device, ring):
     return (device, 2 * ring.devices - 1 - device)
 
 
-def zigzag_order(length, devices, per_device):
-    """The order of `length` positions that lays chunks `d` and `2P - 1 - d` side by side on
-    device `d` (the identity with one chunk per device), and its inverse."""
-    chunk = length // (devices * per_device)
-    ring = Ring("", devices, per_device, chunk, chunk, False, None)
-    order = [
-        position
-        for device in range(devices)
-        for c in chunk_ids(device, ring)
-        for position in range(c * chunk, (c + 1) * chunk)
-    ]
-    inverse = [0] * length
-    for i, position in enumerate(order):
-        inverse[position] = i
-    return order, inverse
+def zigzag_destinations(devices):
+    """Where each device sends its first and its second chunk to lay the sequence out zig-zag:
+    device `d` holds chunks `2d` and `2d + 1` as the user's sharding lays them (in order), and
+    after the two sends device `e` holds chunks `e` and `2P - 1 - e`."""
+
+    def holder(chunk):
+        return chunk if chunk < devices else 2 * devices - 1 - chunk
+
+    return [holder(2 * d) for d in range(devices)], [holder(2 * d + 1) for d in range(devices)]
+
+
+def _to_zigzag(x, ring, axis):
+    """A device's two chunks in order (along `axis`) to its zig-zag pair `(e, 2P - 1 - e)`:
+    the even chunk of the pair comes with the first sends, the odd one with the second."""
+    shim = _backend.get()
+    first, second = ops.split(x, 2, axis=axis)
+    to_first, to_second = zigzag_destinations(ring.devices)
+    firsts = shim.ring_send(first, ring.axis, to_first)  # chunk 2d, now at its holder
+    seconds = shim.ring_send(second, ring.axis, to_second)
+    even = ops.equal(shim.ring_index(ring.axis) % 2, 0)  # then chunk e is a first half
+    return ops.concatenate(
+        [ops.where(even, firsts, seconds), ops.where(even, seconds, firsts)], axis
+    )
+
+
+def _from_zigzag(x, ring, axis):
+    """The inverse of `_to_zigzag`: each chunk back to device `chunk // 2`, in order."""
+    shim = _backend.get()
+    mine, mirrored = ops.split(x, 2, axis=axis)  # chunks e and 2P - 1 - e
+    even = ops.equal(shim.ring_index(ring.axis) % 2, 0)
+    evens, odds = ops.where(even, mine, mirrored), ops.where(even, mirrored, mine)
+    last = 2 * ring.devices - 1
+    even_chunk = [e if e % 2 == 0 else last - e for e in range(ring.devices)]
+    odd_chunk = [last - e if e % 2 == 0 else e for e in range(ring.devices)]
+    firsts = shim.ring_send(evens, ring.axis, [c // 2 for c in even_chunk])
+    seconds = shim.ring_send(odds, ring.axis, [c // 2 for c in odd_chunk])
+    return ops.concatenate([firsts, seconds], axis=axis)
 
 
 def pair_is_empty(q_id, k_id, ring):
@@ -93,22 +130,52 @@ def _split(x, parts, axis):
     return [x] if parts == 1 else ops.split(x, parts, axis=axis)
 
 
+def _pass(tree, ring):
+    """Every array of `tree` to the next device of the ring."""
+    return _backend.get().ring_send(
+        tree, ring.axis, [(d + 1) % ring.devices for d in range(ring.devices)]
+    )
+
+
 class _Pair:
-    """One chunk pair's scores, masked with the dense path's additive penalty."""
+    """One chunk pair: its queries against its keys in blocks of `ring.k_block` keys, so that
+    no `(c, c)` scores are formed; each block masked with the dense path's additive penalty."""
 
     def __init__(self, ring, q, q_pos, q_seg, k, v, k_pos, keys, k_seg):
-        self.q, self.k, self.v = q, k, v  # (B, K, G, c, H), (B, K, c, H), (B, K, c, Hv)
-        scores = ops.einsum("bkgth,bksh->bkgts", q, k)
-        allowed = bands.band(q_pos, k_pos, ring.is_causal, ring.window)
+        self.ring, self.q, self.q_pos, self.q_seg = ring, q, q_pos, q_seg
+        self.k, self.v, self.k_pos, self.keys, self.k_seg = k, v, k_pos, keys, k_seg
+        self.blocks = ring.k_chunk // ring.k_block
+
+    def _keys(self, x, start, axis):
+        """`x`'s block of keys from `start` along `axis`."""
+        begin = [0] * len(ops.shape(x))
+        begin[axis] = start
+        size = list(ops.shape(x))
+        size[axis] = self.ring.k_block
+        return ops.slice(x, begin, size)
+
+    def block(self, n):
+        """Key block `n`: `(scores (B, K, G, c, C), keys (B, K, C, H), values (B, K, C, Hv))`."""
+        start = n * self.ring.k_block
+        k, v = self._keys(self.k, start, 2), self._keys(self.v, start, 2)
+        scores = ops.einsum("bkgth,bksh->bkgts", self.q, k)
+        k_pos = self._keys(self.k_pos, start, 0)
+        allowed = bands.band(self.q_pos, k_pos, self.ring.is_causal, self.ring.window)
         allowed = None if allowed is None else allowed[None, None, None]
-        if keys is not None:
+        if self.keys is not None:
+            keys = self._keys(self.keys, start, 1)
             allowed = softmax.combine(allowed, keys[:, None, None, None, :])
-        if q_seg is not None:
-            same = ops.equal(q_seg[:, :, None], k_seg[:, None, :])
+        if self.q_seg is not None:
+            same = ops.equal(self.q_seg[:, :, None], self._keys(self.k_seg, start, 1)[:, None, :])
             allowed = softmax.combine(allowed, same[:, None, None])
         if allowed is not None:
             scores = scores + ops.where(allowed, 0.0, softmax.MASK_PENALTY)
-        self.scores = scores  # (B, K, G, c, c)
+        return scores, k, v
+
+    def add_to_block(self, x, n, block):
+        """`x` `(B, K, c, H)` with `block` added into key block `n`."""
+        start = n * self.ring.k_block
+        return ops.slice_update(x, (0, 0, start, 0), self._keys(x, start, 2) + block)
 
 
 class _Device:
@@ -154,7 +221,7 @@ class _Device:
 def _forward(ring, q, k, v, keys, q_seg, k_seg):
     """This device's output `(B, K, G, t, Hv)` and log-sum-exp `(B, K, G, t)`, and the number
     of chunk pairs it computed."""
-    device, shim = _Device(ring, q, q_seg), _backend.get()
+    device = _Device(ring, q, q_seg)
     b, heads, groups, _, _ = ops.shape(q)
     zeros = ops.zeros((b, heads, groups, ring.q_chunk), "float32")
     states = [
@@ -167,13 +234,18 @@ def _forward(ring, q, k, v, keys, q_seg, k_seg):
     ]
 
     def merge(state, pair):
-        o, m, total = state
         pair = pair()
-        new_m = ops.maximum(m, ops.max(pair.scores, axis=-1))
-        p = ops.exp(pair.scores - new_m[..., None])
-        rescale = ops.exp(m - new_m)
-        o = o * rescale[..., None] + ops.einsum("bkgts,bksh->bkgth", p, pair.v)
-        return o, new_m, total * rescale + ops.sum(p, axis=-1)
+
+        def key_block(n, state):
+            o, m, total = state
+            scores, _, v = pair.block(n)
+            new_m = ops.maximum(m, ops.max(scores, axis=-1))
+            p = ops.exp(scores - new_m[..., None])
+            rescale = ops.exp(m - new_m)
+            o = o * rescale[..., None] + ops.einsum("bkgts,bksh->bkgth", p, v)
+            return o, new_m, total * rescale + ops.sum(p, axis=-1)
+
+        return ops.fori_loop(0, pair.blocks, key_block, state)
 
     def visit(step, states, visits, shard):
         states = list(states)
@@ -188,7 +260,7 @@ def _forward(ring, q, k, v, keys, q_seg, k_seg):
     def step(n, carry):
         states, visits, shard = carry
         states, visits = visit(n, states, visits, shard)
-        return states, visits, shim.ring_pass(shard, ring.axis)
+        return states, visits, _pass(shard, ring)
 
     carry = (states, ops.zeros((), "int32"), (k, v, keys, k_seg))
     states, visits, shard = ops.fori_loop(0, ring.devices - 1, step, carry)
@@ -206,19 +278,26 @@ def _forward(ring, q, k, v, keys, q_seg, k_seg):
 def _backward(ring, q, k, v, keys, q_seg, k_seg, out, lse, d_out):
     """`dq`, `dk`, `dv` of this device's shards: the key and value gradients go round the
     ring with their shard and are home after `P` passes."""
-    device, shim = _Device(ring, q, q_seg), _backend.get()
+    device = _Device(ring, q, q_seg)
     row_dot = ops.sum(d_out * out, axis=-1)  # (B, K, G, t)
     d_outs, row_dots = _split(d_out, ring.per_device, 3), _split(row_dot, ring.per_device, 3)
     lses = _split(lse, ring.per_device, 3)
 
     def grads_of(i, dq, dk, dv, pair):
         pair = pair()
-        p = ops.exp(pair.scores - lses[i][..., None])
-        dv = dv + ops.einsum("bkgts,bkgth->bksh", p, d_outs[i])
-        d_scores = p * (ops.einsum("bkgth,bksh->bkgts", d_outs[i], pair.v) - row_dots[i][..., None])
-        dq = dq + ops.einsum("bkgts,bksh->bkgth", d_scores, pair.k)
-        dk = dk + ops.einsum("bkgts,bkgth->bksh", d_scores, pair.q)
-        return dq, dk, dv
+
+        def key_block(n, grads):
+            dq, dk, dv = grads
+            scores, k, v = pair.block(n)
+            p = ops.exp(scores - lses[i][..., None])
+            dv = pair.add_to_block(dv, n, ops.einsum("bkgts,bkgth->bksh", p, d_outs[i]))
+            d_p = ops.einsum("bkgth,bksh->bkgts", d_outs[i], v)
+            d_scores = p * (d_p - row_dots[i][..., None])
+            dq = dq + ops.einsum("bkgts,bksh->bkgth", d_scores, k)
+            dk = pair.add_to_block(dk, n, ops.einsum("bkgts,bkgth->bksh", d_scores, pair.q))
+            return dq, dk, dv
+
+        return ops.fori_loop(0, pair.blocks, key_block, (dq, dk, dv))
 
     def visit(step, dqs, shard, travelling):
         dqs = list(dqs)
@@ -234,13 +313,13 @@ def _backward(ring, q, k, v, keys, q_seg, k_seg, out, lse, d_out):
     def step(n, carry):
         dqs, shard, travelling = carry
         dqs, travelling = visit(n, dqs, shard, travelling)
-        return dqs, shim.ring_pass(shard, ring.axis), shim.ring_pass(travelling, ring.axis)
+        return dqs, _pass(shard, ring), _pass(travelling, ring)
 
     dqs = [ops.zeros_like(x) for x in device.qs]
     carry = (dqs, (k, v, keys, k_seg), (ops.zeros_like(k), ops.zeros_like(v)))
     dqs, shard, travelling = ops.fori_loop(0, ring.devices - 1, step, carry)
     dqs, travelling = visit(ring.devices - 1, dqs, shard, travelling)
-    dk, dv = shim.ring_pass(travelling, ring.axis)  # the last pass brings them home
+    dk, dv = _pass(travelling, ring)  # the last pass brings them home
     return ops.concatenate(dqs, axis=3), dk, dv
 
 
@@ -250,6 +329,9 @@ def _device_program(ring, scale, dtype, num_kv_heads):
     has_keys, has_segments = ring.masks
 
     def program(query, key, value, *masks):
+        if ring.per_device == 2:  # chunks d and 2P - 1 - d on device d: the work balanced
+            query, key, value = (_to_zigzag(x, ring, 1) for x in (query, key, value))
+            masks = [_to_zigzag(x, ring, 1) for x in masks]
         masks = list(masks)
         keys = masks.pop(0) if has_keys else None
         q_seg, k_seg = (masks[0], masks[1]) if has_segments else (None, None)
@@ -271,25 +353,20 @@ def _device_program(ring, scale, dtype, num_kv_heads):
 
         out = shim.custom_gradient(forward)(q, k, v)  # (B, K, G, t, Hv)
         out = ops.reshape(out, (b, n, t, ops.shape(out)[-1]))
-        return ops.cast(ops.transpose(out, (0, 2, 1, 3)), dtype)
+        out = ops.cast(ops.transpose(out, (0, 2, 1, 3)), dtype)
+        return _from_zigzag(out, ring, 1) if ring.per_device == 2 else out
 
     return program
 
 
 def _attend(query, key, value, key_mask, segment_ids, *, ring, mesh, scale):
-    """The ring's program over the whole mesh: the zig-zag order in, each device's program,
-    the order out."""
+    """The ring's program over the whole mesh, each device on its shards as the user's
+    sharding lays them (in order along the sequence)."""
     arrays = [query, key, value]
     arrays += [] if key_mask is None else [key_mask]
     arrays += [] if segment_ids is None else [segment_ids, segment_ids]
-    if ring.per_device == 2:  # chunks d and 2P - 1 - d side by side on device d
-        order, inverse = zigzag_order(query.shape[1], ring.devices, ring.per_device)
-        arrays = [ops.take(x, ops.convert_to_tensor(order), axis=1) for x in arrays]
     program = _device_program(ring, scale, query.dtype, key.shape[2])
-    out = _backend.get().ring_map(program, mesh, ring.axis, arrays, ring.count_visits)
-    if ring.count_visits or ring.per_device == 1:
-        return out
-    return ops.take(out, ops.convert_to_tensor(inverse), axis=1)
+    return _backend.get().ring_map(program, mesh, ring.axis, arrays, ring.count_visits)
 
 
 # One program per ring, mesh and scale (and input shapes): a `jax.jit`.

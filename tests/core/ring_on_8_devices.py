@@ -84,6 +84,14 @@ def test_the_ring_is_the_one_device_core(name, heads):
         np.testing.assert_allclose(grad, expected, atol=1e-5)
 
 
+@pytest.mark.parametrize("name", ["causal", "padded", "window, padded, segments"])
+def test_chunk_pairs_in_key_blocks_are_the_one_device_core(name, monkeypatch):
+    """Blocks of 2 keys inside each chunk pair (T=64 on 8 devices: chunks of 4 or 8), so the
+    pair's loop over key blocks runs several times, forward and backward."""
+    monkeypatch.setattr(ring, "MAX_KEY_BLOCK", 2)
+    test_the_ring_is_the_one_device_core(name, (4, 2))
+
+
 def visits(is_causal, per_device, window=None):
     """Each device's number of computed chunk pairs, on a ring balanced or not."""
     chunks = DEVICES * per_device
