@@ -1,9 +1,10 @@
 """`ScaledDotProductAttention`: the Keras layer that owns W_Q, W_K, W_V (and W_O).
 
-The layer projects, caches and calls; the rest is in private modules: `_arguments` (checks,
-config), `_shapes` (projections' equations, output shapes), `_rank_n` (inputs of any rank),
-`_layer_masks`, `_cache` (the key/value cache), `_folded` (a short query in the inputs'
-space), `_stand_in` (the class it replaces). The core, `keras_sdpa.ops.run_request`, picks the path.
+The layer projects, caches and calls; the rest is in its room, `keras_sdpa/_layer/`: `call`
+(its call by route), `arguments` (checks, config), `shapes` (projections' equations, output
+shapes), `rank_n` (inputs of any rank), `masks`, `cache` (the key/value cache), `folded` (a
+short query in the inputs' space), `stand_in` (the class it replaces). The core's program,
+`keras_sdpa._core.program.run_request`, picks the path.
 """
 
 import keras

@@ -16,7 +16,8 @@ Decide, then compute. `scaled_dot_product_attention` gathers its keyword argumen
 frozen, checked `Request` (`keras_sdpa/_core/request.py`; the layer builds one from its
 settings) and hands it to the core's compiled program (`keras_sdpa/_core/program.py`), which
 decides every static fact of the call into one frozen `Plan` and runs one XLA program per
-plan: one path of the three, dense, chunked or decode, forward and gradient.
+plan: one path of the three, dense, chunked or decode, forward and gradient. With
+`context_parallel`, the ring (`keras_sdpa/_core/ring.py`) runs instead, over a device mesh.
 
 The rule for a fully masked query row (a query that may attend to nothing):
 its weights are all zero and its output is zero, never NaN, on every path.

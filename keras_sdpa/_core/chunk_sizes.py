@@ -23,7 +23,7 @@ SMALLEST_BLOCK = 256
 def blocked_mask(mask_pattern, query, key):
     """Whether a mask varies along both T and S (as a causal or windowed one given as a
     tensor does) over lengths known to pass one default block: then smaller blocks, of which
-    the chunked path skips those the mask empties (`_blocks`). Shorter or unknown lengths
+    the chunked path skips those the mask empties (`blocks.py`). Shorter or unknown lengths
     keep the default, and so the dense path where it ran before: an unstructured mask at
     T=S=1,024 (B=16, N=8) took 1.66x the dense time forward plus backward in blocks of 512."""
     if mask_pattern is None or not all(mask_pattern[2:]):
@@ -63,7 +63,7 @@ def sized(batch, heads, compute_bytes=4):
     """The largest power of two from `SMALLEST_BLOCK` to `DEFAULT_CHUNK_SIZE` whose scores,
     `B * N * C * C` of `compute_bytes`, fit `SCORE_BYTES_PER_BLOCK` (or `SMALLEST_BLOCK`, past
     it). An unknown batch (Keras's `fit` traces with one) is counted as 8, as the "auto" path
-    counts it (`_plan.AUTO_CHUNKED_BYTES_PER_EXAMPLE`)."""
+    counts it (`plan.AUTO_CHUNKED_BYTES_PER_EXAMPLE`)."""
     per_row = (batch or 8) * heads * compute_bytes
     size = 1 << max(0, int(math.log2(math.sqrt(SCORE_BYTES_PER_BLOCK / per_row))))
     return min(DEFAULT_CHUNK_SIZE, max(SMALLEST_BLOCK, size))

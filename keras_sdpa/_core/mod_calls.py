@@ -62,7 +62,7 @@ class ScoreMod:
 
     `params` are what its gradient reaches: its float tensors (`mods.with_tensors`, a
     `mods.Mod`'s) and, on JAX, the values of the float variables it reads. On JAX
-    every Keras variable a mod holds (`mods.variables_of`) enters the program as an input,
+    every Keras variable a mod holds (`base.variables_of`) enters the program as an input,
     `scope` pairs them with those values, and the mod reads them through a
     `keras.StatelessScope`. `fn` is None when there is no mod.
     """

@@ -49,7 +49,7 @@ AUTO_CHUNKED_BYTES_PER_EXAMPLE = AUTO_CHUNKED_BYTES // 8
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Template:
-    """A mod's template (`mods.split`) in a plan: compared by its config when it is a built-in
+    """A mod's template (`base.split`) in a plan: compared by its config when it is a built-in
     `mods.Mod` (a new `document(ids)` each call must not trace a new program), else by
     identity. The plan holds the template, so the compiled programs' caches keep it alive
     (and a template keyed by identity is never confused with a later one at its address)."""
@@ -136,7 +136,7 @@ class CallTensors(typing.NamedTuple):
     mask: Tensor | None  # (B|1, N|1, T|1, S|1) booleans
     bias: Tensor | None  # (B|1, N|1, T|1, S|1) floats
     seed: Tensor | None  # (2,) int32, with dropout
-    score_tensors: tuple[Tensor, ...]  # the score_mod's per-call tensors (`mods.split`)
+    score_tensors: tuple[Tensor, ...]  # the score_mod's per-call tensors (`base.split`)
     mask_tensors: tuple[Tensor, ...]
     block_kinds: Tensor | None  # a BlockMask's kinds, on the chunked path
     variable_values: tuple[Tensor, ...]  # JAX: the values of the variables the mods hold
@@ -208,7 +208,7 @@ def make(query, key, value, mask=None, bias=None, request=_request.DEFAULT):
 
 
 def _call_tensors(mask, bias, seed, block_kinds, score_mod, mask_mod):
-    """The call's `CallTensors`, and the mods' templates (`mods.split`): what the program
+    """The call's `CallTensors`, and the mods' templates (`base.split`): what the program
     is keyed by, apart from the tensors it takes."""
     score_template, score_tensors = mod_base.split(score_mod)
     mask_template, mask_tensors = mod_base.split(mask_mod)

@@ -105,7 +105,7 @@ def attention(
 ):
     """The whole computation, traced once per plan: the grouped layout, then the plan's path.
 
-    `score_tensors` and `mask_tensors` are the mods' tensors of this call (`mods.split`), and
+    `score_tensors` and `mask_tensors` are the mods' tensors of this call (`base.split`), and
     `variable_values` (JAX) the values of the variables the mods hold.
     """
     tensors = bound_tensors(

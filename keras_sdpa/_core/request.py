@@ -1,7 +1,7 @@
 """What one attention call asks for besides its tensors, written once and checked once.
 
 `scaled_dot_product_attention` builds a `Request` from its keyword arguments, and the layer
-builds one from its settings for each call; `_plan.make` turns a request and the tensors'
+builds one from its settings for each call; `plan.make` turns a request and the tensors'
 shapes into the `Plan`, and only decides. Adding an option means: the public signature and
 its docstring, a field here (with its check), the plan's decision if it has one, and the code
 that uses it.
@@ -25,7 +25,7 @@ class Request:
 
     The fields up to `block_mask` are `scaled_dot_product_attention`'s keyword arguments
     (but `bias`, a tensor), with its defaults; `flash_attention` and `cached` are the layer's
-    two choices besides them (`_plan.make` maps the three to one path).
+    two choices besides them (`plan.make` maps the three to one path).
     """
 
     is_causal: bool = False
@@ -60,7 +60,7 @@ class Request:
         checks.check_mod("score_mod", self.score_mod)
         checks.check_mod("mask_mod", self.mask_mod)
         check_flash_attention(self.flash_attention)
-        check_context_parallel(self.context_parallel, self.implementation, self.cached)
+        check_context_parallel(self)
 
     def replace(self, **changes):
         return dataclasses.replace(self, **changes)
@@ -84,22 +84,33 @@ def check_flash_attention(flash_attention):
     return flash_attention
 
 
-def check_context_parallel(context_parallel, implementation, cached):
-    """`context_parallel`: None or a mesh axis's name, and never with decoding (one device's
-    work: a few query rows against a cache)."""
-    if context_parallel is None:
+def check_context_parallel(request):
+    """`context_parallel`: None or a mesh axis's name; with it, no choice of path (the ring is
+    its own) and no decoding (one device's work: a few query rows against a cache)."""
+    axis = request.context_parallel
+    if axis is None:
         return
-    if not isinstance(context_parallel, str) or not context_parallel:
+    if not isinstance(axis, str) or not axis:
         raise ValueError(
             "`context_parallel` must be None or the name of a device mesh axis. "
-            f"Received: context_parallel={context_parallel!r}"
+            f"Received: context_parallel={axis!r}"
         )
-    if implementation == "decode" or cached:
+    if request.implementation == "decode" or request.cached:
         raise ValueError(
             "`context_parallel` shards a whole sequence; decoding from a cache runs on one "
-            f"device. Received: context_parallel={context_parallel!r} with "
-            f"implementation={implementation!r}, cached={cached}"
+            f"device. Received: context_parallel={axis!r} with "
+            f"implementation={request.implementation!r}, cached={request.cached}"
         )
+    for name, default in (
+        ("implementation", "auto"),
+        ("chunk_size", None),
+        ("flash_attention", None),
+    ):
+        if getattr(request, name) != default:
+            raise ValueError(
+                f"`{name}` chooses a path on one device; with `context_parallel` the ring is the "
+                f"path. Received: context_parallel={axis!r} with {name}={getattr(request, name)!r}"
+            )
 
 
 def check_implementation(implementation, layer=False):

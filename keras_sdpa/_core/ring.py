@@ -24,12 +24,14 @@ itself (`shard_map`, `ppermute`, the device's index) is the JAX shim's
 
 import dataclasses
 
+import keras
 from keras import ops
 
 from keras_sdpa import _backend
 from keras_sdpa._core import plan as plans
 from keras_sdpa._core import softmax
 from keras_sdpa._mods import bands, builtin
+from keras_sdpa._shared import checks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +46,8 @@ class Ring:
     is_causal: bool
     window: int | None
     masks: tuple[bool, bool] = (False, False)  # a key padding mask; segment ids
-    k_block: int = 0  # keys a block of a chunk pair (0: the whole chunk)
+    k_block: int = 0  # keys a block of a chunk pair (0: the largest that fits MAX_KEY_BLOCK)
+    compute: str = "float32"  # the softmax's precision: float64 for float64 inputs
     count_visits: bool = False  # tests: return each device's computed chunk pairs instead
 
     def __post_init__(self):
@@ -223,10 +226,10 @@ def _forward(ring, q, k, v, keys, q_seg, k_seg):
     of chunk pairs it computed."""
     device = _Device(ring, q, q_seg)
     b, heads, groups, _, _ = ops.shape(q)
-    zeros = ops.zeros((b, heads, groups, ring.q_chunk), "float32")
+    zeros = ops.zeros((b, heads, groups, ring.q_chunk), ring.compute)
     states = [
         (
-            ops.zeros((*ops.shape(zeros), ops.shape(v)[-1]), "float32"),
+            ops.zeros((*ops.shape(zeros), ops.shape(v)[-1]), ring.compute),
             zeros + softmax.MASKED_SCORE,
             zeros,
         )
@@ -336,10 +339,10 @@ def _device_program(ring, scale, dtype, num_kv_heads):
         keys = masks.pop(0) if has_keys else None
         q_seg, k_seg = (masks[0], masks[1]) if has_segments else (None, None)
         b, t, n, h = ops.shape(query)
-        q = ops.transpose(ops.cast(query, "float32"), (0, 2, 1, 3)) * scale  # (B, N, t, H)
+        q = ops.transpose(ops.cast(query, ring.compute), (0, 2, 1, 3)) * scale  # (B, N, t, H)
         q = ops.reshape(q, (b, num_kv_heads, n // num_kv_heads, t, h))
-        k = ops.transpose(ops.cast(key, "float32"), (0, 2, 1, 3))  # (B, K, s, H)
-        v = ops.transpose(ops.cast(value, "float32"), (0, 2, 1, 3))
+        k = ops.transpose(ops.cast(key, ring.compute), (0, 2, 1, 3))  # (B, K, s, H)
+        v = ops.transpose(ops.cast(value, ring.compute), (0, 2, 1, 3))
         if ring.count_visits:
             return ops.reshape(_forward(ring, q, k, v, keys, q_seg, k_seg)[2], (1,))
 
@@ -376,14 +379,17 @@ compiled = _backend.compile(_attend, static_argnames=("ring", "mesh", "scale"))
 def run(query, key, value, mask, bias, request):
     """The core's call with `request.context_parallel` set: checked, then the ring's program."""
     mesh, devices = _backend.get().ring_mesh(request.context_parallel)
+    query, key, value = (ops.convert_to_tensor(x) for x in (query, key, value))
+    checks.check_inputs(query, key, value)
     _check_options(request, bias)
     mask_mod, is_causal, window = plans.lower_mask_mod(
         request.mask_mod, request.is_causal, request.sliding_window
     )  # mods.causal() and mods.sliding_window(w) are the ring's own masks
     request = request.replace(mask_mod=mask_mod, is_causal=is_causal, sliding_window=window)
-    t, s = query.shape[1], key.shape[1]
+    (b, t), s = query.shape[:2], key.shape[1]
     per_device = 2 if request.is_causal else 1
     _check_lengths(request, t, s, devices * per_device)
+    dtype = keras.backend.standardize_dtype(query.dtype)
     ring = Ring(
         axis=request.context_parallel,
         devices=devices,
@@ -393,11 +399,11 @@ def run(query, key, value, mask, bias, request):
         is_causal=bool(request.is_causal),
         window=request.sliding_window,
         masks=(mask is not None, request.mask_mod is not None),
+        compute="float64" if dtype == "float64" else "float32",
     )
-    key_mask = None if mask is None else _key_mask(mask, query.shape[0], s)
-    segment_ids = None if request.mask_mod is None else _segment_ids(request.mask_mod, t, s)
+    key_mask = None if mask is None else _key_mask(mask, query, key)
+    segment_ids = None if request.mask_mod is None else _segment_ids(request.mask_mod, b, t, s)
     scale = request.scale_for(query.shape[-1])
-    query, key, value = (ops.convert_to_tensor(x) for x in (query, key, value))
     return compiled(query, key, value, key_mask, segment_ids, ring=ring, mesh=mesh, scale=scale)
 
 
@@ -444,33 +450,41 @@ def _check_lengths(request, t, s, chunks):
         )
 
 
-def _key_mask(mask, batch, s):
-    """A mask that only masks keys, `(B|1, 1, 1, S)` or `(B|1, 1, S)`, as `(B, S)` booleans:
-    what travels with the keys. Any other mask is refused."""
-    shape = tuple(mask.shape)
-    if shape[-1] != s or any(d != 1 for d in shape[1:-1]) or len(shape) not in (3, 4):
+def _key_mask(mask, query, key):
+    """A mask that only masks keys, `(B|1, 1, 1, S)` as the core broadcasts it (so `(S,)` and
+    `(B|1, 1, 1, S)` alike), as `(B, S)` booleans: what travels with the keys. A mask along
+    the heads or the queries is refused."""
+    mask, pattern = checks.check_mask(ops.convert_to_tensor(mask), query, key)
+    if pattern[1] or pattern[2]:
         raise ValueError(
-            "With `context_parallel`, `mask` may only mask keys, `(B, 1, 1, S)` or "
-            "`(B, 1, S)` (it travels with them): a `(T, S)` mask would be on every device. "
-            "Use `is_causal`, `sliding_window` or `mods.document(segment_ids)` for the rest. "
-            f"Received: mask of shape {shape}"
+            "With `context_parallel`, `mask` may only mask keys, `(B, 1, 1, S)` (it travels "
+            "with them): a mask along the heads or the queries would be on every device. Use "
+            "`is_causal`, `sliding_window` or `mods.document(segment_ids)` for the rest. "
+            f"Received: mask of shape {tuple(mask.shape)} as (B, N, T, S)"
         )
-    mask = ops.reshape(ops.cast(mask, "bool"), (shape[0], s))
-    return ops.broadcast_to(mask, (batch, s))
+    b, s = query.shape[0], key.shape[1]
+    return ops.broadcast_to(ops.reshape(mask, (ops.shape(mask)[0], s)), (b, s))
 
 
-def _segment_ids(mask_mod, t, s):
-    """A `mods.document(segment_ids)`'s `(B, T)` ids, which travel with the keys; any other
-    `mask_mod` is refused."""
-    if (
-        not isinstance(mask_mod, builtin.Document)
-        or mask_mod.segment_ids is None
-        or mask_mod.kv_segment_ids is not None
-        or t != s
-    ):
+def _segment_ids(mask_mod, b, t, s):
+    """A `mods.document(segment_ids)`'s `(B|1, T)` ids as `(B, T)`, which travel with the keys;
+    any other `mask_mod` is refused."""
+    document = isinstance(mask_mod, builtin.Document)
+    if not document or mask_mod.segment_ids is None or mask_mod.kv_segment_ids is not None:
+        kind = type(mask_mod).__name__
+        if document:
+            kind = "document() without ids" if mask_mod.segment_ids is None else kind
+            kind = "document() with kv_segment_ids" if mask_mod.kv_segment_ids is not None else kind
         raise ValueError(
             "With `context_parallel`, the only `mask_mod` is `mods.document(segment_ids)` "
             "with one set of `(B, T)` ids (self-attention), which travel with the keys. "
-            f"Received: mask_mod={mask_mod!r}"
+            f"Received: a mask_mod {kind}"
         )
-    return ops.convert_to_tensor(mask_mod.segment_ids)
+    ids = ops.convert_to_tensor(mask_mod.segment_ids)
+    if len(ids.shape) != 2 or ids.shape[1] != t or ids.shape[0] not in (1, b) or t != s:
+        raise ValueError(
+            "With `context_parallel`, `mods.document`'s segment ids must be `(B, T)` for "
+            f"self-attention (T == S). Received: segment_ids of shape {tuple(ids.shape)} for "
+            f"B={b}, T={t}, S={s}"
+        )
+    return ops.broadcast_to(ids, (b, t))

@@ -76,7 +76,7 @@ def attend_from_offsets(
 ):
     """The core on the projected queries `q` `(B, T, N, H)` against the cached `keys` and
     `values` `(B, S, K, H)`, the queries starting at `offset` `(B,)`: the causal mask, the
-    window and the mods of `request` (the layer's `_request.Request` for this call) count
+    window and the mods of `request` (the layer's `Request` for this call) count
     from there.
 
     With `training` and a `dropout`, the attention weights are dropped as in the uncached

@@ -167,7 +167,7 @@ def bind_segment_ids(mask_mod, segment_ids, query, key, cache):
         )
     expected = [("batch size", 0, query.shape[0])]
     if cache is not None:
-        shape = keras.ops.convert_to_tensor(cache).shape  # checked whole in `_layer_call.cached`
+        shape = keras.ops.convert_to_tensor(cache).shape  # checked whole in `call.cached`
         expected.append(("the cache's length", 1, shape[2] if len(shape) == 5 else None))
     else:
         expected += [

@@ -156,7 +156,7 @@ def static_key(mod):
 
     A Keras layer's `repr` names only its class, name and built flag, so two loads of one
     `.keras` file (or two models after `clear_session()`) would share one traced template and
-    read the first one's weights. Each plan holds its templates (`_plan.Template`), and the
+    read the first one's weights. Each plan holds its templates (`plan.Template`), and the
     compiled programs' caches hold their plans, so an `id` there is never reused while a
     program keyed by it lives.
     """

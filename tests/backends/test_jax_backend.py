@@ -119,7 +119,8 @@ def test_the_library_tests_pass_on_jax():
 def test_the_ring_passes_on_8_devices():
     """Context parallelism (`tests/core/ring_on_8_devices.py`): the ring against the
     one-device core, its balance, its buffers, the layer and the refusals."""
-    _pytest_on_jax(["tests/core/ring_on_8_devices.py"], 32, env=_jax_env(devices=8))
+    env = dict(_jax_env(devices=8), JAX_ENABLE_X64="1")  # float64 inputs stay float64
+    _pytest_on_jax(["tests/core/ring_on_8_devices.py"], 41, env=env)
 
 
 @pytest.mark.large  # three JAX processes with gloo collectives over localhost

@@ -122,7 +122,7 @@ def test_matches_keras_dot_product_attention(mask_kind, is_causal):
 
 
 def core_kwargs(**overrides):
-    """The static argument of the private compiled core, `keras_sdpa.program.compiled`:
+    """The static argument of the private compiled core, `keras_sdpa._core.program.compiled`:
     its plan."""
     fields = dict(
         num_heads=N,

@@ -30,7 +30,7 @@ FACES = {
     "keras_sdpa.swap": "_swap",
     "keras_sdpa": "package",
 }
-CORE_PATHS = ("keras_sdpa._core.dense", "keras_sdpa._core.chunked", "keras_sdpa._core.decode")
+CORE_PATHS = tuple(f"keras_sdpa._core.{path}" for path in ("dense", "chunked", "decode", "ring"))
 
 
 def drawing():
@@ -85,21 +85,42 @@ def resolve(name, modules):
     return name or None
 
 
-def imports_of(tree, modules):
-    """`(line, module, {alias: module})` for each import of a library module in `tree`."""
+def imports_of(tree, modules, module=None):
+    """`(line, module, {alias: module})` for each import of a library module in `tree`;
+    relative imports are resolved from `module` (the importer's dotted name)."""
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for alias in node.names:
                 target = resolve(alias.name, modules)
                 if target:
-                    found.append((node.lineno, target, {alias.asname or alias.name: target}))
-        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                    # `import keras_sdpa._core.plan` binds `keras_sdpa`: reads go through it
+                    name = alias.asname or alias.name.split(".")[0]
+                    bound = target if alias.asname else resolve(name, modules)
+                    found.append((node.lineno, target, {name: bound}))
+        elif isinstance(node, ast.ImportFrom) and (node.module or node.level):
+            base = node.module or ""
+            if node.level:
+                package = module.split(".")
+                is_package = modules.get(module, "").endswith("__init__.py")
+                package = package[: len(package) - node.level + is_package]
+                base = ".".join(package + ([node.module] if node.module else []))
             for alias in node.names:
-                target = resolve(f"{node.module}.{alias.name}", modules)
+                target = resolve(f"{base}.{alias.name}", modules)
                 if target:
                     found.append((node.lineno, target, {alias.asname or alias.name: target}))
     return found
+
+
+def dotted(node):
+    """`a.b.c` of an attribute chain on a name, or None."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name):
+        return None
+    return ".".join([node.id, *reversed(parts)])
 
 
 def trees(modules=MODULES):
@@ -113,7 +134,7 @@ def wrong_imports(parsed, modules=MODULES):
     wrong = []
     for module, tree in parsed.items():
         rank = ROOMS.index(room_of(module))
-        for line, target, _ in imports_of(tree, modules):
+        for line, target, _ in imports_of(tree, modules, module):
             if ROOMS.index(room_of(target)) > rank:
                 why = f"{room_of(module)} below {room_of(target)}"
                 wrong.append(f"{module}:{line} imports {target} ({why})")
@@ -124,11 +145,11 @@ def wrong_imports(parsed, modules=MODULES):
 
 def private_reads(parsed, modules=MODULES):
     """`module:line reads other._name` for each private name of another room's module that a
-    module imports or reads as an attribute."""
+    module imports or reads as an attribute (through any chain: `pkg.room.module._name`)."""
     found = []
     for module, tree in parsed.items():
         aliases = {}
-        for *_, named in imports_of(tree, modules):
+        for *_, named in imports_of(tree, modules, module):
             aliases.update(named)
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and node.module in modules:
@@ -137,16 +158,18 @@ def private_reads(parsed, modules=MODULES):
                 for alias in node.names:
                     if alias.name.startswith("_") and f"{node.module}.{alias.name}" not in modules:
                         found.append(f"{module}:{node.lineno} reads {node.module}.{alias.name}")
-            elif (
-                isinstance(node, ast.Attribute)
-                and isinstance(node.value, ast.Name)
-                and node.value.id in aliases
-                and node.attr.startswith("_")
-                and not node.attr.startswith("__")
-                and room_of(aliases[node.value.id]) != room_of(module)
-            ):
-                target = aliases[node.value.id]
-                found.append(f"{module}:{node.lineno} reads {target}.{node.attr}")
+            elif isinstance(node, ast.Attribute) and node.attr.startswith("_"):
+                chain = dotted(node.value)
+                if node.attr.startswith("__") or chain is None:
+                    continue
+                head, _, rest = chain.partition(".")
+                if head not in aliases:
+                    continue
+                owner = resolve(".".join(filter(None, [aliases[head], rest])), modules)
+                if f"{owner}.{node.attr}" in modules:
+                    continue  # a private module (`keras_sdpa._core`), not a private name
+                if owner and room_of(owner) != room_of(module):
+                    found.append(f"{module}:{node.lineno} reads {owner}.{node.attr}")
     return found
 
 
@@ -178,8 +201,13 @@ def test_the_check_sees_an_upward_and_a_sibling_import():
     parsed["keras_sdpa._core.decode"].body.insert(
         0, ast.parse("from keras_sdpa._core import dense")
     )
+    parsed["keras_sdpa._core.ring"].body.insert(0, ast.parse("from . import chunked"))
+    parsed["keras_sdpa._core.blocks"].body.insert(0, ast.parse("from .. import swap"))
     found = wrong_imports(parsed)
-    assert len(found) == 2, found
+    assert len(found) == 4, found
+    assert any("_core.ring:1 imports keras_sdpa._core.chunked (one path" in f for f in found)
+    assert any("_core.blocks:1 imports keras_sdpa.swap (_core below _swap)" in f for f in found)
+    found = [f for f in found if "ring" not in f and "blocks" not in f]
     assert found[0].startswith("keras_sdpa._core.decode:1 imports keras_sdpa._core.dense (one path")
     assert "keras_sdpa._core.plan" in found[1] and "(_core below _layer)" in found[1]
 
@@ -193,6 +221,15 @@ def test_the_check_sees_a_private_name_read_from_another_room():
     planted = "from keras_sdpa._core import plan as p\nfrom keras_sdpa._core.plan import _path\n"
     planted += "def f():\n    return p._implementation\n"
     parsed["keras_sdpa._layer.cache"].body.extend(ast.parse(planted).body)
+    found = private_reads(parsed)
+    assert [line.split(" reads ")[1] for line in found] == [
+        "keras_sdpa._core.plan._path",
+        "keras_sdpa._core.plan._implementation",
+    ]
+    chained = "import keras_sdpa._core.plan\nfrom keras_sdpa import _core\n"
+    chained += "a = keras_sdpa._core.plan._path\nb = _core.plan._implementation\n"
+    parsed = trees()
+    parsed["keras_sdpa._layer.cache"].body.extend(ast.parse(chained).body)
     found = private_reads(parsed)
     assert [line.split(" reads ")[1] for line in found] == [
         "keras_sdpa._core.plan._path",

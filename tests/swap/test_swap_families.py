@@ -415,7 +415,7 @@ REFUSED = {
     ),
     # Its `XLNetAttentionMaskLayer` makes masks; it is no attention.
     "xlnet": (xlnet, {"TwoStreamRelativeAttention": SUBCLASS.format(MHA)}),
-    # Softmax attention whose kernel swap is not built (`_kernels.LEFT`); its other layer type,
+    # Softmax attention whose kernel swap is not built (`families.LEFT`); its other layer type,
     # the gated delta rule, is linear attention and no class of attention by name.
     "qwen3_5": (qwen3_5, {"Qwen3_5Attention": "kernel swap is not built or tested here"}),
 }
