@@ -101,6 +101,14 @@ class TokenAndPositionEmbedding(keras.layers.Layer):
     enter each position like the embeddings do, so the pooling attention still decides how
     much each position's evidence counts.
 
+    With `normalize_embeddings=True`, the word, pair and triple tables are each looked up
+    normalised as Miyato, Dai & Goodfellow (ICLR 2017) do for adversarial training:
+    `(v_k - mean) / sqrt(var + 1e-6)`, with `mean = sum_j f_j v_j` and
+    `var = sum_j f_j (v_j - mean)^2` per feature, `f_j` the row's frequency in the reviews
+    `adapt_frequencies` counts (padding and "no n-gram" count 0). A perturbation of a given
+    norm then means the same whatever scale the tables have grown to. The tables are
+    normalised at every call, on all their rows: each step's gradient reaches every row.
+
     The ratios are cross-fitted over `naive_bayes_folds` folds, so that no review reads ratios
     counted on its own label. A review's fold is its number of tokens modulo the folds
     (`naive_bayes_fold`: a function of the review alone, so training and serving agree, and
@@ -121,9 +129,11 @@ class TokenAndPositionEmbedding(keras.layers.Layer):
         naive_bayes=False,
         naive_bayes_folds=5,
         ngram_dim=None,
+        normalize_embeddings=False,
         **kwargs,
     ):
         super().__init__(**kwargs)
+        self.normalize_embeddings = normalize_embeddings
         if ngram_dim is not None and ngram_dim <= 0:
             raise ValueError(f"`ngram_dim` must be positive. Received: ngram_dim={ngram_dim}")
         self.ngram_dim = ngram_dim
@@ -182,6 +192,53 @@ class TokenAndPositionEmbedding(keras.layers.Layer):
         if self.trigram_vocab_size:
             tables.append(("trigram_ratios", self.trigram_vocab_size + 2))
         return tables
+
+    def _embedded_tables(self):
+        """`(embedding, frequency table name)` of each table a position adds, in the order of
+        `_feature_indices`: the words, then the pairs and the triples if embedded."""
+        lookups = [(self.token_embedding, "word_frequencies")]
+        if self.bigram_vocab_size:
+            lookups.append((self.bigram_embedding, "bigram_frequencies"))
+        if self.trigram_vocab_size:
+            lookups.append((self.trigram_embedding, "trigram_frequencies"))
+        return lookups
+
+    def adapt_frequencies(self, ids, batch_size=1024):
+        """Sets each table's row frequencies (`normalize_embeddings`) from token ids `(n, L)`:
+        how often each word, pair and triple index occurs, over all occurrences. Call it after
+        the pair and triple vocabularies are set: the counts are per looked-up index."""
+        if not self.normalize_embeddings:
+            raise ValueError(
+                "`adapt_frequencies` needs a layer built with normalize_embeddings=True. "
+                f"Received: normalize_embeddings={self.normalize_embeddings}"
+            )
+        counts = [
+            np.zeros(embedding.input_dim, "float64") for embedding, _ in self._embedded_tables()
+        ]
+        for start in range(0, len(ids), batch_size):
+            batch = tf.constant(ids[start : start + batch_size])
+            for count, indices in zip(counts, self._feature_indices(batch)):
+                count += np.bincount(np.asarray(indices).reshape(-1), minlength=len(count))
+        for count, (_, name) in zip(counts, self._embedded_tables()):
+            count[0] = 0.0  # padding, or no pair or triple there
+            getattr(self, name).assign((count / max(count.sum(), 1.0)).astype("float32"))
+
+    def _lookup(self, embedding, frequencies, indices):
+        """`embedding`'s rows at `indices` `(B, L)`, normalised by the row frequencies in the
+        weight `frequencies` with `normalize_embeddings`: `(B, L, width)`.
+
+        Normalised in float32 at least (float64 under a float64 policy); under a mixed policy
+        the table is read in the compute dtype, as the lookup's output is."""
+        if not self.normalize_embeddings:
+            return embedding(indices)
+        dtype = keras.backend.result_type(self.compute_dtype, "float32")
+        table = ops.cast(embedding.embeddings, dtype)  # (rows, width)
+        weights = ops.cast(getattr(self, frequencies), dtype)[:, None]  # (rows, 1)
+        weights = weights / ops.maximum(ops.sum(weights), 1e-12)
+        mean = ops.sum(weights * table, axis=0)  # (width,)
+        variance = ops.sum(weights * ops.square(table - mean), axis=0)
+        table = (table - mean) / ops.sqrt(variance + 1e-6)
+        return ops.cast(ops.take(table, indices, axis=0), self.compute_dtype)
 
     def _feature_indices(self, ids):
         """Each position's index into each ratio table, `[(B, L), ...]` as `_naive_bayes_tables`."""
@@ -276,6 +333,17 @@ class TokenAndPositionEmbedding(keras.layers.Layer):
             self.trigram_embedding.build(ids_shape)
         if hasattr(self, "ngram_projection"):
             self.ngram_projection.build((*ids_shape, self.ngram_dim))
+        if self.normalize_embeddings:
+            for embedding, name in self._embedded_tables():
+                # Uniform until `adapt_frequencies` counts them; float32 under a mixed policy.
+                table = self.add_weight(
+                    shape=(embedding.input_dim,),
+                    initializer="ones",
+                    trainable=False,
+                    autocast=False,
+                    name=name,
+                )
+                setattr(self, name, table)
         if self.naive_bayes:
             for name, size in self._naive_bayes_tables():
                 table = self.add_weight(
@@ -289,19 +357,15 @@ class TokenAndPositionEmbedding(keras.layers.Layer):
 
     def call(self, ids):
         positions = ops.arange(ops.shape(ids)[-1])  # (L,)
-        x = self.token_embedding(ids) + self.position_embedding(positions)  # (B, L, E)
         indices = self._feature_indices(ids)  # words, then pairs and triples: [(B, L), ...]
-        ngram_embeddings = []
-        if self.bigram_vocab_size:
-            ngram_embeddings.append(self.bigram_embedding)
-        if self.trigram_vocab_size:
-            ngram_embeddings.append(self.trigram_embedding)
+        lookups = self._embedded_tables()
+        x = self._lookup(*lookups[0], ids) + self.position_embedding(positions)  # (B, L, E)
+        ngrams = [self._lookup(*lookup, i) for lookup, i in zip(lookups[1:], indices[1:])]
         if hasattr(self, "ngram_projection"):
-            ngrams = [embedding(i) for embedding, i in zip(ngram_embeddings, indices[1:])]
             x = x + self.ngram_projection(ops.sum(ops.stack(ngrams), axis=0))  # (B, L, E)
         else:
-            for embedding, ngrams in zip(ngram_embeddings, indices[1:]):
-                x = x + embedding(ngrams)
+            for embedded in ngrams:
+                x = x + embedded
         if self.naive_bayes:
             fold = ops.cast(self.naive_bayes_fold(ids), "int64")[:, None]  # (B, 1)
             ratios = ops.stack(
@@ -335,4 +399,5 @@ class TokenAndPositionEmbedding(keras.layers.Layer):
             "naive_bayes": self.naive_bayes,
             "naive_bayes_folds": self.naive_bayes_folds,
             "ngram_dim": self.ngram_dim,
+            "normalize_embeddings": self.normalize_embeddings,
         }

@@ -109,6 +109,7 @@ def build_classifier(
     pooling_values="block",
     ngram_dim=None,
     word_dropout=0.0,
+    normalize_embeddings=False,
 ):
     """Returns `(model, inspector)`, two functional models over the same weights.
 
@@ -121,7 +122,8 @@ def build_classifier(
     embedding in training (its word, pair, triple and position at once; the kept ones times
     1 / (1 - p)), after Iyyer et al.'s (2015) word dropout, which removes the word instead: the
     position stays in the attention mask, an input of zeros (its key and value are the
-    projections' biases); 0 adds no layer.
+    projections' biases); 0 adds no layer. `normalize_embeddings`: the word, pair and triple
+    tables normalised by their rows' frequencies (`TokenAndPositionEmbedding.adapt_frequencies`).
 
     `model` maps token ids `(B, L)`, any `L <= sequence_length`, to `P(positive)` `(B, 1)`
     and is the one trained.
@@ -140,6 +142,7 @@ def build_classifier(
         naive_bayes,
         naive_bayes_folds,
         ngram_dim=ngram_dim,
+        normalize_embeddings=normalize_embeddings,
         name="embedding",
     )
     embedding_dropout = keras.layers.Dropout(dropout, seed=seed, name="embedding_dropout")
@@ -157,7 +160,7 @@ def build_classifier(
     pooling = AttentionPooling(
         num_heads, key_dim, scale=pooling_scale, values_from=pooling_values, name="pooling"
     )
-    pooled_dropout = keras.layers.Dropout(dropout, seed=seed)
+    pooled_dropout = keras.layers.Dropout(dropout, seed=seed, name="pooled_dropout")
     # Under a mixed-precision policy the output layer stays float32, so the probability is
     # float32 (Keras's mixed-precision guide); otherwise it follows the policy (float64 too).
     mixed = keras.config.dtype_policy().name.startswith("mixed")
@@ -178,8 +181,16 @@ def build_classifier(
 
     # The inspector's graph first: Keras (3.15) cannot connect the weights of a layer's
     # second symbolic call that asks for them when its first call did not.
+    inspector = _inspector(layers)
+    ids, probability, _, _ = _forward(layers, with_scores=False)
+    model = keras.Model(ids, probability, name="sdpa_sentiment")
+    return model, inspector
+
+
+def _inspector(layers):
+    """The inspector over the classifier's `layers` (`build_classifier`)."""
     ids, probability, block_scores, pool_scores = _forward(layers, with_scores=True)
-    inspector = keras.Model(
+    return keras.Model(
         ids,
         {
             "probability": probability,
@@ -188,9 +199,6 @@ def build_classifier(
         },
         name="sdpa_sentiment_inspector",
     )
-    ids, probability, _, _ = _forward(layers, with_scores=False)
-    model = keras.Model(ids, probability, name="sdpa_sentiment")
-    return model, inspector
 
 
 class _Layers(typing.NamedTuple):
@@ -230,16 +238,25 @@ def _forward(layers, with_scores):
     return ids, probability, block_scores, pool_scores
 
 
-def log_odds_from_embeddings(model, x, mask):
-    """The classifier's log-odds `(B,)` from its embedding layer's output `x` `(B, L, E)`,
-    at inference (no dropout). `model` is `build_classifier`'s; its layers `block_*`,
-    `pooling` and `classifier` are called directly."""
+def log_odds_from_embeddings(model, x, mask, training=False):
+    """The classifier's log-odds `(B,)` from its embedding layer's output `x` `(B, L, E)`.
+
+    `model` is `build_classifier`'s; its layers after the embedding are called directly. At
+    inference (`training=False`) the dropouts are left out; in training they drop as in
+    `model(ids, training=True)`, which this then computes (the perturbation losses of
+    `apps.classifier.perturbation` start the classifier from perturbed embeddings)."""
+    if training:
+        x = model.get_layer("embedding_dropout")(x, training=True)
+        if any(layer.name == "word_dropout" for layer in model.layers):
+            x = model.get_layer("word_dropout")(x, training=True)
     embedded = x
     for layer in model.layers:
         if layer.name.startswith("block_"):
-            x = layer(x, mask=mask, training=False)  # (B, L, E)
+            x = layer(x, mask=mask, training=training)  # (B, L, E)
     pooling = model.get_layer("pooling")
     values = embedded if pooling.values_from == "embedding" else None
     pooled = pooling(x, mask=mask, values=values)  # (B, E)
+    if training:
+        pooled = model.get_layer("pooled_dropout")(pooled, training=True)
     classifier = model.get_layer("classifier")
     return (ops.matmul(pooled, classifier.kernel) + classifier.bias)[:, 0]  # (B,)

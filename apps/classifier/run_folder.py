@@ -15,6 +15,7 @@ import tensorflow as tf
 
 from . import data
 from . import model as model_lib
+from .perturbation import Perturbation  # registers PerturbedClassifier, which model.keras may name
 
 
 @dataclasses.dataclass
@@ -71,6 +72,7 @@ def load_run(run):
         pooling_scale=config.get("pooling_scale"),
         pooling_values=config.get("pooling_values", "block"),
         ngram_dim=config.get("ngram_dim"),
+        normalize_embeddings=Perturbation.from_flags(config).normalizes_embeddings,
     )
     if config["bigram_vocab_size"]:
         pairs = data.read_ngrams(vectorizer, os.path.join(run, "bigrams.txt"))

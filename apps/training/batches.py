@@ -65,6 +65,20 @@ def training_stream(ids, labels, batch_size, seed, start_step=0, window=BUCKET_W
     return _shard_by_data(stream.prefetch(tf.data.AUTOTUNE))
 
 
+def with_unlabeled(stream, unlabeled_ids, batch_size, seed, start_step=0):
+    """`stream`'s batches `(ids (B, L), labels (B,))` with a batch of unlabelled token ids
+    beside each: `(ids, labels, unlabelled ids (B, L'))`, zipped.
+
+    The unlabelled batches are `training_stream`'s of `unlabeled_ids` `(n, L)` from the same
+    `start_step` (passes over them, shuffled by `seed`, each batch cut to its own length
+    bucket), so a resumed run reads the same pairs as an uninterrupted one."""
+    unlabeled = training_stream(
+        unlabeled_ids, np.zeros(len(unlabeled_ids), "float32"), batch_size, seed, start_step
+    )
+    zipped = tf.data.Dataset.zip(stream, unlabeled)
+    return _shard_by_data(zipped.map(lambda labelled, other: (*labelled, other[0])))
+
+
 def eval_dataset(ids, labels, batch_size, limit=None):
     """The first `limit` examples (all by default), batched in order of length, each batch cut
     to its length bucket. Metrics summed over the examples do not depend on the order."""

@@ -2,6 +2,7 @@
 policy, with its n-gram vocabularies and naive-Bayes ratios set."""
 
 import contextlib
+import dataclasses
 import os
 
 import keras
@@ -10,6 +11,7 @@ from .. import files
 from ..classifier import data
 from ..classifier import model as model_lib
 from ..classifier.optimizer import Adam
+from ..classifier.perturbation import Perturbation, PerturbedClassifier
 
 
 @contextlib.contextmanager
@@ -28,7 +30,10 @@ def dtype_policy(name):
 
 def build_model(config, run, vectorizer, train_ids, train_labels, counted_ids, steps_per_epoch):
     """The compiled classifier and its inspector, in the strategy's scope, with the word-pair
-    and word-triple vocabularies and the naive-Bayes ratios set."""
+    and word-triple vocabularies, the naive-Bayes ratios and the embeddings' row frequencies
+    set. With a perturbation loss (`--adversarial_weight` and the others), the classifier is a
+    `PerturbedClassifier`, which trains on the mixed objective."""
+    perturbation = Perturbation.from_flags(dataclasses.asdict(config))
     # Variables, the model, its attention layers and the optimizer all live in the scope.
     with run.strategy.scope():
         model, inspector = model_lib.build_classifier(
@@ -49,7 +54,10 @@ def build_model(config, run, vectorizer, train_ids, train_labels, counted_ids, s
             pooling_scale=config.pooling_scale,
             pooling_values=config.pooling_values,
             ngram_dim=config.ngram_dim,
+            normalize_embeddings=perturbation.normalizes_embeddings,
         )
+        if perturbation.weighted:
+            model = PerturbedClassifier.around(model, perturbation)
         # Cosine decay to zero over the planned steps: a function of the optimizer's own
         # step, so a resumed run follows the same schedule.
         schedule = keras.optimizers.schedules.CosineDecay(
@@ -96,6 +104,13 @@ def build_model(config, run, vectorizer, train_ids, train_labels, counted_ids, s
             train_ids, train_labels, config.naive_bayes_alpha
         )
         print(f"Naive-Bayes log-count ratios counted on {len(train_ids)} training reviews")
+    if perturbation.normalizes_embeddings:
+        # On the reviews the vocabularies are counted on; a resumed run counts the same again.
+        model.get_layer("embedding").adapt_frequencies(counted_ids)
+        print(f"Embeddings normalised by their rows' frequencies in {len(counted_ids)} reviews")
+    if perturbation.weighted:
+        losses = ", ".join(f"{weight} x {name}" for name, weight in perturbation.weighted.items())
+        print(f"Training on the mixed objective: the likelihood + {losses}")
     return model, inspector
 
 

@@ -57,6 +57,15 @@ class Config:
     # ones, half per class; None = the labelled reviews only
     self_training_from: str | None = None
     self_training_reviews: int = 22500  # unlabelled reviews kept, with --self_training_from
+    # the mixed objective (apps/classifier/perturbation.py): the likelihood plus these losses,
+    # each times its weight; 0 = off. The adversarial and virtual adversarial ones perturb the
+    # embeddings, which are then normalised by their rows' frequencies (Miyato et al., 2017);
+    # the virtual adversarial and entropy ones read a batch of unlabelled reviews beside each
+    # labelled one (`--vocabulary_source train+unsupervised`'s)
+    adversarial_weight: float = 0.0  # the loss at the embeddings plus the worst perturbation
+    virtual_adversarial_weight: float = 0.0  # KL(p(x) || p(x + r_vadv)), labelled and unlabelled
+    entropy_weight: float = 0.0  # the prediction's entropy on the unlabelled reviews
+    perturbation_epsilon: float = 5.0  # the perturbations' norm over a review's embeddings
     # training
     # Keras's dtype policy for the run: mixed_bfloat16 or mixed_float16 (loss-scaled), with the
     # classifier's output and the variables in float32; None = float32 throughout
@@ -128,6 +137,10 @@ _RUN_DEFINING = (
     "predicted_words",
     "self_training_from",
     "self_training_reviews",
+    "adversarial_weight",
+    "virtual_adversarial_weight",
+    "entropy_weight",
+    "perturbation_epsilon",
 )
 
 
@@ -153,6 +166,10 @@ FIRST_DEFAULTS = {
     "self_training_from": None,
     "self_training_reviews": 22500,
     "word_dropout": 0.0,
+    "adversarial_weight": 0.0,
+    "virtual_adversarial_weight": 0.0,
+    "entropy_weight": 0.0,
+    "perturbation_epsilon": 5.0,
 }
 
 
@@ -191,6 +208,44 @@ def check_config(config):
     _check_training(config)
     _check_pretraining(config)
     _check_self_training(config)
+    _check_perturbation(config)
+
+
+def _check_perturbation(config):
+    for name in ("adversarial_weight", "virtual_adversarial_weight", "entropy_weight"):
+        if not getattr(config, name) >= 0 or getattr(config, name) == float("inf"):
+            raise ValueError(
+                f"`--{name}` must be >= 0 and finite (0 turns the loss off). "
+                f"Received: {name}={getattr(config, name)}"
+            )
+    if not 0 < config.perturbation_epsilon < float("inf"):
+        raise ValueError(
+            "`--perturbation_epsilon` must be positive and finite. "
+            f"Received: perturbation_epsilon={config.perturbation_epsilon}"
+        )
+    perturbing = [
+        name
+        for name in ("adversarial_weight", "virtual_adversarial_weight")
+        if getattr(config, name)
+    ]
+    if perturbing and config.pretrain_steps:
+        # The saved encoder's key does not say whether its embedding read normalised tables.
+        raise ValueError(
+            f"`--{perturbing[0]}` normalises the embeddings, which pretraining does not (its "
+            "word prediction reads the word table as it is): they cannot be combined yet. "
+            f"Received: {perturbing[0]}={getattr(config, perturbing[0])}, "
+            f"pretrain_steps={config.pretrain_steps}"
+        )
+    unlabeled = [
+        name for name in ("virtual_adversarial_weight", "entropy_weight") if getattr(config, name)
+    ]
+    if unlabeled and config.vocabulary_source != "train+unsupervised":
+        raise ValueError(
+            f"`--{unlabeled[0]}` reads the unlabelled reviews, which only "
+            "`--vocabulary_source train+unsupervised` reads. "
+            f"Received: {unlabeled[0]}={getattr(config, unlabeled[0])}, "
+            f"vocabulary_source={config.vocabulary_source!r}"
+        )
 
 
 def _check_self_training(config):

@@ -14,7 +14,7 @@ import numpy as np
 
 from .. import files
 from . import distribute
-from .batches import training_stream
+from .batches import training_stream, with_unlabeled
 from .config import MONITORS, better
 
 
@@ -229,9 +229,12 @@ def _interrupts_deferred():
         raise KeyboardInterrupt(f"signal {received[0]}")
 
 
-def fit_model(config, run, model, train_ids, train_labels, validation, steps_per_epoch):
+def fit_model(
+    config, run, model, train_ids, train_labels, validation, steps_per_epoch, unlabeled_ids=None
+):
     """`model.fit` from where the run stands, with checkpoints, early stopping and a saved
-    state on Ctrl-C or SIGTERM. Returns `(train_seconds, stopped_early)`, or None if
+    state on Ctrl-C or SIGTERM; with `unlabeled_ids` `(n, L)`, a batch of them beside each
+    training batch (`with_unlabeled`). Returns `(train_seconds, stopped_early)`, or None if
     interrupted."""
     distribute.fix_keras_for_multi_worker(model, run.strategy)
     state = TrainingState(run.checkpoints, config.save_every)
@@ -247,14 +250,23 @@ def fit_model(config, run, model, train_ids, train_labels, validation, steps_per
 
     callbacks, early_stopping = _callbacks(config, run, state, history)
     stopped = _stopped_early(history, config.patience, config.monitor)
+
+    def stream(start_step):
+        """The training batches from batch `start_step` on."""
+        batches = training_stream(
+            train_ids, train_labels, run.global_batch, config.seed, start_step=start_step
+        )
+        if unlabeled_ids is None:
+            return batches
+        return with_unlabeled(batches, unlabeled_ids, run.global_batch, config.seed, start_step)
+
     try:
         with interrupts_raised():
             _fit_segments(
                 config,
                 run,
                 model,
-                train_ids,
-                train_labels,
+                stream,
                 validation,
                 steps_per_epoch,
                 callbacks,
@@ -280,15 +292,15 @@ def _fit_segments(
     config,
     run,
     model,
-    train_ids,
-    train_labels,
+    stream,
     validation,
     steps_per_epoch,
     callbacks,
     early_stopping,
     stopped,
 ):
-    """`model.fit` over what is left of the run's epochs (`_segments`), unless stopped early."""
+    """`model.fit` over what is left of the run's epochs (`_segments`), unless stopped early;
+    `stream(start_step)` gives the training batches from a step on."""
     # Multi-worker Keras finds its strategy in the scope (see apps/training/distribute.py);
     # evaluation and export then run on each worker alone, with the same weights.
     multi_worker = distribute.is_multi_worker(run.strategy)
@@ -299,13 +311,7 @@ def _fit_segments(
         fitting = run.strategy.scope() if multi_worker else contextlib.nullcontext()
         with fitting:
             model.fit(
-                training_stream(
-                    train_ids,
-                    train_labels,
-                    run.global_batch,
-                    config.seed,
-                    start_step=optimizer_step(model),
-                ),
+                stream(optimizer_step(model)),
                 initial_epoch=initial_epoch,
                 epochs=epochs,
                 steps_per_epoch=steps,

@@ -51,6 +51,7 @@ import tensorflow as tf  # noqa: E402
 
 from .. import cli, files  # noqa: E402
 from ..classifier import data  # noqa: E402
+from ..classifier.perturbation import Perturbation  # noqa: E402
 from . import distribute  # noqa: E402
 from .batches import eval_dataset  # noqa: E402
 from .build import build_model, dtype_policy  # noqa: E402
@@ -119,9 +120,9 @@ def _train(config, argv, git_commit):
     run = _start_run(config)
     splits, vectorizer, train_ids, validation_ids, counted_ids = prepare_data(config, run)
     fit_ids, train_labels = training_examples(config, splits, vectorizer, train_ids)
-    held_out = None  # the validation and test reviews as token ids: never read unlabelled
-    if config.pretrain_steps or config.self_training_from:
-        held_out = np.concatenate([validation_ids, data.vectorize(vectorizer, splits.test_text)])
+    held_out, unlabeled = _held_out_and_unlabeled(
+        config, splits, vectorizer, train_ids, validation_ids, counted_ids
+    )
     self_training = None
     if config.self_training_from:
         unlabeled_ids = counted_ids[len(train_ids) :]  # splits.unlabeled_text's
@@ -154,7 +155,9 @@ def _train(config, argv, git_commit):
     # Smoke runs (`--max_steps`) evaluate the first `max_steps` batches' worth of examples.
     limit = None if config.max_steps is None else config.max_steps * run.global_batch
     validation = eval_dataset(validation_ids, splits.validation_label, run.global_batch, limit)
-    fitted = fit_model(config, run, model, fit_ids, train_labels, validation, steps_per_epoch)
+    fitted = fit_model(
+        config, run, model, fit_ids, train_labels, validation, steps_per_epoch, unlabeled
+    )
     if fitted is None:
         return 130  # interrupted; the state is saved
     train_seconds, stopped = fitted
@@ -188,6 +191,19 @@ def _train(config, argv, git_commit):
         records={"pretraining": pretraining, "self_training": self_training},
         stages=stages,
     )
+
+
+def _held_out_and_unlabeled(config, splits, vectorizer, train_ids, validation_ids, counted_ids):
+    """The validation and test reviews as token ids, never read unlabelled (None where no
+    stage reads unlabelled reviews), and the unlabelled ones the perturbation losses read, less
+    any that reads as a held-out one (None where no loss reads them)."""
+    reads_unlabeled = Perturbation.from_flags(dataclasses.asdict(config)).reads_unlabeled
+    if not (config.pretrain_steps or config.self_training_from or reads_unlabeled):
+        return None, None
+    held_out = np.concatenate([validation_ids, data.vectorize(vectorizer, splits.test_text)])
+    if not reads_unlabeled:
+        return held_out, None
+    return held_out, without_held_out(counted_ids[len(train_ids) :], held_out)
 
 
 def _start_run(config):
