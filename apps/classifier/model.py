@@ -238,17 +238,26 @@ def _forward(layers, with_scores):
     return ids, probability, block_scores, pool_scores
 
 
-def log_odds_from_embeddings(model, x, mask, training=False):
+def dropped_embeddings(model, x):
+    """The embedding's output `x` `(B, L, E)` through its training dropouts (the embedding's,
+    and the word dropout where the model has one), as `model(ids, training=True)` drops it."""
+    x = model.get_layer("embedding_dropout")(x, training=True)
+    if any(layer.name == "word_dropout" for layer in model.layers):
+        x = model.get_layer("word_dropout")(x, training=True)
+    return x
+
+
+def log_odds_from_embeddings(model, x, mask, training=False, dropped=False):
     """The classifier's log-odds `(B,)` from its embedding layer's output `x` `(B, L, E)`.
 
     `model` is `build_classifier`'s; its layers after the embedding are called directly. At
     inference (`training=False`) the dropouts are left out; in training they drop as in
     `model(ids, training=True)`, which this then computes (the perturbation losses of
-    `apps.classifier.perturbation` start the classifier from perturbed embeddings)."""
-    if training:
-        x = model.get_layer("embedding_dropout")(x, training=True)
-        if any(layer.name == "word_dropout" for layer in model.layers):
-            x = model.get_layer("word_dropout")(x, training=True)
+    `apps.classifier.perturbation` start the classifier from perturbed embeddings). `dropped`:
+    `x` has been through `dropped_embeddings` already (the adversarial pass perturbs the
+    likelihood pass's dropped embeddings, as Miyato et al. do)."""
+    if training and not dropped:
+        x = dropped_embeddings(model, x)
     embedded = x
     for layer in model.layers:
         if layer.name.startswith("block_"):

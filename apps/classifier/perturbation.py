@@ -31,7 +31,7 @@ import keras
 import tensorflow as tf
 from keras import ops
 
-from .model import log_odds_from_embeddings
+from .model import dropped_embeddings, log_odds_from_embeddings
 
 # The power iteration's step, as a norm over a review's whole `(L, E)` embeddings: Miyato et
 # al.'s `small_constant_for_finite_diff`. The direction it finds does not depend on its size
@@ -117,9 +117,12 @@ def scaled_per_review(v, norm):
     """`norm * v / ||v||` `(B, L, E)`, each review's `(L, E)` slice by its own L2 norm; 0 where
     a review's `v` is. Computed in float32 at least (float64 for float64 `v`), after dividing
     by the largest `|v|` (Miyato et al.'s `_scale_l2`), so that tiny gradients do not
-    underflow when squared."""
+    underflow when squared. Non-finite entries count as 0."""
     dtype = keras.backend.standardize_dtype(v.dtype)
     wide = ops.cast(v, keras.backend.result_type(dtype, "float32"))
+    # A gradient that overflowed the loss scale (mixed float16: the optimizer skips that step)
+    # gives no perturbation rather than NaN losses in the step's logs.
+    wide = ops.where(ops.isfinite(wide), wide, 0.0)
     largest = ops.max(ops.abs(wide), axis=(1, 2), keepdims=True)  # (B, 1, 1)
     wide = wide / ops.maximum(largest, 1e-30)
     length = ops.sqrt(ops.sum(ops.square(wide), axis=(1, 2), keepdims=True))  # (B, 1, 1)
@@ -245,13 +248,19 @@ class PerturbedClassifier(keras.Model):
 
         weights = [w.value for w in self.trainable_weights]
         x, mask = self.get_layer("embedding")(ids), ops.not_equal(ids, 0)  # (B, L, E), (B, L)
-        z = log_odds_from_embeddings(self, x, mask, training=True)  # (B,)
+        # The embedding's dropout once: the adversarial pass perturbs the same dropped
+        # embeddings that the likelihood's gradient was taken at (Miyato et al.'s `r` is added
+        # after it); the blocks' dropouts draw again in each pass, as an LSTM's did there.
+        x = dropped_embeddings(self, x)
+        z = log_odds_from_embeddings(self, x, mask, training=True, dropped=True)  # (B,)
         likelihood = ops.mean(binary_cross_entropy(labels, z))
         x_gradient, *gradients = tf.gradients(scaled(likelihood), [x, *weights])
         losses = {}
         if perturbation.adversarial_weight:
             x_adversarial = x + adversarial_direction(x_gradient, perturbation.epsilon)
-            z_adversarial = log_odds_from_embeddings(self, x_adversarial, mask, training=True)
+            z_adversarial = log_odds_from_embeddings(
+                self, x_adversarial, mask, training=True, dropped=True
+            )
             losses["adversarial_loss"] = ops.mean(binary_cross_entropy(labels, z_adversarial))
         if perturbation.reads_unlabeled:
             losses.update(self._unlabeled_losses(ids, unlabeled))

@@ -236,6 +236,15 @@ def _check_perturbation(config):
             f"Received: {perturbing[0]}={getattr(config, perturbing[0])}, "
             f"pretrain_steps={config.pretrain_steps}"
         )
+    if config.virtual_adversarial_weight and config.mixed_precision == "mixed_bfloat16":
+        # The power iteration's step (xi over a review) is about 1e-3 of an embedding's
+        # entries: bfloat16's 8 bits round most of it away, and the direction is noise.
+        raise ValueError(
+            "`--virtual_adversarial_weight` probes the embeddings with a step bfloat16 cannot "
+            "hold: use float32 or `--mixed_precision mixed_float16`. "
+            f"Received: virtual_adversarial_weight={config.virtual_adversarial_weight}, "
+            f"mixed_precision={config.mixed_precision!r}"
+        )
     unlabeled = [
         name for name in ("virtual_adversarial_weight", "entropy_weight") if getattr(config, name)
     ]

@@ -322,6 +322,35 @@ def test_mixed_objective_is_the_likelihood_plus_the_weighted_losses():
     }
 
 
+def test_the_adversarial_pass_perturbs_the_likelihood_pass_dropped_embeddings(monkeypatch):
+    """With dropout on, the embedding's dropout runs once a step: the adversarial pass adds
+    `r` to the embeddings the likelihood's gradient was taken at (Miyato et al.), not to a new
+    draw. A spy counts the embedding dropout's calls in one objective."""
+    rng = np.random.default_rng(8)
+    ids, labels = _ids(rng), np.array([1.0, 0.0, 1.0], "float32")
+    model = _compiled(
+        PerturbedClassifier.around(_classifier(ids, dropout=0.5), Perturbation(1.0, epsilon=1.0))
+    )
+    layer = model.get_layer("embedding_dropout")
+    calls, call = [], layer.call
+    monkeypatch.setattr(layer, "call", lambda *a, **k: calls.append(1) or call(*a, **k))
+    _, losses = tf.function(model.mixed_objective)(ids, labels)
+    assert len(calls) == 1
+    assert np.isfinite(float(losses["adversarial_loss"]))
+
+
+def test_an_overflowed_gradient_gives_no_perturbation_rather_than_nan():
+    """Mixed float16: a gradient that overflowed the loss scale (the optimizer skips that
+    step) leaves its review unperturbed where it is not finite, and the logs finite."""
+    v = np.ones((2, L, E), "float32")
+    v[0, 0, 0] = np.inf
+    v[1, 1, 1] = np.nan
+    r = perturbation_lib.scaled_per_review(tf.constant(v), 1.0).numpy()
+    assert np.isfinite(r).all()
+    assert r[0, 0, 0] == 0.0 and r[1, 1, 1] == 0.0
+    np.testing.assert_allclose(np.sqrt(np.sum(np.float64(r) ** 2, axis=(1, 2))), 1.0, rtol=1e-6)
+
+
 def test_a_saved_perturbed_classifier_loads_with_its_perturbation(tmp_path):
     rng = np.random.default_rng(7)
     ids = _ids(rng)
@@ -373,8 +402,12 @@ def test_each_training_batch_has_its_unlabelled_batch_from_the_same_step():
             ["--adversarial_weight", "1", "--pretrain_steps", "10"],
             "adversarial_weight=1.0, pretrain_steps=10",
         ),
+        (
+            ["--virtual_adversarial_weight", "1", "--mixed_precision", "mixed_bfloat16"],
+            "virtual_adversarial_weight=1.0, mixed_precision='mixed_bfloat16'",
+        ),
     ],
-    ids=["negative", "nan", "inf", "epsilon", "no_unlabelled", "pretraining"],
+    ids=["negative", "nan", "inf", "epsilon", "no_unlabelled", "pretraining", "bfloat16"],
 )
 def test_perturbation_flags_are_checked(flags, match, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
