@@ -324,6 +324,35 @@ def keras_model_of_run(output, metrics):
     return model, vectorizer
 
 
+def interrupt_at_step(command, state, env, cwd, deadline=300, poll=0.05):
+    """Starts the app's `command`, sends it SIGINT once its checkpoint `state` (a state.json)
+    records step 2, and returns the process's stderr (bytes): the interrupt-and-resume tests'
+    first half. Fails if the run ends first or does not exit as interrupted (130)."""
+    import signal
+    import subprocess
+    import time
+
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=cwd
+    )
+    try:
+        end = time.time() + deadline
+        while time.time() < end and process.poll() is None:
+            if os.path.exists(state):
+                with open(state) as f:
+                    if json.load(f)["step"] >= 2:
+                        break
+            time.sleep(poll)
+        assert process.poll() is None, "the run ended before it could be interrupted"
+        process.send_signal(signal.SIGINT)
+        _, stderr = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 130, stderr.decode()[-3000:]
+    return stderr
+
+
 @pytest.fixture(scope="session")
 def tiny_run(tmp_path_factory):
     """`(output folder, metrics)` of `TINY_RUN`, trained once per session.

@@ -5,16 +5,14 @@ import json
 import os
 import re
 import shlex
-import signal
 import subprocess
 import sys
-import time
 
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import TINY_RUN, keras_model_of_run
+from conftest import TINY_RUN, interrupt_at_step, keras_model_of_run
 
 from apps.classifier import data
 from apps.classifier import embedding as embedding_lib
@@ -664,25 +662,8 @@ def test_interrupt_then_resume_loses_nothing(run, tmp_path, capsys):
     # The same training as `run`; the attention export and deletion tests are `run`'s to check.
     tail = ["--inspect_examples", "0", "--faithfulness_examples", "0"]
     command = [sys.executable, "-m", "apps.train_sentiment", *TINY_RUN, *tail, "--output", output]
-    process = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env(), cwd=ROOT
-    )
     state = os.path.join(output, "checkpoints", "state.json")
-    try:
-        deadline = time.time() + 300
-        while time.time() < deadline and process.poll() is None:
-            if os.path.exists(state):
-                with open(state) as f:
-                    if json.load(f)["step"] >= 2:
-                        break
-            time.sleep(0.05)
-        assert process.poll() is None, "the run ended before it could be interrupted"
-        process.send_signal(signal.SIGINT)
-        _, stderr = process.communicate(timeout=120)
-    finally:
-        if process.poll() is None:
-            process.kill()
-    assert process.returncode == 130, stderr.decode()[-3000:]
+    stderr = interrupt_at_step(command, state, _env(), ROOT)
     assert b"--resume" in stderr
     with open(state) as f:
         interrupted_at = json.load(f)["step"]

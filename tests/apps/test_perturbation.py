@@ -5,15 +5,14 @@ with every weight 0 against Keras's own, the flags' checks, and an interrupted r
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from conftest import interrupt_at_step
 
 from apps.classifier import embedding as embedding_lib
 from apps.classifier import model as model_lib
@@ -469,23 +468,8 @@ def test_an_interrupted_mixed_objective_run_resumes_to_the_same_weights(tmp_path
     assert train_sentiment.main([*MIXED_RUN, "--output", str(whole)]) == 0
     output = tmp_path / "resumed"
     command = [sys.executable, "-m", "apps.train_sentiment", *MIXED_RUN, "--output", str(output)]
-    process = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env(), cwd=ROOT
-    )
     state = output / "checkpoints" / "state.json"
-    try:
-        deadline = time.time() + 600
-        while time.time() < deadline and process.poll() is None:
-            if state.exists() and json.loads(state.read_text())["step"] >= 2:
-                break
-            time.sleep(0.05)
-        assert process.poll() is None, "the run ended before it could be interrupted"
-        process.send_signal(signal.SIGINT)
-        _, stderr = process.communicate(timeout=120)
-    finally:
-        if process.poll() is None:
-            process.kill()
-    assert process.returncode == 130, stderr.decode()[-3000:]
+    interrupt_at_step(command, state, _env(), ROOT, deadline=600)
     interrupted_at = json.loads(state.read_text())["step"]
     assert 2 <= interrupted_at < 8
     resumed = subprocess.run(

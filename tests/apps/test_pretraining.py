@@ -5,16 +5,14 @@ import io
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tarfile
-import time
 
 import keras
 import numpy as np
 import pytest
-from conftest import TINY_RUN
+from conftest import TINY_RUN, interrupt_at_step
 
 from apps.classifier import masked_lm
 from apps.classifier import model as model_lib
@@ -249,25 +247,8 @@ def test_interrupt_while_pretraining_then_resume_loses_nothing(tiny_run, tmp_pat
     output = str(tmp_path / "imdb")
     tail = ["--inspect_examples", "0", "--faithfulness_examples", "0", "--data_dir", DATA_DIR]
     command = [sys.executable, "-m", "apps.train_sentiment", *TINY_RUN, *tail, "--output", output]
-    process = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env(), cwd=ROOT
-    )
     state = os.path.join(output, "checkpoints", "pretrain", "state.json")
-    try:
-        deadline = time.time() + 300
-        while time.time() < deadline and process.poll() is None:
-            if os.path.exists(state):
-                with open(state) as f:
-                    if json.load(f)["step"] >= 2:
-                        break
-            time.sleep(0.01)
-        assert process.poll() is None, "the run ended before it could be interrupted"
-        process.send_signal(signal.SIGINT)
-        _, stderr = process.communicate(timeout=120)
-    finally:
-        if process.poll() is None:
-            process.kill()
-    assert process.returncode == 130, stderr.decode()[-3000:]
+    stderr = interrupt_at_step(command, state, _env(), ROOT, poll=0.01)  # pretraining is quick
     assert b"pretraining step" in stderr and b"--resume" in stderr
     assert not os.path.exists(os.path.join(output, "pretrained"))  # no encoder yet
     resumed = subprocess.run(

@@ -32,10 +32,10 @@ MAX_MODULE_LINES = 500
 MAX_FUNCTION_LINES = 80
 
 
-def _modules():
-    """`{dotted name: path}` of every module under `apps/`."""
+def modules_under(package):
+    """`{dotted name: path}` of every module under the folder `package`."""
     found = {}
-    for folder, _, names in os.walk(APPS):
+    for folder, _, names in os.walk(package):
         for name in names:
             if name.endswith(".py"):
                 path = os.path.join(folder, name)
@@ -44,7 +44,7 @@ def _modules():
     return dict(sorted(found.items()))
 
 
-MODULES = _modules()
+MODULES = modules_under(APPS)
 
 
 def layer_of(module):

@@ -18,6 +18,8 @@ import inspect
 import os
 import re
 
+from test_house import modules_under
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PACKAGE = os.path.join(ROOT, "keras_sdpa")
 DRAWING = os.path.join(ROOT, "docs", "development.md")
@@ -56,19 +58,7 @@ def drawing():
 ROOMS, DRAWN, DRAWN_FACES = drawing()
 
 
-def library_modules():
-    """`{dotted name: path}` of every module of the library."""
-    found = {}
-    for folder, _, names in os.walk(PACKAGE):
-        for name in names:
-            if name.endswith(".py"):
-                path = os.path.join(folder, name)
-                dotted = os.path.relpath(path, ROOT)[: -len(".py")].replace(os.sep, ".")
-                found[dotted.removesuffix(".__init__")] = path
-    return dict(sorted(found.items()))
-
-
-MODULES = library_modules()
+MODULES = modules_under(PACKAGE)
 
 
 def room_of(module):
